@@ -1,0 +1,1 @@
+//! Pre-registered memory pool (being built).

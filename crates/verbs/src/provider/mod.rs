@@ -21,6 +21,8 @@ use crate::{
     VerbsError, WorkCompletion,
 };
 
+#[cfg(feature = "rdma-core")]
+pub mod rdma_core;
 #[cfg(feature = "shm")]
 pub mod shm;
 #[cfg(feature = "tcp")]
@@ -42,6 +44,8 @@ pub trait Provider: Send + Sync + 'static {
 /// The built-in providers, in auto-selection preference order.
 pub fn providers() -> &'static [&'static dyn Provider] {
     &[
+        #[cfg(feature = "rdma-core")]
+        &rdma_core::RdmaCoreProvider,
         #[cfg(feature = "shm")]
         &shm::ShmProvider,
         #[cfg(feature = "tcp")]

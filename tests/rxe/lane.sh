@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# The soft-RoCE lane: builds the test binaries on the host, boots the rxe VM (run.sh) and runs,
+# on the kernel's own RoCEv2 (rdma_rxe on the guest's loopback):
+#   1. `fabriq info` (rxe0 with its real attributes),
+#   2. the full verbs conformance suite on the rdma-core provider,
+#   3. the middleware's channel / RPC / remote-memory tests on rxe0,
+#   4. `fabriq perf` send_lat and write_bw beside perftest's ib_send_lat and ib_write_bw
+#      (a sanity comparison printed side by side, never a timing assertion).
+#
+#   tests/rxe/lane.sh [--record]     --record also writes the perf table to docs/BENCHMARKS.md
+#
+# Exits non-zero when any step fails, and loudly when QEMU cannot run the lane at all.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+repo=$(pwd)
+record=0
+[ "${1:-}" = "--record" ] && record=1
+
+profile=release
+echo "rxe lane: building test binaries"
+cargo build --release -p fabriq-cli --bin fabriq >/dev/null
+test_bin() { # package test-target -> path of the built test executable
+  cargo test --release -p "$1" --test "$2" --no-run --message-format=json 2>/dev/null |
+    python3 -c 'import sys,json
+for l in sys.stdin:
+    try: m=json.loads(l)
+    except Exception: continue
+    if m.get("reason")=="compiler-artifact" and m.get("executable") and m["target"]["kind"]==["test"]: print(m["executable"])' | tail -1
+}
+stage=$(mktemp -d /tmp/fabriq-rxe-stage.XXXXXX)
+trap 'rm -rf "$stage"' EXIT
+target_dir=$(cargo metadata --format-version 1 --no-deps | python3 -c 'import sys,json; print(json.load(sys.stdin)["target_directory"])')
+cp "$target_dir/$profile/fabriq" "$stage/fabriq"
+conf=$(test_bin fabriq-verbs conformance)
+[ -n "$conf" ] || { echo "rxe lane: FAILED: conformance test binary not built"; exit 1; }
+cp "$conf" "$stage/conformance"
+mw_tests=""
+for t in $(ls crates/fabriq/tests/*.rs 2>/dev/null | xargs -n1 basename 2>/dev/null | sed 's/\.rs$//'); do
+  b=$(test_bin fabriq "$t" || true)
+  if [ -n "$b" ]; then cp "$b" "$stage/mw-$t"; mw_tests="$mw_tests mw-$t"; fi
+done
+
+cat > "$stage/lane-guest.sh" <<'GUEST'
+set -u
+fail=0
+step() { echo; echo "=== rxe lane: $*"; }
+gid_index() { # the RoCE v2 GID holding ::ffff:127.0.0.1
+  for f in /sys/class/infiniband/rxe0/ports/1/gid_attrs/types/*; do
+    i=$(basename "$f")
+    [ "$(cat "$f" 2>/dev/null)" = "RoCE v2" ] || continue
+    g=$(cat /sys/class/infiniband/rxe0/ports/1/gids/$i 2>/dev/null)
+    case "$g" in *ffff:7f00:0001) echo "$i"; return;; esac
+  done
+  echo 1
+}
+step "fabriq info"
+./fabriq info || fail=1
+step "verbs conformance suite on rdma-core (rxe0)"
+FABRIQ_CONFORMANCE_PROVIDERS=rdma-core ./conformance --test-threads=2 || fail=1
+for t in $MW_TESTS; do
+  step "middleware tests $t on rxe0"
+  FABRIQ_TEST_DEVICES=rxe0 ./$t --test-threads=1 || fail=1
+done
+step "perf: fabriq beside perftest (sanity comparison, TCG-emulated CPU)"
+gi=$(gid_index)
+{
+  ./fabriq perf --local -d rxe0 -t send_lat -s 8 -n 2000 --json > perf-fabriq-send_lat.json 2> perf-fabriq-send_lat.err
+  ./fabriq perf --local -d rxe0 -t write_bw -s 65536 -n 2000 --json > perf-fabriq-write_bw.json 2> perf-fabriq-write_bw.err
+  ib_send_lat -d rxe0 -x "$gi" -s 8 -n 2000 -F > /dev/null 2>&1 &
+  sleep 1; ib_send_lat -d rxe0 -x "$gi" -s 8 -n 2000 -F 127.0.0.1 > perf-ib_send_lat.txt 2>&1; wait
+  ib_write_bw -d rxe0 -x "$gi" -s 65536 -n 2000 -F --report_gbits > /dev/null 2>&1 &
+  sleep 1; ib_write_bw -d rxe0 -x "$gi" -s 65536 -n 2000 -F --report_gbits 127.0.0.1 > perf-ib_write_bw.txt 2>&1; wait
+} || true
+cat perf-ib_send_lat.txt perf-ib_write_bw.txt 2>/dev/null | grep -E '^ *[0-9]' || true
+exit $fail
+GUEST
+
+status=0
+tests/rxe/run.sh --stage "$stage" -- "MW_TESTS='$mw_tests' sh ./lane-guest.sh" || status=$?
+python3 tests/rxe/report.py "$stage" ${record:+--record=$record} || true
+exit $status

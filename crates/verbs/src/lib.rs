@@ -37,6 +37,8 @@ mod pd;
 #[allow(unsafe_code)]
 pub mod provider;
 mod qp;
+#[allow(unsafe_code)]
+pub mod soft;
 mod srq;
 mod wc;
 mod wr;

@@ -1,1 +1,279 @@
-//! Connection management (being built).
+//! Connection management: the out-of-band handshake over TCP, the QP cache, and the
+//! connection pool.
+//!
+//! What it owns:
+//! - **Handshake** ([`wire`] for the messages, sans-IO; `handshake` for the blocking driver):
+//!   a versioned hello carrying everything the channel needs to start (provider, device, QP
+//!   endpoint, receive-ring geometry, initial credits, eager threshold, rendezvous chunk size,
+//!   worker id, auth token), exchanged over a TCP control stream, then both QPs driven to RTS.
+//! - **No RNR, ever**: a QP is handed to the caller in INIT inside a [`PendingConn`] so it can
+//!   post its receive ring before [`PendingConn::finish`] moves it to RTR. A side only learns the
+//!   peer's QP (and so can only send to it) after the peer's receives are posted:
+//!
+//!   ```text
+//!   client                                        server
+//!   QP INIT ── Hello{client QP} ───────────────▶  read hello, QP INIT
+//!                                                 caller posts receives   (accept_pending)
+//!                                                 RTR → RTS               (finish)
+//!   read ack ◀──────────── HelloAck{server QP} ──
+//!   caller posts receives  (connect_pending)
+//!   RTR → RTS              (finish)
+//!   ─── Ready ─────────────────────────────────▶  read Ready → Established
+//!   Established: may send at once                 may send at once
+//!   ```
+//! - **QP cache** ([`QpCache`]): QPs of released connections go back to RESET and are reused,
+//!   so a connect that hits the cache skips QP creation.
+//! - **Control-stream reuse**: after a handshake the TCP control stream stays open (client: in
+//!   an idle set per peer address; server: polled by the [`Listener`]), so the next connect to
+//!   that peer skips the TCP handshake too.
+//! - **Connection pool** ([`ConnPool`]): one shared, refcounted connection per (peer address,
+//!   worker), so connections grow with peers, not with threads × peers.
+//!
+//! What it does not do: post sends, size rings, or poll completions — the channel does, with
+//! the [`Hello`]s this module hands over. See `docs/arch/conn.md`.
+
+mod handshake;
+mod manager;
+mod pool;
+mod qp_cache;
+#[cfg(test)]
+mod tests;
+pub mod wire;
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use fabriq_verbs::{AccessFlags, PostError, QpCaps, VerbsError};
+
+pub use manager::{
+    ConnManager, ConnStats, Established, Incoming, Listener, ListenerCloser, PendingConn, Role,
+};
+pub use pool::{ConnPool, ConnPoolStats, PeerKey};
+pub use qp_cache::QpCache;
+pub use wire::{
+    DecodeError, Hello, LocalHello, PeerHello, Reject, RejectCode, RingGeometry, VERSION,
+};
+
+/// Errors of the connection manager. Errors caused by one peer concern that handshake only:
+/// the [`Listener`] and [`ConnManager`] stay usable.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConnError {
+    /// The verbs layer refused a QP creation or transition.
+    #[error("verbs: {0}")]
+    Verbs(#[from] VerbsError),
+    /// Posting receives (in a prepare callback) failed.
+    #[error("posting receives: {0}")]
+    Post(#[from] PostError),
+    /// Nothing listens at the address.
+    #[error("connection to {addr} refused")]
+    Refused {
+        /// The address.
+        addr: SocketAddr,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A step of the handshake did not finish in time.
+    #[error("timed out after {after:?} during {phase} (peer {})", fmt_peer(peer))]
+    Timeout {
+        /// The peer, once known.
+        peer: Option<SocketAddr>,
+        /// The step: `"tcp connect"`, `"hello"`, `"hello-ack"`, `"ready"`, `"accept"`.
+        phase: &'static str,
+        /// The time allowed.
+        after: Duration,
+    },
+    /// The peer speaks another handshake version.
+    #[error("handshake version mismatch: local {local}, peer {peer}")]
+    VersionMismatch {
+        /// Ours.
+        local: u16,
+        /// Theirs.
+        peer: u16,
+    },
+    /// The peer uses another provider; QPs of different providers cannot connect.
+    #[error("provider mismatch: local {local:?}, peer {peer:?}")]
+    ProviderMismatch {
+        /// Ours.
+        local: String,
+        /// Theirs.
+        peer: String,
+    },
+    /// The peer closed the control stream before the handshake finished.
+    #[error("peer {peer} closed the connection during {phase}")]
+    PeerClosed {
+        /// The peer.
+        peer: SocketAddr,
+        /// The step.
+        phase: &'static str,
+    },
+    /// The peer sent bytes that are not a valid handshake message.
+    #[error("malformed handshake message from {peer}: {source}")]
+    Malformed {
+        /// The peer.
+        peer: SocketAddr,
+        /// What was wrong.
+        #[source]
+        source: DecodeError,
+    },
+    /// The peer sent a valid message out of order.
+    #[error("unexpected {got} from {peer} during {phase}")]
+    Unexpected {
+        /// The peer.
+        peer: SocketAddr,
+        /// The step.
+        phase: &'static str,
+        /// The message received.
+        got: &'static str,
+    },
+    /// The peer refused the handshake.
+    #[error("peer {peer} rejected the handshake ({code:?}): {reason}")]
+    Rejected {
+        /// The peer.
+        peer: SocketAddr,
+        /// Why.
+        code: RejectCode,
+        /// The peer's detail.
+        reason: String,
+    },
+    /// An operating-system error on the control stream or listener.
+    #[error("{context}: {source}")]
+    Io {
+        /// What was being done.
+        context: String,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The peer's auth token does not match ours.
+    #[error("peer {peer} failed authentication")]
+    AuthFailed {
+        /// The peer.
+        peer: SocketAddr,
+    },
+    /// The peer asked for a worker this manager is not.
+    #[error("peer asked for worker {requested}, this is worker {local}")]
+    WrongWorker {
+        /// The worker asked for.
+        requested: u32,
+        /// This manager's worker.
+        local: u32,
+    },
+    /// The listener was closed.
+    #[error("listener closed")]
+    Closed,
+    /// The configuration is inconsistent.
+    #[error("invalid connection configuration: {0}")]
+    InvalidConfig(String),
+}
+
+fn fmt_peer(peer: &Option<SocketAddr>) -> String {
+    peer.map_or_else(|| "unknown".to_string(), |p| p.to_string())
+}
+
+impl ConnError {
+    pub(crate) fn io(context: impl Into<String>, source: std::io::Error) -> Self {
+        ConnError::Io {
+            context: context.into(),
+            source,
+        }
+    }
+}
+
+/// Configuration of a [`ConnManager`]: the handshake's parameters and this side's announcement.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(default)]
+pub struct ConnConfig {
+    /// Time allowed for each handshake (connect, or one accepted peer). Default 5 s.
+    pub handshake_timeout: Duration,
+    /// Remote-access rights granted to the peer on each QP. Default READ | WRITE | ATOMIC.
+    pub access: AccessFlags,
+    /// Work-queue sizes of every QP. `max_recv_wr` must hold the receive ring unless an SRQ is
+    /// used.
+    pub qp_caps: QpCaps,
+    /// Signal every send (`sq_sig_all`). Default false (selective signaling).
+    pub sq_sig_all: bool,
+    /// Most QPs kept in RESET for reuse. Default 64.
+    pub qp_cache_capacity: usize,
+    /// Keep control streams open after a handshake and reuse them. Default true.
+    pub reuse_control_streams: bool,
+    /// Most idle control streams kept per peer address (client side). Default 4.
+    pub max_idle_streams_per_peer: usize,
+    /// This side's worker id.
+    pub worker_id: u32,
+    /// The receive ring this side posts on each connection.
+    pub ring: RingGeometry,
+    /// Credits granted to the peer at start (≤ `ring.slots`).
+    pub initial_credits: u32,
+    /// Largest payload sent eagerly. Default 4 KiB.
+    pub eager_threshold: u32,
+    /// Rendezvous READ chunk size. Default 64 KiB.
+    pub rndv_chunk_size: u32,
+    /// Authentication token sent in the hello and required from peers when non-empty.
+    pub auth_token: Vec<u8>,
+}
+
+impl Default for ConnConfig {
+    fn default() -> Self {
+        ConnConfig {
+            handshake_timeout: Duration::from_secs(5),
+            access: AccessFlags::LOCAL_WRITE
+                | AccessFlags::REMOTE_READ
+                | AccessFlags::REMOTE_WRITE
+                | AccessFlags::REMOTE_ATOMIC,
+            qp_caps: QpCaps::default(),
+            sq_sig_all: false,
+            qp_cache_capacity: 64,
+            reuse_control_streams: true,
+            max_idle_streams_per_peer: 4,
+            worker_id: 0,
+            ring: RingGeometry {
+                slots: 64,
+                slot_size: 4096 + 64,
+            },
+            initial_credits: 64,
+            eager_threshold: 4096,
+            rndv_chunk_size: 64 * 1024,
+            auth_token: Vec::new(),
+        }
+    }
+}
+
+impl ConnConfig {
+    /// Check the invariants the handshake relies on. `has_srq`: receives come from an SRQ, so
+    /// the QP's own receive queue need not hold the ring.
+    pub fn validate(&self, has_srq: bool) -> Result<(), ConnError> {
+        let bad = |m: String| Err(ConnError::InvalidConfig(m));
+        if self.ring.slots == 0 || self.ring.slot_size == 0 {
+            return bad("ring needs at least one slot of at least one byte".into());
+        }
+        if self.initial_credits > self.ring.slots {
+            return bad(format!(
+                "initial_credits {} exceed ring slots {}",
+                self.initial_credits, self.ring.slots
+            ));
+        }
+        if !has_srq && self.qp_caps.max_recv_wr < self.ring.slots {
+            return bad(format!(
+                "qp max_recv_wr {} cannot hold the ring of {} slots",
+                self.qp_caps.max_recv_wr, self.ring.slots
+            ));
+        }
+        if self.rndv_chunk_size == 0 {
+            return bad("rndv_chunk_size is zero".into());
+        }
+        if self.auth_token.len() > wire::MAX_TOKEN_LEN {
+            return bad(format!(
+                "auth token of {} bytes exceeds {}",
+                self.auth_token.len(),
+                wire::MAX_TOKEN_LEN
+            ));
+        }
+        if self.handshake_timeout.is_zero() {
+            return bad("handshake_timeout is zero".into());
+        }
+        self.access.validate()?;
+        Ok(())
+    }
+}

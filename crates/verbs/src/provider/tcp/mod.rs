@@ -1,24 +1,317 @@
-//! Provider `tcp` (being built).
+//! Provider `tcp`: a software RC transport over TCP, in the manner of the kernel's siw.
+//!
+//! Owns: the device `tcp0`, its context (a listener, an epoll set, the progress thread), PDs,
+//! CQs, QPs and the TCP connections between QPs. The RC semantics (state machine, ordered send
+//! queue, responder, memory checks, wire format) come from [`crate::soft`]; this module only
+//! moves bytes, drives time, and maps connection events onto QPs.
+//!
+//! - One TCP connection per connected QP pair. At RTR, the side whose `(address, qpn)` is
+//!   smaller connects to the other's listener and sends a HELLO naming the target QP; the
+//!   listener side attaches the accepted stream to that QP (parking it until RTR if needed).
+//! - Progress: a thread per context waits on epoll (accepts, readable and writable sockets,
+//!   timers). Requests are written straight from the posting thread. With
+//!   `progress = "busy"` a `poll` on a CQ also reads the sockets, so a spinning poller sees
+//!   a completion without a thread wake-up; the thread stays as a fallback.
+//! - A malformed frame, a write error or the peer closing moves that QP to ERROR (logged with
+//!   `tracing::warn`), flushing its work requests; other QPs are untouched.
+//!
+//! Options (`DeviceConfig::options`): `progress = "thread" | "busy"` (default `thread`),
+//! `min_ack_timeout_ms` (default 1000: the floor under a QP's ACK timeout — TCP already
+//! retransmits, so the RC timer only has to catch a peer that stopped answering).
+//! Bind address: `DeviceConfig::bind_addr`, else `FABRIQ_TCP_BIND`, else `127.0.0.1:0`.
+//! See `docs/arch/tcp.md`.
 
+mod engine;
+mod qp;
+#[cfg(test)]
+mod tests;
+
+use std::any::Any;
+use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
-use crate::provider::{ContextOps, Provider};
-use crate::{DeviceConfig, DeviceInfo, Result, VerbsError};
+use crate::provider::{ContextOps, CqOps, MrOps, PdOps, Provider, QpOps, SrqOps};
+use crate::soft::cq::SoftCq;
+use crate::soft::mr::{MrTable, SoftMr};
+use crate::soft::rq::SoftSrq;
+use crate::{
+    AccessFlags, AtomicCap, Capabilities, DeviceAttr, DeviceConfig, DeviceInfo, PortAttr,
+    PortState, QpInitAttr, Result, SrqInitAttr, Transport, VerbsError,
+};
+
+use engine::Engine;
+pub use engine::ProgressMode;
+
+const PROVIDER: &str = "tcp";
+const DEVICE: &str = "tcp0";
+/// Env variable overriding the default bind address.
+pub const BIND_ENV: &str = "FABRIQ_TCP_BIND";
+const MAX_INLINE: u32 = 4096;
+const MAX_SGE: u32 = 16;
+const MAX_QP_WR: u32 = 16384;
+const PORT_MTU: u32 = 4096;
 
 /// The `tcp` provider.
 pub struct TcpProvider;
 
+fn device_info() -> DeviceInfo {
+    DeviceInfo {
+        name: DEVICE.to_string(),
+        provider: PROVIDER.to_string(),
+        transport: Transport::Tcp,
+        guid: 0x7463_7000_0000_0000 | u64::from(std::process::id()),
+        description: "software RC transport over TCP".to_string(),
+    }
+}
+
 impl Provider for TcpProvider {
     fn name(&self) -> &'static str {
-        "tcp"
+        PROVIDER
     }
     fn devices(&self) -> Result<Vec<DeviceInfo>> {
-        Ok(Vec::new())
+        Ok(vec![device_info()])
     }
     fn serves(&self, device: &str) -> bool {
         device.starts_with("tcp")
     }
-    fn open(&self, device: &str, _config: &DeviceConfig) -> Result<Arc<dyn ContextOps>> {
-        Err(VerbsError::NoDevice(device.to_string()))
+    fn open(&self, device: &str, config: &DeviceConfig) -> Result<Arc<dyn ContextOps>> {
+        if device != DEVICE {
+            return Err(VerbsError::NoDevice(device.to_string()));
+        }
+        let opts = Options::parse(config)?;
+        let engine = Engine::start(device_info(), opts)?;
+        Ok(engine)
+    }
+}
+
+/// Parsed device options.
+#[derive(Debug, Clone)]
+pub(crate) struct Options {
+    pub bind: SocketAddr,
+    pub mode: ProgressMode,
+    pub min_ack_timeout: Duration,
+}
+
+impl Options {
+    fn parse(config: &DeviceConfig) -> Result<Options> {
+        let bind = match config.bind_addr {
+            Some(a) => a,
+            None => match std::env::var(BIND_ENV) {
+                Ok(s) if !s.is_empty() => s.parse().map_err(|e| {
+                    VerbsError::InvalidArgument(format!(
+                        "{BIND_ENV}={s:?} is not a socket address: {e}"
+                    ))
+                })?,
+                _ => SocketAddr::from(([127, 0, 0, 1], 0)),
+            },
+        };
+        let mut opts = Options {
+            bind,
+            mode: ProgressMode::Thread,
+            min_ack_timeout: Duration::from_millis(1000),
+        };
+        for (k, v) in &config.options {
+            match k.as_str() {
+                "progress" => {
+                    opts.mode = match v.as_str() {
+                        "thread" => ProgressMode::Thread,
+                        "busy" => ProgressMode::Busy,
+                        _ => {
+                            return Err(VerbsError::InvalidArgument(format!(
+                                "tcp option progress = {v:?}: expected \"thread\" or \"busy\""
+                            )))
+                        }
+                    }
+                }
+                "min_ack_timeout_ms" => {
+                    let ms: u64 = v.parse().map_err(|_| {
+                        VerbsError::InvalidArgument(format!(
+                            "tcp option min_ack_timeout_ms = {v:?}"
+                        ))
+                    })?;
+                    opts.min_ack_timeout = Duration::from_millis(ms);
+                }
+                _ => {
+                    return Err(VerbsError::InvalidArgument(format!(
+                        "unknown tcp option {k:?} (known: progress, min_ack_timeout_ms)"
+                    )))
+                }
+            }
+        }
+        Ok(opts)
+    }
+}
+
+fn device_attr() -> DeviceAttr {
+    DeviceAttr {
+        fw_ver: env!("CARGO_PKG_VERSION").to_string(),
+        vendor_id: 0,
+        vendor_part_id: 0,
+        hw_ver: 0,
+        max_mr_size: 1 << 40,
+        page_size_cap: 4096,
+        max_qp: 1 << 16,
+        max_qp_wr: MAX_QP_WR,
+        max_sge: MAX_SGE,
+        max_cq: 1 << 16,
+        max_cqe: 1 << 20,
+        max_mr: 1 << 20,
+        max_pd: 1 << 16,
+        max_qp_init_rd_atom: 16,
+        max_qp_rd_atom: 16,
+        max_srq: 1 << 16,
+        max_srq_wr: MAX_QP_WR,
+        max_inline_data: MAX_INLINE,
+        atomic_cap: AtomicCap::Global,
+        phys_port_cnt: 1,
+        capabilities: Capabilities::SEND
+            | Capabilities::SEND_IMM
+            | Capabilities::WRITE
+            | Capabilities::WRITE_IMM
+            | Capabilities::READ
+            | Capabilities::ATOMICS
+            | Capabilities::SRQ
+            | Capabilities::INLINE
+            | Capabilities::CQ_EVENTS,
+    }
+}
+
+impl ContextOps for Engine {
+    fn device(&self) -> &DeviceInfo {
+        &self.device
+    }
+    fn query_device(&self) -> DeviceAttr {
+        device_attr()
+    }
+    fn query_port(&self, port: u8) -> Result<PortAttr> {
+        if port != 1 {
+            return Err(VerbsError::InvalidArgument(format!(
+                "tcp0 has port 1 only, not {port}"
+            )));
+        }
+        Ok(PortAttr {
+            port_num: 1,
+            state: PortState::Active,
+            max_mtu: PORT_MTU,
+            active_mtu: PORT_MTU,
+            link_layer: "tcp".to_string(),
+            lid: 0,
+            gid: [0; 16],
+            address: self.local_addr.to_string(),
+            speed_gbps: 0,
+        })
+    }
+    fn alloc_pd(&self) -> Result<Arc<dyn PdOps>> {
+        let engine = self.self_arc()?;
+        Ok(Arc::new(TcpPd {
+            engine,
+            table: MrTable::new(),
+        }))
+    }
+    fn create_cq(&self, cqe: u32) -> Result<Arc<dyn CqOps>> {
+        let cq = SoftCq::new(cqe)?;
+        if self.mode == ProgressMode::Busy {
+            let hook: std::sync::Weak<dyn crate::soft::cq::ProgressHook> = self.weak_self.clone();
+            cq.set_progress_hook(hook);
+        }
+        Ok(Arc::new(cq))
+    }
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+/// A protection domain: an MR table shared by its QPs and SRQs.
+struct TcpPd {
+    engine: Arc<Engine>,
+    table: Arc<MrTable>,
+}
+
+impl PdOps for TcpPd {
+    unsafe fn reg_mr(
+        &self,
+        addr: *mut u8,
+        len: usize,
+        access: AccessFlags,
+    ) -> Result<Box<dyn MrOps>> {
+        // SAFETY: forwarded contract of `ProtectionDomain::reg_mr`: the memory stays valid until
+        // the region is dropped.
+        let mr = unsafe {
+            self.table
+                .register(addr as usize as u64, len as u64, access, None)
+        };
+        Ok(Box::new(mr))
+    }
+
+    fn alloc_mr(&self, len: usize, access: AccessFlags) -> Result<Box<dyn MrOps>> {
+        Ok(Box::new(SoftMr::alloc(&self.table, len, access)?))
+    }
+
+    fn create_qp(&self, init: &QpInitAttr<'_>) -> Result<Arc<dyn QpOps>> {
+        let soft_cq = |cq: &crate::CompletionQueue| -> Result<SoftCq> {
+            cq.ops()
+                .as_any()
+                .downcast_ref::<SoftCq>()
+                .cloned()
+                .ok_or_else(|| VerbsError::InvalidArgument("CQ of another provider".into()))
+        };
+        let send_cq = soft_cq(init.send_cq)?;
+        let recv_cq = soft_cq(init.recv_cq)?;
+        let srq = match init.srq {
+            Some(s) => {
+                let srq =
+                    s.ops().as_any().downcast_ref::<TcpSrq>().ok_or_else(|| {
+                        VerbsError::InvalidArgument("SRQ of another provider".into())
+                    })?;
+                if !Arc::ptr_eq(srq.srq.table(), &self.table) {
+                    return Err(VerbsError::InvalidArgument("SRQ of another PD".into()));
+                }
+                Some(srq.srq.clone())
+            }
+            None => None,
+        };
+        let qp = qp::TcpQp::create(
+            &self.engine,
+            init,
+            send_cq,
+            recv_cq,
+            srq,
+            self.table.clone(),
+        )?;
+        Ok(qp)
+    }
+
+    fn create_srq(&self, init: &SrqInitAttr) -> Result<Arc<dyn SrqOps>> {
+        if init.max_sge > MAX_SGE {
+            return Err(VerbsError::LimitExceeded(format!(
+                "srq max_sge {} exceeds {MAX_SGE}",
+                init.max_sge
+            )));
+        }
+        Ok(Arc::new(TcpSrq {
+            srq: SoftSrq::new(init, self.table.clone()),
+        }))
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+/// An SRQ of this provider.
+struct TcpSrq {
+    srq: SoftSrq,
+}
+
+impl SrqOps for TcpSrq {
+    fn post_recv(&self, wrs: &[crate::RecvWr<'_>]) -> Result<(), crate::PostError> {
+        self.srq.post_recv(wrs)
+    }
+    fn outstanding(&self) -> u32 {
+        self.srq.outstanding()
+    }
+    fn as_any(&self) -> &dyn Any {
+        self
     }
 }

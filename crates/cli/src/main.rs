@@ -1,0 +1,33 @@
+//! `fabriq`: the command-line tool of the fabriq RDMA middleware.
+//!
+//! This file owns argument parsing and error reporting only; each subcommand lives in its own
+//! module under [`cmd`] and is registered there with one line of the `commands!` table. Errors
+//! reach the user as one `error:` line with their cause chain and exit status 1 (clap's own
+//! usage errors exit with 2).
+#![forbid(unsafe_code)]
+
+mod cmd;
+
+use clap::Parser;
+
+/// fabriq: RDMA communication middleware tools.
+#[derive(Debug, Parser)]
+#[command(name = "fabriq", version, about, propagate_version = true)]
+struct Cli {
+    #[command(subcommand)]
+    command: cmd::Command,
+}
+
+fn main() -> std::process::ExitCode {
+    let cli = Cli::parse();
+    match cli.command.run() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("error: {err}");
+            for cause in err.chain().skip(1) {
+                eprintln!("  caused by: {cause}");
+            }
+            std::process::ExitCode::FAILURE
+        }
+    }
+}

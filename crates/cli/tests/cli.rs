@@ -1,0 +1,246 @@
+//! End-to-end tests of the `fabriq` binary: `info` and `perf --local` on every software
+//! provider, and the error paths a user meets (bad size, unknown test, unreachable server).
+//! They check structure and sanity of the output, never speed.
+
+use std::process::{Command, Output};
+use std::sync::Mutex;
+
+use serde_json::Value;
+
+/// `perf` runs busy-poll two pinned processes; run them one at a time.
+static PERF: Mutex<()> = Mutex::new(());
+
+fn fabriq(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_fabriq"))
+        .args(args)
+        .output()
+        .expect("spawn fabriq")
+}
+
+fn perf_json(args: &[&str]) -> Value {
+    let _one_at_a_time = PERF.lock().unwrap_or_else(|e| e.into_inner());
+    let mut all = vec!["perf", "--local", "--json"];
+    all.extend_from_slice(args);
+    let out = fabriq(&all);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "fabriq {all:?} failed: {}\nstderr: {stderr}",
+        out.status
+    );
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "fabriq {all:?} printed no JSON ({e}): {}",
+            String::from_utf8_lossy(&out.stdout)
+        )
+    })
+}
+
+fn assert_latency(v: &Value, test: &str, device: &str, iters: u64, kind: &str) {
+    assert_eq!(v["tool"], "fabriq perf");
+    assert_eq!(v["test"], test);
+    assert_eq!(v["device"], device);
+    assert_eq!(v["local"], true);
+    assert_eq!(v["errors"], 0, "{v}");
+    assert_eq!(v["latency"], kind);
+    let rows = v["results"].as_array().expect("results array");
+    assert_eq!(rows.len(), 1);
+    let r = &rows[0];
+    assert_eq!(r["iters"], iters, "{r}");
+    assert_eq!(r["errors"], 0);
+    let get = |k: &str| {
+        r[k].as_f64()
+            .unwrap_or_else(|| panic!("{k} missing in {r}"))
+    };
+    assert!(get("min_us") > 0.0, "{r}");
+    assert!(get("p50_us") > 0.0, "{r}");
+    assert!(get("min_us") <= get("p50_us"));
+    assert!(get("p50_us") <= get("p99_us"));
+    assert!(get("p99_us") <= get("p999_us"));
+    assert!(get("p999_us") <= get("max_us"));
+}
+
+fn assert_bandwidth(v: &Value, test: &str, iters: u64, size: u64) {
+    assert_eq!(v["test"], test);
+    assert_eq!(v["errors"], 0, "{v}");
+    let r = &v["results"][0];
+    assert_eq!(r["iters"], iters, "{r}");
+    assert_eq!(r["size"], size);
+    assert_eq!(r["bytes"], iters * size);
+    for k in ["mib_s", "gbit_s", "mmsg_s", "elapsed_s"] {
+        assert!(r[k].as_f64().unwrap_or(0.0) > 0.0, "{k} in {r}");
+    }
+}
+
+#[test]
+fn info_json_lists_the_software_devices() {
+    let out = fabriq(&["info", "--json"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).expect("info JSON");
+    let devices = v["devices"].as_array().expect("devices array");
+    for name in ["shm0", "tcp0"] {
+        let d = devices
+            .iter()
+            .find(|d| d["name"] == name)
+            .unwrap_or_else(|| panic!("{name} not listed: {v}"));
+        assert!(d["error"].is_null(), "{name} failed to open: {d}");
+        let attr = &d["attr"];
+        for k in [
+            "max_qp",
+            "max_qp_wr",
+            "max_sge",
+            "max_cqe",
+            "max_mr_size",
+            "max_inline_data",
+        ] {
+            assert!(attr[k].as_u64().unwrap_or(0) > 0, "{name}.{k} in {attr}");
+        }
+        assert!(!attr["capabilities"].is_null());
+        assert!(!attr["atomic_cap"].is_null());
+        let ports = d["ports"].as_array().expect("ports");
+        assert!(!ports.is_empty(), "{name} has no port");
+        assert!(ports[0]["attr"]["state"].is_string(), "{}", ports[0]);
+    }
+}
+
+#[test]
+fn info_text_and_single_device() {
+    let out = fabriq(&["info", "-d", "tcp0"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("hca_id: tcp0"), "{text}");
+    assert!(text.contains("max_qp_wr"), "{text}");
+    assert!(!text.contains("hca_id: shm0"), "{text}");
+
+    // A device nobody serves is reported, not a crash.
+    let out = fabriq(&["info", "--json", "-d", "nosuch7"]);
+    assert_eq!(out.status.code(), Some(1));
+    let v: Value = serde_json::from_slice(&out.stdout).expect("info JSON");
+    assert!(v["devices"][0]["error"].is_string(), "{v}");
+}
+
+#[test]
+fn perf_send_lat_on_tcp0_and_shm0() {
+    for device in ["tcp0", "shm0"] {
+        let v = perf_json(&["-d", device, "-t", "send_lat", "-n", "200"]);
+        assert_latency(&v, "send_lat", device, 200, "one_way");
+        assert_eq!(v["results"][0]["size"], 8);
+        assert_eq!(v["mode"], "busy");
+        if device == "tcp0" {
+            // A spinning client reads the sockets itself unless told otherwise.
+            assert_eq!(v["device_options"]["progress"], "busy", "{v}");
+        }
+    }
+}
+
+#[test]
+fn perf_every_test_runs_on_tcp0_and_shm0() {
+    for device in ["tcp0", "shm0"] {
+        let v = perf_json(&["-d", device, "-t", "write_lat", "-n", "100", "-s", "4K"]);
+        assert_latency(&v, "write_lat", device, 100, "one_way");
+        let v = perf_json(&["-d", device, "-t", "read_lat", "-n", "100", "-s", "64"]);
+        assert_latency(&v, "read_lat", device, 100, "round_trip");
+        let v = perf_json(&["-d", device, "-t", "atomic_lat", "-n", "100"]);
+        assert_latency(&v, "atomic_lat", device, 100, "round_trip");
+        let v = perf_json(&[
+            "-d", device, "-t", "send_lat", "-n", "100", "--mode", "event",
+        ]);
+        assert_latency(&v, "send_lat", device, 100, "one_way");
+        assert_eq!(v["mode"], "event");
+        assert!(
+            v["device_options"]
+                .as_object()
+                .is_some_and(|o| o.is_empty()),
+            "{v}"
+        );
+        let v = perf_json(&[
+            "-d", device, "-t", "send_bw", "-n", "200", "--mode", "event",
+        ]);
+        assert_bandwidth(&v, "send_bw", 200, 8);
+        for test in ["send_bw", "write_bw", "read_bw"] {
+            let v = perf_json(&[
+                "-d",
+                device,
+                "-t",
+                test,
+                "-n",
+                "300",
+                "-s",
+                "4K",
+                "--tx-depth",
+                "32",
+            ]);
+            assert_bandwidth(&v, test, 300, 4096);
+        }
+        let v = perf_json(&["-d", device, "-t", "send_bw", "-n", "50", "-s", "1M"]);
+        assert_bandwidth(&v, "send_bw", 50, 1 << 20);
+    }
+}
+
+#[test]
+fn perf_sweep_reports_every_size() {
+    let v = perf_json(&["-d", "shm0", "-t", "write_lat", "-a", "-n", "5", "-w", "1"]);
+    let rows = v["results"].as_array().expect("results");
+    assert_eq!(rows.len(), 23);
+    assert_eq!(rows[0]["size"], 2);
+    assert_eq!(rows[22]["size"], 8 << 20);
+    assert!(rows
+        .iter()
+        .all(|r| r["iters"] == 5 && r["p50_us"].as_f64().unwrap_or(0.0) > 0.0));
+}
+
+#[test]
+fn perf_unknown_device_option_is_reported() {
+    let _one_at_a_time = PERF.lock().unwrap_or_else(|e| e.into_inner());
+    let out = fabriq(&[
+        "perf",
+        "--local",
+        "-d",
+        "tcp0",
+        "-o",
+        "nosuchoption=1",
+        "-n",
+        "10",
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("nosuchoption"), "{stderr}");
+}
+
+#[test]
+fn perf_tcp_baseline_runs() {
+    let v = perf_json(&["--tcp-baseline", "-n", "200"]);
+    assert_latency(&v, "tcp_lat", "-", 200, "one_way");
+}
+
+#[test]
+fn perf_bad_input_is_a_clean_error() {
+    for (args, code, needle) in [
+        (&["perf", "--local", "-s", "12Q"][..], 2, "unknown unit"),
+        (&["perf", "--local", "-s", "0"][..], 2, "at least 1 byte"),
+        (&["perf", "--local", "-t", "warp_lat"][..], 2, "warp_lat"),
+        (&["perf", "--local", "-d", "nosuch7"][..], 1, "nosuch7"),
+        (&["perf", "127.0.0.1:1", "-n", "10"][..], 1, "cannot reach"),
+        (
+            &["perf", "--local", "-t", "write_lat", "--mode", "event"][..],
+            1,
+            "busy",
+        ),
+        (&["perf"][..], 1, "--local"),
+    ] {
+        let out = fabriq(args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(code), "{args:?}: {stderr}");
+        assert!(stderr.contains(needle), "{args:?}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+    }
+}

@@ -1,0 +1,241 @@
+//! Binds one [`ChannelCore`] to a real [`QueuePair`]: owns the registered receive ring and the
+//! send-header slots, posts what the core asks for in the order it asks, copies a completed
+//! receive slot out for the core, and answers the core's buffer requests from the worker's
+//! [`MemPool`]. It owns no protocol decision: every `if` about credits, sequence numbers or
+//! thresholds lives in `proto.rs`.
+//!
+//! Completion polling is not here: the worker polls its CQ (shared by many channels) and hands
+//! each completion to the driver of the QP it names.
+
+use fabriq_verbs::{
+    AccessFlags, MemoryRegion, ProtectionDomain, QueuePair, RecvWr, RemoteAddr, SendFlags,
+    SendWr, Sge, WorkCompletion, WrOpcode,
+};
+
+use super::proto::{
+    ChannelConfig, ChannelCore, Event, InPayload, Instant, OutPayload, PeerGeometry, TraceInfo,
+    WorkRequest,
+};
+use super::wire::MAX_HEAD_LEN;
+use super::ChannelError;
+use crate::mempool::{MemPool, PoolBuf};
+
+/// Bytes per send-header slot.
+const TX_SLOT: usize = 64;
+const _: () = assert!(MAX_HEAD_LEN <= TX_SLOT);
+
+impl OutPayload for PoolBuf {
+    fn len(&self) -> u64 {
+        PoolBuf::len(self) as u64
+    }
+    fn sge(&self) -> Option<Sge> {
+        u32::try_from(PoolBuf::len(self))
+            .ok()
+            .map(|_| PoolBuf::sge(self))
+    }
+    fn remote(&self) -> Option<RemoteAddr> {
+        Some(PoolBuf::remote(self))
+    }
+}
+
+impl InPayload for PoolBuf {
+    fn len(&self) -> u64 {
+        self.capacity() as u64
+    }
+    fn sge(&self, offset: u64, len: u32) -> Option<Sge> {
+        let end = offset.checked_add(u64::from(len))?;
+        (end <= self.capacity() as u64).then(|| Sge {
+            addr: self.addr() + offset,
+            length: len,
+            lkey: self.lkey(),
+        })
+    }
+}
+
+/// The core type the driver runs.
+pub type Core = ChannelCore<PoolBuf, PoolBuf>;
+/// The events it produces.
+pub type CoreEvent = Event<PoolBuf, PoolBuf>;
+
+/// A channel end bound to a queue pair.
+pub struct ChannelDriver {
+    qp: QueuePair,
+    core: Core,
+    rx_ring: MemoryRegion,
+    tx_heads: MemoryRegion,
+    slot_size: usize,
+    scratch: Vec<u8>,
+}
+
+impl std::fmt::Debug for ChannelDriver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChannelDriver")
+            .field("qp", &self.qp)
+            .field("stats", &self.core.stats())
+            .finish()
+    }
+}
+
+impl ChannelDriver {
+    /// Register the ring and header slots on `pd` and build the core. Nothing is posted yet:
+    /// call [`ChannelDriver::post`] (the QP must be in INIT or later) before the peer may send.
+    pub fn new(
+        pd: &ProtectionDomain,
+        qp: QueuePair,
+        config: ChannelConfig,
+        peer: PeerGeometry,
+    ) -> Result<ChannelDriver, ChannelError> {
+        let slot_size = config.rx_slot_size as usize;
+        let rx_ring = pd.alloc_mr(
+            slot_size * config.rx_slots as usize,
+            AccessFlags::LOCAL_WRITE,
+        )?;
+        let tx_heads = pd.alloc_mr(
+            TX_SLOT * config.sq_depth as usize,
+            AccessFlags::LOCAL_WRITE,
+        )?;
+        let core = ChannelCore::new(config, peer)?;
+        Ok(ChannelDriver {
+            qp,
+            core,
+            rx_ring,
+            tx_heads,
+            slot_size,
+            scratch: vec![0; slot_size],
+        })
+    }
+
+    /// The queue pair.
+    pub fn qp(&self) -> &QueuePair {
+        &self.qp
+    }
+
+    /// The protocol core (stats, thresholds).
+    pub fn core(&self) -> &Core {
+        &self.core
+    }
+
+    /// The protocol core, mutably (set thresholds, release, send).
+    pub fn core_mut(&mut self) -> &mut Core {
+        &mut self.core
+    }
+
+    /// Queue a payload.
+    pub fn send(&mut self, payload: PoolBuf, trace: TraceInfo) -> Result<u64, (ChannelError, PoolBuf)> {
+        self.core.send(payload, trace).map(|id| id.0)
+    }
+
+    /// Feed one completion of this QP to the core.
+    pub fn handle_completion(&mut self, now: Instant, wc: &WorkCompletion) {
+        let is_recv = super::proto::is_recv_wr(wc.wr_id) && wc.status.is_success();
+        if is_recv {
+            let slot = (wc.wr_id & 0xFFFF_FFFF) as usize;
+            let n = (wc.byte_len as usize).min(self.slot_size);
+            let read = self
+                .scratch
+                .get_mut(..n)
+                .map(|dst| self.rx_ring.read_at(slot * self.slot_size, dst));
+            match read {
+                Some(Ok(())) => {
+                    let bytes = self.scratch.get(..n).unwrap_or(&[]);
+                    self.core.handle_completion(now, wc, bytes);
+                }
+                _ => self.core.handle_completion(now, wc, &[]),
+            }
+        } else {
+            self.core.handle_completion(now, wc, &[]);
+        }
+    }
+
+    /// Answer buffer requests from `pool`, then post every work request the core has. Returns
+    /// how many work requests were posted. A post the QP refuses fails the channel.
+    pub fn pump(&mut self, now: Instant, pool: &mut MemPool) -> usize {
+        while let Some(req) = self.core.poll_buffer_request() {
+            let Ok(len) = usize::try_from(req.len) else {
+                self.core
+                    .handle_fatal(ChannelError::InvalidConfig("message too large".into()));
+                return 0;
+            };
+            match pool.alloc_any(len) {
+                Ok(buf) => self.core.handle_buffer(req.id, buf),
+                Err(e) => {
+                    // Out of memory for now: the pull waits and the request is asked again on
+                    // the next pump.
+                    tracing::debug!(%e, len, "no buffer for rendezvous pull yet");
+                    self.core.retry_buffer_request(req);
+                    break;
+                }
+            }
+        }
+        let mut posted = 0;
+        while let Some(wr) = self.core.poll_work_request(now) {
+            if let Err(e) = self.post(&wr) {
+                self.core.handle_fatal(e);
+                break;
+            }
+            posted += 1;
+        }
+        posted
+    }
+
+    /// Post what the core has without serving buffer requests: used once at set-up to post the
+    /// receive ring before the peer may send.
+    pub fn post_ready(&mut self, now: Instant) -> Result<usize, ChannelError> {
+        let mut posted = 0;
+        while let Some(wr) = self.core.poll_work_request(now) {
+            self.post(&wr)?;
+            posted += 1;
+        }
+        Ok(posted)
+    }
+
+    fn post(&mut self, wr: &WorkRequest) -> Result<(), ChannelError> {
+        match *wr {
+            WorkRequest::Recv { wr_id, slot } => {
+                let sge = self
+                    .rx_ring
+                    .sge(slot as usize * self.slot_size, self.slot_size as u32)?;
+                self.qp
+                    .post_recv(&[RecvWr::new(wr_id, &[sge])])
+                    .map_err(|e| ChannelError::Verbs(e.source))
+            }
+            WorkRequest::Send {
+                wr_id,
+                tx_slot,
+                head,
+                payload,
+            } => {
+                let off = tx_slot as usize * TX_SLOT;
+                let bytes = head.as_slice();
+                self.tx_heads.write_at(off, bytes)?;
+                let head_sge = self.tx_heads.sge(off, bytes.len() as u32)?;
+                let sges;
+                let list: &[Sge] = match payload {
+                    Some(p) if p.length > 0 => {
+                        sges = [head_sge, p];
+                        &sges
+                    }
+                    _ => std::slice::from_ref(&head_sge),
+                };
+                self.qp
+                    .post_send(&[SendWr::new(wr_id, list, WrOpcode::Send)
+                        .with_flags(SendFlags::SIGNALED)])
+                    .map_err(|e| ChannelError::Verbs(e.source))
+            }
+            WorkRequest::Read {
+                wr_id,
+                local,
+                remote,
+            } => self
+                .qp
+                .post_send(&[SendWr::new(wr_id, &[local], WrOpcode::Read { remote })
+                    .with_flags(SendFlags::SIGNALED)])
+                .map_err(|e| ChannelError::Verbs(e.source)),
+        }
+    }
+
+    /// Next event of the core.
+    pub fn poll_event(&mut self) -> Option<CoreEvent> {
+        self.core.poll_event()
+    }
+}

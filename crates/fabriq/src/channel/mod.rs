@@ -1,0 +1,94 @@
+//! Channels: reliable, ordered, message-boundary-preserving pipes between two endpoints.
+//!
+//! `wire` is the frame format, `proto` the sans-IO protocol core (eager, rendezvous, seq-ack,
+//! credits), `driver` the code that binds a core to a real `QueuePair` and its registered
+//! memory. The public, thread-safe handle applications use is [`crate::Channel`].
+
+pub mod driver;
+pub mod proto;
+pub mod wire;
+
+#[cfg(test)]
+pub(crate) mod harness;
+#[cfg(test)]
+mod tests;
+
+use fabriq_verbs::{VerbsError, WcOpcode, WcStatus};
+
+pub use proto::{ChannelConfig, ChannelStats, PeerGeometry, Thresholds};
+pub use wire::{DecodeError, TraceFlags, TraceHeader};
+
+/// Errors of the channel layer.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ChannelError {
+    /// No credit and the send queue is full: an expected outcome, retry after progress.
+    #[error("channel send queue full (back-pressure)")]
+    WouldBlock,
+    /// The channel was closed or failed earlier.
+    #[error("channel closed")]
+    Closed,
+    /// The peer went away (its process ended or the connection broke).
+    #[error("peer gone")]
+    PeerGone,
+    /// Nothing arrived before the deadline.
+    #[error("timed out")]
+    Timeout,
+    /// A message above the configured limit.
+    #[error("message of {len} bytes exceeds the {max}-byte limit")]
+    MessageTooLarge {
+        /// Bytes offered.
+        len: u64,
+        /// Limit.
+        max: u64,
+    },
+    /// A payload that must be in registered memory is not.
+    #[error("payload is not in registered memory")]
+    NotRegistered,
+    /// A configuration value out of range.
+    #[error("invalid channel configuration: {0}")]
+    InvalidConfig(String),
+    /// A work request failed.
+    #[error("{opcode:?} work request completed with {status:?}")]
+    Completion {
+        /// What failed.
+        opcode: WcOpcode,
+        /// How.
+        status: WcStatus,
+    },
+    /// A malformed frame from the peer.
+    #[error("malformed frame from peer: {0}")]
+    Decode(#[from] DecodeError),
+    /// Connection set-up failed (bad address, refused, malformed or incompatible hello).
+    #[error("handshake failed: {0}")]
+    Handshake(String),
+    /// A one-sided access outside the remote region, or a misaligned atomic.
+    #[error("access at {offset}+{len} outside the {region_len}-byte region or misaligned")]
+    OutOfBounds {
+        /// Offset asked for.
+        offset: u64,
+        /// Length asked for.
+        len: u64,
+        /// Region length.
+        region_len: u64,
+    },
+    /// The memory pool refused an allocation.
+    #[error(transparent)]
+    Pool(#[from] crate::mempool::PoolError),
+    /// The channel failed earlier for this reason.
+    #[error("channel failed: {0}")]
+    Failed(String),
+    /// The peer broke the protocol.
+    #[error("protocol violation by peer: {0}")]
+    Protocol(String),
+    /// The verbs layer refused a call.
+    #[error(transparent)]
+    Verbs(#[from] VerbsError),
+}
+
+impl ChannelError {
+    /// True for back-pressure, which callers retry.
+    pub fn is_would_block(&self) -> bool {
+        matches!(self, ChannelError::WouldBlock)
+    }
+}

@@ -1,0 +1,930 @@
+//! The connection manager: QP creation and reuse, the client and server sides of the
+//! handshake, and the listener that multiplexes new and reused control streams.
+//!
+//! Threads: everything here is blocking and meant for a control thread (or the worker itself
+//! at set-up); a [`ConnManager`] is `Send + Sync` and cheap to clone. The data path never
+//! enters this module.
+
+use std::collections::HashMap;
+use std::io::{ErrorKind, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use fabriq_verbs::{
+    CompletionQueue, ProtectionDomain, QpAttr, QpInitAttr, QueuePair, SharedReceiveQueue,
+};
+use parking_lot::Mutex;
+
+use super::handshake::{check_peer_hello, reject_code_for, rejected, send_reject, Step};
+use super::qp_cache::QpCache;
+use super::wire::{Hello, Message, RejectCode, VERSION};
+use super::{ConnConfig, ConnError};
+
+/// Which side of the handshake this end was.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Role {
+    /// Connected out.
+    Client,
+    /// Accepted.
+    Server,
+}
+
+/// Counters of a [`ConnManager`] (cumulative, except `qps_cached`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct ConnStats {
+    /// Handshakes completed as client.
+    pub connects: u64,
+    /// Handshakes completed as server.
+    pub accepts: u64,
+    /// Handshakes that failed (either side).
+    pub failed: u64,
+    /// QPs created.
+    pub qps_created: u64,
+    /// Connects that took a QP from the cache.
+    pub qp_cache_hits: u64,
+    /// Connects that had to create a QP.
+    pub qp_cache_misses: u64,
+    /// QPs in the cache now.
+    pub qps_cached: u64,
+    /// Released QPs destroyed instead of cached (cache full or reset failed).
+    pub qps_dropped: u64,
+    /// TCP control streams opened (client side).
+    pub streams_opened: u64,
+    /// Handshakes that reused an idle control stream (client side).
+    pub stream_reuses: u64,
+}
+
+struct Inner {
+    pd: ProtectionDomain,
+    send_cq: CompletionQueue,
+    recv_cq: CompletionQueue,
+    srq: Option<SharedReceiveQueue>,
+    cfg: ConnConfig,
+    provider: String,
+    device: String,
+    qp_cache: QpCache,
+    idle_streams: Mutex<HashMap<SocketAddr, Vec<TcpStream>>>,
+    connects: AtomicU64,
+    accepts: AtomicU64,
+    failed: AtomicU64,
+    qps_created: AtomicU64,
+    streams_opened: AtomicU64,
+    stream_reuses: AtomicU64,
+}
+
+/// Creates, connects and recycles the QPs of one worker (one PD, one pair of CQs).
+/// Cheap to clone; clones share the QP cache and idle control streams.
+#[derive(Clone)]
+pub struct ConnManager {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for ConnManager {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ConnManager")
+            .field("provider", &self.inner.provider)
+            .field("device", &self.inner.device)
+            .field("worker_id", &self.inner.cfg.worker_id)
+            .finish()
+    }
+}
+
+/// A connection whose handshake is done: the QP is at RTS, and both sides had their receives
+/// posted before either could send.
+#[derive(Debug)]
+pub struct Established {
+    /// The QP, at RTS.
+    pub qp: QueuePair,
+    /// What this side announced.
+    pub local: Hello,
+    /// What the peer announced: size send credits from `peer.initial_credits`, eager messages
+    /// from `peer.ring.slot_size`.
+    pub peer: Hello,
+    /// The peer's control address.
+    pub peer_addr: SocketAddr,
+    /// Which side this end was.
+    pub role: Role,
+    /// True when the QP came from the QP cache.
+    pub reused_qp: bool,
+}
+
+/// A handshake half done: the peer's hello is known and the QP is in INIT. Post the receive
+/// ring on [`PendingConn::qp`] now, then call [`PendingConn::finish`]; the peer cannot learn
+/// this QP's address (client) or send to it (server) before `finish`.
+///
+/// Dropping it abandons the handshake: the peer is told, and the QP goes back to the cache.
+pub struct PendingConn {
+    mgr: ConnManager,
+    qp: Option<QueuePair>,
+    stream: Option<TcpStream>,
+    peer_addr: SocketAddr,
+    local: Hello,
+    peer: Hello,
+    role: Role,
+    reused_qp: bool,
+    home: Option<Arc<ListenerHome>>,
+}
+
+impl std::fmt::Debug for PendingConn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PendingConn")
+            .field("qp", &self.qp)
+            .field("peer_addr", &self.peer_addr)
+            .field("role", &self.role)
+            .finish()
+    }
+}
+
+impl ConnManager {
+    /// A manager creating QPs in `pd` on one CQ for sends and receives.
+    pub fn new(
+        pd: &ProtectionDomain,
+        cq: &CompletionQueue,
+        cfg: ConnConfig,
+    ) -> Result<ConnManager, ConnError> {
+        Self::with_queues(pd, cq, cq, None, cfg)
+    }
+
+    /// A manager with separate send and receive CQs and, optionally, an SRQ every QP draws
+    /// its receives from.
+    pub fn with_queues(
+        pd: &ProtectionDomain,
+        send_cq: &CompletionQueue,
+        recv_cq: &CompletionQueue,
+        srq: Option<&SharedReceiveQueue>,
+        cfg: ConnConfig,
+    ) -> Result<ConnManager, ConnError> {
+        cfg.validate(srq.is_some())?;
+        let device = pd.context().device();
+        Ok(ConnManager {
+            inner: Arc::new(Inner {
+                pd: pd.clone(),
+                send_cq: send_cq.clone(),
+                recv_cq: recv_cq.clone(),
+                srq: srq.cloned(),
+                provider: device.provider.clone(),
+                device: device.name.clone(),
+                qp_cache: QpCache::new(cfg.qp_cache_capacity),
+                cfg,
+                idle_streams: Mutex::new(HashMap::new()),
+                connects: AtomicU64::new(0),
+                accepts: AtomicU64::new(0),
+                failed: AtomicU64::new(0),
+                qps_created: AtomicU64::new(0),
+                streams_opened: AtomicU64::new(0),
+                stream_reuses: AtomicU64::new(0),
+            }),
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &ConnConfig {
+        &self.inner.cfg
+    }
+
+    /// The provider name every peer must match.
+    pub fn provider(&self) -> &str {
+        &self.inner.provider
+    }
+
+    /// The protection domain QPs are created in.
+    pub fn pd(&self) -> &ProtectionDomain {
+        &self.inner.pd
+    }
+
+    /// The QP cache.
+    pub fn qp_cache(&self) -> &QpCache {
+        &self.inner.qp_cache
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> ConnStats {
+        let i = &self.inner;
+        ConnStats {
+            connects: i.connects.load(Ordering::Relaxed),
+            accepts: i.accepts.load(Ordering::Relaxed),
+            failed: i.failed.load(Ordering::Relaxed),
+            qps_created: i.qps_created.load(Ordering::Relaxed),
+            qp_cache_hits: i.qp_cache.hits(),
+            qp_cache_misses: i.qp_cache.misses(),
+            qps_cached: i.qp_cache.len() as u64,
+            qps_dropped: i.qp_cache.dropped(),
+            streams_opened: i.streams_opened.load(Ordering::Relaxed),
+            stream_reuses: i.stream_reuses.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Create `n` QPs into the cache ahead of time (up to its capacity), so the first
+    /// connects are warm. Returns how many were added.
+    pub fn prewarm(&self, n: usize) -> Result<usize, ConnError> {
+        let mut added = 0;
+        for _ in 0..n {
+            let qp = self.create_qp()?;
+            if !self.inner.qp_cache.put(qp) {
+                break;
+            }
+            added += 1;
+        }
+        Ok(added)
+    }
+
+    fn create_qp(&self) -> Result<QueuePair, ConnError> {
+        let i = &self.inner;
+        let init = QpInitAttr {
+            send_cq: &i.send_cq,
+            recv_cq: &i.recv_cq,
+            srq: i.srq.as_ref(),
+            caps: i.cfg.qp_caps,
+            sq_sig_all: i.cfg.sq_sig_all,
+        };
+        let qp = i.pd.create_qp(&init)?;
+        i.qps_created.fetch_add(1, Ordering::Relaxed);
+        Ok(qp)
+    }
+
+    /// A QP in INIT: from the cache if one is there, else new. Second value: reused.
+    fn obtain_qp(&self) -> Result<(QueuePair, bool), ConnError> {
+        let access = self.inner.cfg.access;
+        if let Some(qp) = self.inner.qp_cache.take() {
+            match qp.modify(&QpAttr::init(access)) {
+                Ok(()) => return Ok((qp, true)),
+                Err(err) => {
+                    tracing::debug!(qp = qp.qp_num().0, %err, "cached QP unusable; creating one")
+                }
+            }
+        }
+        let qp = self.create_qp()?;
+        qp.modify(&QpAttr::init(access))?;
+        Ok((qp, false))
+    }
+
+    fn local_hello(&self, qp: &QueuePair, target_worker: Option<u32>) -> Hello {
+        let c = &self.inner.cfg;
+        Hello {
+            version: VERSION,
+            provider: self.inner.provider.clone(),
+            device: self.inner.device.clone(),
+            endpoint: qp.endpoint(),
+            ring: c.ring,
+            initial_credits: c.initial_credits,
+            eager_threshold: c.eager_threshold,
+            rndv_chunk_size: c.rndv_chunk_size,
+            worker_id: c.worker_id,
+            target_worker,
+            auth_token: c.auth_token.clone(),
+        }
+    }
+
+    /// Give a connection's QP back for reuse (RESET, then cached or destroyed). Call it once
+    /// the connection is closed, its QP drained of completions, and no clone of the QP is left.
+    pub fn release(&self, est: Established) {
+        self.release_qp(est.qp);
+    }
+
+    /// [`ConnManager::release`] for a bare QP of this manager; true if it was cached.
+    pub fn release_qp(&self, qp: QueuePair) -> bool {
+        self.inner.qp_cache.put(qp)
+    }
+
+    /// Listen for peers on `addr` (port 0: an ephemeral port, see [`Listener::local_addr`]).
+    pub fn listen(&self, addr: impl ToSocketAddrs) -> Result<Listener, ConnError> {
+        let tcp = TcpListener::bind(addr).map_err(|e| ConnError::io("bind listener", e))?;
+        let local = tcp
+            .local_addr()
+            .map_err(|e| ConnError::io("listener address", e))?;
+        let (wake_tx, wake_rx) =
+            UnixStream::pair().map_err(|e| ConnError::io("listener wake-up pair", e))?;
+        wake_tx
+            .set_nonblocking(true)
+            .and_then(|()| wake_rx.set_nonblocking(true))
+            .map_err(|e| ConnError::io("listener wake-up pair", e))?;
+        Ok(Listener {
+            mgr: self.clone(),
+            tcp,
+            local,
+            home: Arc::new(ListenerHome {
+                returned: Mutex::new(Vec::new()),
+                wake_tx,
+                wake_rx,
+                closed: AtomicBool::new(false),
+            }),
+            idle: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// Connect to the listener at `addr` and finish at once (no receives posted: for peers
+    /// that only use one-sided operations, or tests). See [`ConnManager::connect_with`].
+    pub fn connect(&self, addr: SocketAddr, timeout: Duration) -> Result<Established, ConnError> {
+        self.connect_pending(addr, None, timeout)?.finish()
+    }
+
+    /// Connect, calling `prepare` with the QP in INIT and the peer's hello to post receives
+    /// before the QP goes to RTR; `target_worker` asks the peer for one of its workers.
+    pub fn connect_with(
+        &self,
+        addr: SocketAddr,
+        target_worker: Option<u32>,
+        timeout: Duration,
+        prepare: impl FnOnce(&QueuePair, &Hello) -> Result<(), ConnError>,
+    ) -> Result<Established, ConnError> {
+        let pending = self.connect_pending(addr, target_worker, timeout)?;
+        prepare(pending.qp(), pending.peer())?;
+        pending.finish()
+    }
+
+    /// The first half of a connect: TCP (or a reused control stream), QP in INIT, hello sent,
+    /// the server's hello received and checked. The server's QP is at RTS with its receives
+    /// posted when this returns. `timeout` bounds the whole call.
+    pub fn connect_pending(
+        &self,
+        addr: SocketAddr,
+        target_worker: Option<u32>,
+        timeout: Duration,
+    ) -> Result<PendingConn, ConnError> {
+        let result = self.connect_pending_inner(addr, target_worker, timeout);
+        if result.is_err() {
+            self.inner.failed.fetch_add(1, Ordering::Relaxed);
+        }
+        result
+    }
+
+    fn connect_pending_inner(
+        &self,
+        addr: SocketAddr,
+        target_worker: Option<u32>,
+        timeout: Duration,
+    ) -> Result<PendingConn, ConnError> {
+        let deadline = Instant::now() + timeout;
+        let (qp, reused_qp) = self.obtain_qp()?;
+        let local = self.local_hello(&qp, target_worker);
+        let hello = Message::Hello(local.clone());
+        let outcome = (|| loop {
+            let (mut stream, from_idle) = match self.take_idle_stream(addr) {
+                Some(s) => (s, true),
+                None => (self.tcp_connect(addr, deadline, timeout)?, false),
+            };
+            let step = |phase| Step {
+                peer: addr,
+                phase,
+                deadline,
+                allowed: timeout,
+            };
+            let reply = step("hello")
+                .write_msg(&mut stream, &hello)
+                .and_then(|()| step("hello-ack").read_msg(&mut stream, from_idle));
+            match reply {
+                Ok(Some(msg)) => {
+                    if from_idle {
+                        self.inner.stream_reuses.fetch_add(1, Ordering::Relaxed);
+                    }
+                    return Ok((stream, msg));
+                }
+                // An idle stream the server had let go of: open a fresh one.
+                Ok(None) => continue,
+                Err(ConnError::PeerClosed { .. }) if from_idle => continue,
+                Err(e) => return Err(e),
+            }
+        })();
+        let (mut stream, msg) = match outcome {
+            Ok(v) => v,
+            Err(e) => {
+                self.release_qp(qp);
+                return Err(e);
+            }
+        };
+        let checked = match msg {
+            Message::HelloAck(peer) => check_peer_hello(
+                addr,
+                &self.inner.provider,
+                &self.inner.cfg.auth_token,
+                &peer,
+            )
+            .map(|()| peer),
+            Message::Reject(r) => Err(rejected(addr, &self.inner.provider, r)),
+            other => Err(ConnError::Unexpected {
+                peer: addr,
+                phase: "hello-ack",
+                got: other.name(),
+            }),
+        };
+        match checked {
+            Ok(peer) => Ok(PendingConn {
+                mgr: self.clone(),
+                qp: Some(qp),
+                stream: Some(stream),
+                peer_addr: addr,
+                local,
+                peer,
+                role: Role::Client,
+                reused_qp,
+                home: None,
+            }),
+            Err(e) => {
+                if let Some(code) = reject_code_for(&e) {
+                    send_reject(&mut stream, code, &self.inner.provider, &e.to_string());
+                }
+                self.release_qp(qp);
+                Err(e)
+            }
+        }
+    }
+
+    fn tcp_connect(
+        &self,
+        addr: SocketAddr,
+        deadline: Instant,
+        allowed: Duration,
+    ) -> Result<TcpStream, ConnError> {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let timeout_err = || ConnError::Timeout {
+            peer: Some(addr),
+            phase: "tcp connect",
+            after: allowed,
+        };
+        if left.is_zero() {
+            return Err(timeout_err());
+        }
+        let stream = TcpStream::connect_timeout(&addr, left).map_err(|e| match e.kind() {
+            ErrorKind::ConnectionRefused => ConnError::Refused { addr, source: e },
+            ErrorKind::TimedOut | ErrorKind::WouldBlock => timeout_err(),
+            _ => ConnError::io(format!("connect to {addr}"), e),
+        })?;
+        stream.set_nodelay(true).ok();
+        self.inner.streams_opened.fetch_add(1, Ordering::Relaxed);
+        Ok(stream)
+    }
+
+    fn take_idle_stream(&self, addr: SocketAddr) -> Option<TcpStream> {
+        if !self.inner.cfg.reuse_control_streams {
+            return None;
+        }
+        self.inner.idle_streams.lock().get_mut(&addr)?.pop()
+    }
+
+    fn put_idle_stream(&self, addr: SocketAddr, stream: TcpStream) {
+        if !self.inner.cfg.reuse_control_streams {
+            return;
+        }
+        let mut idle = self.inner.idle_streams.lock();
+        let list = idle.entry(addr).or_default();
+        if list.len() < self.inner.cfg.max_idle_streams_per_peer {
+            list.push(stream);
+        }
+    }
+
+    /// Close every idle control stream (client side).
+    pub fn close_idle_streams(&self) {
+        self.inner.idle_streams.lock().clear();
+    }
+
+    /// Server side, second step: take an [`Incoming`] peer (possibly read by another worker's
+    /// listener) onto this manager: a QP in INIT for it, ready for receives to be posted.
+    pub fn accept_incoming(&self, incoming: Incoming) -> Result<PendingConn, ConnError> {
+        let Incoming {
+            mut stream,
+            peer_addr,
+            hello,
+            home,
+        } = incoming;
+        let mine = self.inner.cfg.worker_id;
+        if let Some(want) = hello.target_worker.filter(|&w| w != mine) {
+            let e = ConnError::WrongWorker {
+                requested: want,
+                local: mine,
+            };
+            send_reject(
+                &mut stream,
+                RejectCode::Unavailable,
+                &self.inner.provider,
+                &e.to_string(),
+            );
+            self.inner.failed.fetch_add(1, Ordering::Relaxed);
+            return Err(e);
+        }
+        let (qp, reused_qp) = match self.obtain_qp() {
+            Ok(v) => v,
+            Err(e) => {
+                send_reject(
+                    &mut stream,
+                    RejectCode::Internal,
+                    &self.inner.provider,
+                    &e.to_string(),
+                );
+                self.inner.failed.fetch_add(1, Ordering::Relaxed);
+                return Err(e);
+            }
+        };
+        let local = self.local_hello(&qp, None);
+        Ok(PendingConn {
+            mgr: self.clone(),
+            qp: Some(qp),
+            stream: Some(stream),
+            peer_addr,
+            local,
+            peer: hello,
+            role: Role::Server,
+            reused_qp,
+            home,
+        })
+    }
+}
+
+impl PendingConn {
+    /// The QP, in INIT: post receives on it now.
+    pub fn qp(&self) -> &QueuePair {
+        self.qp
+            .as_ref()
+            .expect("PendingConn invariant: the QP is present until finish or drop")
+    }
+
+    /// The peer's hello.
+    pub fn peer(&self) -> &Hello {
+        &self.peer
+    }
+
+    /// This side's hello.
+    pub fn local(&self) -> &Hello {
+        &self.local
+    }
+
+    /// The peer's control address.
+    pub fn peer_addr(&self) -> SocketAddr {
+        self.peer_addr
+    }
+
+    /// Which side this is.
+    pub fn role(&self) -> Role {
+        self.role
+    }
+
+    /// True when the QP came from the QP cache.
+    pub fn reused_qp(&self) -> bool {
+        self.reused_qp
+    }
+
+    /// Finish the handshake: QP to RTR and RTS, then (client) send Ready, or (server) send the
+    /// hello-ack and wait for Ready. On return both sides may send.
+    pub fn finish(mut self) -> Result<Established, ConnError> {
+        let mgr = self.mgr.clone();
+        let result = self.finish_inner();
+        match &result {
+            Ok(_) => {
+                let counter = match self.role {
+                    Role::Client => &mgr.inner.connects,
+                    Role::Server => &mgr.inner.accepts,
+                };
+                counter.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(_) => {
+                mgr.inner.failed.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        result
+    }
+
+    fn finish_inner(&mut self) -> Result<Established, ConnError> {
+        let (Some(qp), Some(mut stream)) = (self.qp.take(), self.stream.take()) else {
+            unreachable!("PendingConn invariant: finish runs once");
+        };
+        let mgr = self.mgr.clone();
+        let cfg = &mgr.inner.cfg;
+        let step = |phase| Step::new(self.peer_addr, phase, cfg.handshake_timeout);
+        let run = |stream: &mut TcpStream| -> Result<(), ConnError> {
+            qp.connect(&self.peer.endpoint, cfg.access)?;
+            match self.role {
+                Role::Client => step("ready").write_msg(stream, &Message::Ready),
+                Role::Server => {
+                    step("hello-ack").write_msg(stream, &Message::HelloAck(self.local.clone()))?;
+                    match step("ready").read_msg(stream, false)? {
+                        Some(Message::Ready) => Ok(()),
+                        Some(Message::Reject(r)) => {
+                            Err(rejected(self.peer_addr, &mgr.inner.provider, r))
+                        }
+                        Some(other) => Err(ConnError::Unexpected {
+                            peer: self.peer_addr,
+                            phase: "ready",
+                            got: other.name(),
+                        }),
+                        None => Err(ConnError::PeerClosed {
+                            peer: self.peer_addr,
+                            phase: "ready",
+                        }),
+                    }
+                }
+            }
+        };
+        match run(&mut stream) {
+            Ok(()) => {
+                match self.role {
+                    Role::Client => mgr.put_idle_stream(self.peer_addr, stream),
+                    Role::Server => {
+                        if let Some(home) = self.home.take() {
+                            if cfg.reuse_control_streams {
+                                home.give_back(stream, self.peer_addr);
+                            }
+                        }
+                    }
+                }
+                Ok(Established {
+                    qp,
+                    local: self.local.clone(),
+                    peer: self.peer.clone(),
+                    peer_addr: self.peer_addr,
+                    role: self.role,
+                    reused_qp: self.reused_qp,
+                })
+            }
+            Err(e) => {
+                if let Some(code) = reject_code_for(&e) {
+                    send_reject(&mut stream, code, &mgr.inner.provider, &e.to_string());
+                }
+                mgr.release_qp(qp);
+                Err(e)
+            }
+        }
+    }
+}
+
+impl Drop for PendingConn {
+    fn drop(&mut self) {
+        if let Some(mut stream) = self.stream.take() {
+            send_reject(
+                &mut stream,
+                RejectCode::Internal,
+                &self.mgr.inner.provider,
+                "handshake abandoned",
+            );
+        }
+        if let Some(qp) = self.qp.take() {
+            self.mgr.release_qp(qp);
+        }
+    }
+}
+
+/// Where a server-side control stream goes back after a handshake, to be polled for the next.
+struct ListenerHome {
+    returned: Mutex<Vec<(TcpStream, SocketAddr)>>,
+    wake_tx: UnixStream,
+    wake_rx: UnixStream,
+    closed: AtomicBool,
+}
+
+impl ListenerHome {
+    fn give_back(&self, stream: TcpStream, peer: SocketAddr) {
+        if self.closed.load(Ordering::Acquire) {
+            return;
+        }
+        self.returned.lock().push((stream, peer));
+        self.wake();
+    }
+
+    fn wake(&self) {
+        // A full pipe already holds a pending wake-up; nothing else can go wrong that matters.
+        let _ = (&self.wake_tx).write(&[1]);
+    }
+
+    fn drain_wake(&self) {
+        let mut buf = [0u8; 64];
+        while matches!((&self.wake_rx).read(&mut buf), Ok(n) if n > 0) {}
+    }
+}
+
+/// A peer whose hello was read and checked, not yet given a QP. Route it to the worker it
+/// asks for ([`Incoming::peer`]`.target_worker`) and call that worker's
+/// [`ConnManager::accept_incoming`].
+pub struct Incoming {
+    stream: TcpStream,
+    peer_addr: SocketAddr,
+    hello: Hello,
+    home: Option<Arc<ListenerHome>>,
+}
+
+impl std::fmt::Debug for Incoming {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Incoming")
+            .field("peer_addr", &self.peer_addr)
+            .field("worker_id", &self.hello.worker_id)
+            .field("target_worker", &self.hello.target_worker)
+            .finish()
+    }
+}
+
+impl Incoming {
+    /// The peer's hello.
+    pub fn peer(&self) -> &Hello {
+        &self.hello
+    }
+
+    /// The peer's control address.
+    pub fn peer_addr(&self) -> SocketAddr {
+        self.peer_addr
+    }
+
+    /// Refuse the peer with a reason it will see in its error.
+    pub fn reject(mut self, code: RejectCode, reason: &str) {
+        send_reject(&mut self.stream, code, &self.hello.provider, reason);
+    }
+}
+
+/// Stops a [`Listener`] from another thread: a blocked accept returns [`ConnError::Closed`].
+#[derive(Clone)]
+pub struct ListenerCloser {
+    home: Arc<ListenerHome>,
+}
+
+impl std::fmt::Debug for ListenerCloser {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ListenerCloser").finish_non_exhaustive()
+    }
+}
+
+impl ListenerCloser {
+    /// Close the listener.
+    pub fn close(&self) {
+        self.home.closed.store(true, Ordering::Release);
+        self.home.wake();
+    }
+}
+
+/// Accepts peers: new TCP connections and further handshakes on control streams kept open
+/// from earlier ones. Accepts are serialised; run them on one control thread.
+pub struct Listener {
+    mgr: ConnManager,
+    tcp: TcpListener,
+    local: SocketAddr,
+    home: Arc<ListenerHome>,
+    /// Streams waiting for their next hello; only touched by the accepting thread.
+    idle: Mutex<Vec<(TcpStream, SocketAddr)>>,
+}
+
+impl std::fmt::Debug for Listener {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Listener")
+            .field("local", &self.local)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Drop for Listener {
+    fn drop(&mut self) {
+        self.home.closed.store(true, Ordering::Release);
+    }
+}
+
+impl Listener {
+    /// The address peers connect to.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local
+    }
+
+    /// The manager accepted peers get their QPs from.
+    pub fn manager(&self) -> &ConnManager {
+        &self.mgr
+    }
+
+    /// A handle that closes this listener from another thread.
+    pub fn closer(&self) -> ListenerCloser {
+        ListenerCloser {
+            home: Arc::clone(&self.home),
+        }
+    }
+
+    /// Accept one peer and finish its handshake without posting receives (see
+    /// [`Listener::accept_with`]). Blocks until a peer arrives or the listener is closed.
+    pub fn accept(&self) -> Result<Established, ConnError> {
+        self.accept_pending(None)?.finish()
+    }
+
+    /// Accept one peer, calling `prepare` with its QP in INIT to post receives before the QP
+    /// goes to RTR and the peer learns its address.
+    pub fn accept_with(
+        &self,
+        timeout: Option<Duration>,
+        prepare: impl FnOnce(&QueuePair, &Hello) -> Result<(), ConnError>,
+    ) -> Result<Established, ConnError> {
+        let pending = self.accept_pending(timeout)?;
+        prepare(pending.qp(), pending.peer())?;
+        pending.finish()
+    }
+
+    /// Accept one peer onto this listener's manager, up to its QP in INIT.
+    pub fn accept_pending(&self, timeout: Option<Duration>) -> Result<PendingConn, ConnError> {
+        let incoming = self.next_incoming(timeout)?;
+        self.mgr.accept_incoming(incoming)
+    }
+
+    /// Wait up to `timeout` (`None`: forever) for the next peer's hello, on a new connection or
+    /// a kept control stream, and check it. A peer that fails the checks is answered with a
+    /// rejection and reported as the error; the listener stays usable.
+    pub fn next_incoming(&self, timeout: Option<Duration>) -> Result<Incoming, ConnError> {
+        use rustix::event::{poll, PollFd, PollFlags, Timespec};
+
+        let deadline = timeout.map(|t| Instant::now() + t);
+        let mut idle = self.idle.lock();
+        loop {
+            if self.home.closed.load(Ordering::Acquire) {
+                return Err(ConnError::Closed);
+            }
+            idle.append(&mut self.home.returned.lock());
+            let left = match deadline {
+                Some(d) => {
+                    let left = d.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        return Err(ConnError::Timeout {
+                            peer: None,
+                            phase: "accept",
+                            after: timeout.unwrap_or_default(),
+                        });
+                    }
+                    Some(Timespec {
+                        tv_sec: left.as_secs() as i64,
+                        tv_nsec: i64::from(left.subsec_nanos()),
+                    })
+                }
+                None => None,
+            };
+            let ready: Vec<bool> = {
+                let mut fds = Vec::with_capacity(2 + idle.len());
+                fds.push(PollFd::new(&self.tcp, PollFlags::IN));
+                fds.push(PollFd::new(&self.home.wake_rx, PollFlags::IN));
+                for (s, _) in idle.iter() {
+                    fds.push(PollFd::new(s, PollFlags::IN));
+                }
+                match poll(&mut fds, left.as_ref()) {
+                    Ok(_) => {}
+                    Err(rustix::io::Errno::INTR) => continue,
+                    Err(e) => return Err(ConnError::io("poll listener", e.into())),
+                }
+                fds.iter().map(|f| !f.revents().is_empty()).collect()
+            };
+            if ready.get(1).copied().unwrap_or(false) {
+                self.home.drain_wake();
+            }
+            // A kept stream with a new hello (or closed by its peer).
+            if let Some(i) = ready.iter().skip(2).position(|&r| r) {
+                let (mut stream, peer) = idle.swap_remove(i);
+                match self.read_hello(&mut stream, peer, true) {
+                    Ok(Some(hello)) => return Ok(self.incoming(stream, peer, hello)),
+                    Ok(None) => continue, // the peer let the stream go
+                    Err(e) => return Err(e),
+                }
+            }
+            if ready.first().copied().unwrap_or(false) {
+                let (mut stream, peer) = match self.tcp.accept() {
+                    Ok(v) => v,
+                    Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                    Err(e) => return Err(ConnError::io("accept", e)),
+                };
+                stream.set_nodelay(true).ok();
+                return match self.read_hello(&mut stream, peer, false)? {
+                    Some(hello) => Ok(self.incoming(stream, peer, hello)),
+                    None => Err(ConnError::PeerClosed {
+                        peer,
+                        phase: "hello",
+                    }),
+                };
+            }
+        }
+    }
+
+    fn incoming(&self, stream: TcpStream, peer_addr: SocketAddr, hello: Hello) -> Incoming {
+        Incoming {
+            stream,
+            peer_addr,
+            hello,
+            home: Some(Arc::clone(&self.home)),
+        }
+    }
+
+    fn read_hello(
+        &self,
+        stream: &mut TcpStream,
+        peer: SocketAddr,
+        eof_ok: bool,
+    ) -> Result<Option<Hello>, ConnError> {
+        let inner = &self.mgr.inner;
+        let step = Step::new(peer, "hello", inner.cfg.handshake_timeout);
+        let result = match step.read_msg(stream, eof_ok) {
+            Ok(None) => return Ok(None),
+            Ok(Some(Message::Hello(h))) => {
+                check_peer_hello(peer, &inner.provider, &inner.cfg.auth_token, &h).map(|()| h)
+            }
+            Ok(Some(other)) => Err(ConnError::Unexpected {
+                peer,
+                phase: "hello",
+                got: other.name(),
+            }),
+            Err(e) => Err(e),
+        };
+        result.map(Some).inspect_err(|e| {
+            inner.failed.fetch_add(1, Ordering::Relaxed);
+            if let Some(code) = reject_code_for(e) {
+                send_reject(stream, code, &inner.provider, &e.to_string());
+            }
+            tracing::debug!(%peer, err = %e, "handshake refused");
+        })
+    }
+}

@@ -1,0 +1,249 @@
+//! The connection pool: one shared connection per (peer address, worker).
+//!
+//! Every channel between this process and one remote worker shares one connection, so the
+//! number of connections grows with peers, not with threads × peers. The pool is generic over
+//! the connection object (the channel layer's connection, which owns the QP, its rings and
+//! its [`super::Established`]); it hands out `Arc`s and keeps only `Weak`s, so a connection lives
+//! exactly as long as some user holds it, and its `Drop` (which releases its QP to the QP cache)
+//! runs when the last user lets go.
+//!
+//! Two threads asking for the same peer at once get one connection: the second waits for the
+//! first's connect on a per-key lock instead of racing it. Different peers never wait for each
+//! other.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
+
+use parking_lot::Mutex;
+
+/// The identity a pooled connection is shared under.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PeerKey {
+    /// The peer's control address (where its listener is).
+    pub addr: SocketAddr,
+    /// The remote worker (`None`: whichever the peer picks).
+    pub worker: Option<u32>,
+}
+
+/// Counters of a [`ConnPool`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct ConnPoolStats {
+    /// Acquisitions served by a live shared connection.
+    pub hits: u64,
+    /// Acquisitions that connected.
+    pub misses: u64,
+    /// Live connections now.
+    pub live: u64,
+}
+
+type Slot<C> = Arc<Mutex<Weak<C>>>;
+
+/// A map from [`PeerKey`] to a shared connection. Thread-safe.
+pub struct ConnPool<C> {
+    slots: Mutex<HashMap<PeerKey, Slot<C>>>,
+    hits: AtomicU64,
+    misses: AtomicU64,
+}
+
+impl<C> std::fmt::Debug for ConnPool<C> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ConnPool")
+            .field("stats", &self.stats())
+            .finish()
+    }
+}
+
+impl<C> Default for ConnPool<C> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl<C> ConnPool<C> {
+    /// An empty pool.
+    pub fn new() -> Self {
+        ConnPool {
+            slots: Mutex::new(HashMap::new()),
+            hits: AtomicU64::new(0),
+            misses: AtomicU64::new(0),
+        }
+    }
+
+    fn slot(&self, key: PeerKey) -> Slot<C> {
+        let mut slots = self.slots.lock();
+        Arc::clone(slots.entry(key).or_default())
+    }
+
+    /// The live connection for `key`, if any.
+    pub fn get(&self, key: PeerKey) -> Option<Arc<C>> {
+        let slot = self.slots.lock().get(&key).cloned()?;
+        let c = slot.lock().upgrade();
+        if c.is_some() {
+            self.hits.fetch_add(1, Ordering::Relaxed);
+        }
+        c
+    }
+
+    /// The live connection for `key`, or a new one from `connect` (called at most once per key
+    /// at a time; a failure is returned and nothing is stored).
+    pub fn get_or_connect<E>(
+        &self,
+        key: PeerKey,
+        connect: impl FnOnce() -> Result<C, E>,
+    ) -> Result<Arc<C>, E> {
+        let slot = self.slot(key);
+        let mut weak = slot.lock();
+        if let Some(c) = weak.upgrade() {
+            self.hits.fetch_add(1, Ordering::Relaxed);
+            return Ok(c);
+        }
+        self.misses.fetch_add(1, Ordering::Relaxed);
+        let c = Arc::new(connect()?);
+        *weak = Arc::downgrade(&c);
+        Ok(c)
+    }
+
+    /// Forget the connection for `key` (e.g. after it failed) so the next acquisition
+    /// reconnects; users holding it keep it. Returns it if it was live.
+    pub fn remove(&self, key: PeerKey) -> Option<Arc<C>> {
+        let slot = self.slots.lock().remove(&key)?;
+        let c = slot.lock().upgrade();
+        c
+    }
+
+    /// Drop the entries of connections nobody holds any more; returns how many.
+    pub fn prune(&self) -> usize {
+        let mut slots = self.slots.lock();
+        let before = slots.len();
+        slots.retain(|_, slot| {
+            // A slot locked by a connect in progress is kept.
+            slot.try_lock().map_or(true, |w| w.strong_count() > 0)
+        });
+        before - slots.len()
+    }
+
+    /// Live connections now.
+    pub fn live(&self) -> usize {
+        self.slots
+            .lock()
+            .values()
+            .filter(|s| s.try_lock().map_or(true, |w| w.strong_count() > 0))
+            .count()
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> ConnPoolStats {
+        ConnPoolStats {
+            hits: self.hits.load(Ordering::Relaxed),
+            misses: self.misses.load(Ordering::Relaxed),
+            live: self.live() as u64,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicUsize;
+    use std::sync::Barrier;
+
+    fn key(port: u16, worker: Option<u32>) -> PeerKey {
+        PeerKey {
+            addr: SocketAddr::from(([127, 0, 0, 1], port)),
+            worker,
+        }
+    }
+
+    struct Conn {
+        id: usize,
+        closed: Arc<AtomicUsize>,
+    }
+    impl Drop for Conn {
+        fn drop(&mut self) {
+            self.closed.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    #[test]
+    fn one_connection_per_key_shared_and_closed_with_its_last_user() {
+        let pool = ConnPool::new();
+        let closed = Arc::new(AtomicUsize::new(0));
+        let mk = |id| {
+            let closed = Arc::clone(&closed);
+            move || Ok::<_, ()>(Conn { id, closed })
+        };
+        let a1 = pool.get_or_connect(key(1, Some(0)), mk(1)).unwrap();
+        let a2 = pool.get_or_connect(key(1, Some(0)), mk(2)).unwrap();
+        assert!(Arc::ptr_eq(&a1, &a2), "same key shares one connection");
+        let b = pool.get_or_connect(key(1, Some(1)), mk(3)).unwrap();
+        let c = pool.get_or_connect(key(2, Some(0)), mk(4)).unwrap();
+        assert_eq!((a1.id, b.id, c.id), (1, 3, 4));
+        assert_eq!(
+            pool.stats(),
+            ConnPoolStats {
+                hits: 1,
+                misses: 3,
+                live: 3
+            }
+        );
+        drop(a1);
+        assert_eq!(closed.load(Ordering::SeqCst), 0, "a2 still holds it");
+        drop(a2);
+        assert_eq!(closed.load(Ordering::SeqCst), 1);
+        assert_eq!(pool.live(), 2);
+        assert_eq!(pool.prune(), 1);
+        let a3 = pool.get_or_connect(key(1, Some(0)), mk(5)).unwrap();
+        assert_eq!(a3.id, 5, "a dead entry reconnects");
+    }
+
+    #[test]
+    fn failed_connect_stores_nothing_and_remove_forces_reconnect() {
+        let pool: ConnPool<u32> = ConnPool::new();
+        assert_eq!(
+            pool.get_or_connect(key(1, None), || Err("refused")),
+            Err("refused")
+        );
+        assert_eq!(pool.live(), 0);
+        let a = pool
+            .get_or_connect(key(1, None), || Ok::<_, ()>(7))
+            .unwrap();
+        let removed = pool.remove(key(1, None)).unwrap();
+        assert!(Arc::ptr_eq(&a, &removed));
+        let b = pool
+            .get_or_connect(key(1, None), || Ok::<_, ()>(8))
+            .unwrap();
+        assert_eq!((*a, *b), (7, 8));
+    }
+
+    #[test]
+    fn concurrent_acquirers_of_one_key_connect_once() {
+        let pool = Arc::new(ConnPool::new());
+        let connects = Arc::new(AtomicUsize::new(0));
+        let barrier = Arc::new(Barrier::new(8));
+        let handles: Vec<_> = (0..8)
+            .map(|_| {
+                let (pool, connects, barrier) = (
+                    Arc::clone(&pool),
+                    Arc::clone(&connects),
+                    Arc::clone(&barrier),
+                );
+                std::thread::spawn(move || {
+                    barrier.wait();
+                    pool.get_or_connect(key(9, Some(0)), || {
+                        connects.fetch_add(1, Ordering::SeqCst);
+                        std::thread::yield_now();
+                        Ok::<_, ()>(42u64)
+                    })
+                    .unwrap()
+                })
+            })
+            .collect();
+        let conns: Vec<Arc<u64>> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+        assert_eq!(connects.load(Ordering::SeqCst), 1);
+        assert!(conns.iter().all(|c| Arc::ptr_eq(c, &conns[0])));
+        assert_eq!(pool.stats().misses, 1);
+        assert_eq!(pool.stats().hits, 7);
+    }
+}

@@ -1,0 +1,642 @@
+//! Handshake, QP cache and error-path tests on the heap test context (QPs that only keep their
+//! state machine), with raw `TcpStream`s playing misbehaving peers. Every wait is bounded by a
+//! handshake timeout; none asserts on speed.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use fabriq_verbs::{QpState, QueuePair};
+
+use super::wire::{self, Message};
+use super::*;
+use crate::mempool::testing::{heap_cq, heap_pd_named, HeapCounters};
+
+const LONG: Duration = Duration::from_secs(10);
+const SHORT: Duration = Duration::from_millis(300);
+
+fn manager_named(provider: &'static str, cfg: ConnConfig) -> (ConnManager, Arc<HeapCounters>) {
+    let (pd, counters) = heap_pd_named(provider);
+    let cq = heap_cq(&pd);
+    (ConnManager::new(&pd, &cq, cfg).unwrap(), counters)
+}
+
+fn manager(cfg: ConnConfig) -> (ConnManager, Arc<HeapCounters>) {
+    manager_named("heap", cfg)
+}
+
+fn short_cfg() -> ConnConfig {
+    ConnConfig {
+        handshake_timeout: SHORT,
+        ..ConnConfig::default()
+    }
+}
+
+/// A server thread accepting `n` peers, answering each with `accept_with`.
+fn serve(listener: Listener, n: usize) -> JoinHandle<Vec<Result<Established, ConnError>>> {
+    std::thread::spawn(move || {
+        (0..n)
+            .map(|_| {
+                listener.accept_with(Some(LONG), |qp, _| {
+                    assert_eq!(qp.state(), QpState::Init, "receives are posted in INIT");
+                    Ok(())
+                })
+            })
+            .collect()
+    })
+}
+
+#[test]
+fn handshake_exchanges_hellos_and_reaches_rts_after_receives_could_be_posted() {
+    let server_cfg = ConnConfig {
+        worker_id: 7,
+        ring: RingGeometry {
+            slots: 32,
+            slot_size: 8192,
+        },
+        initial_credits: 30,
+        eager_threshold: 8000,
+        ..ConnConfig::default()
+    };
+    let (srv, _) = manager(server_cfg);
+    let listener = srv.listen("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr();
+    let server = serve(listener, 1);
+    let (cli, _) = manager(ConnConfig {
+        worker_id: 3,
+        ..ConnConfig::default()
+    });
+    let mut prepared = false;
+    let est = cli
+        .connect_with(addr, Some(7), LONG, |qp, peer| {
+            assert_eq!(qp.state(), QpState::Init);
+            assert_eq!(peer.ring.slots, 32);
+            prepared = true;
+            Ok(())
+        })
+        .unwrap();
+    assert!(prepared);
+    let srv_est = server.join().unwrap().pop().unwrap().unwrap();
+    assert_eq!(est.role, Role::Client);
+    assert_eq!(srv_est.role, Role::Server);
+    assert_eq!(est.qp.state(), QpState::Rts);
+    assert_eq!(srv_est.qp.state(), QpState::Rts);
+    assert_eq!(est.peer.worker_id, 7);
+    assert_eq!(est.peer.initial_credits, 30);
+    assert_eq!(est.peer.eager_threshold, 8000);
+    assert_eq!(est.peer.ring.slot_size, 8192);
+    assert_eq!(srv_est.peer.worker_id, 3);
+    assert_eq!(srv_est.peer.target_worker, Some(7));
+    assert_eq!(est.peer.endpoint, srv_est.qp.endpoint());
+    assert_eq!(srv_est.peer.endpoint, est.qp.endpoint());
+    assert_eq!(
+        est.qp.query().remote.as_ref(),
+        Some(&srv_est.qp.endpoint()),
+        "client QP connected to the server's"
+    );
+    assert_eq!(est.local, srv_est.peer);
+    assert_eq!(cli.stats().connects, 1);
+    assert_eq!(srv.stats().accepts, 1);
+}
+
+#[test]
+fn released_qps_and_control_streams_are_reused() {
+    let (srv, srv_counters) = manager(ConnConfig::default());
+    let listener = srv.listen("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr();
+    let server = std::thread::spawn(move || {
+        for _ in 0..5 {
+            let est = listener
+                .accept_pending(Some(LONG))
+                .unwrap()
+                .finish()
+                .unwrap();
+            listener.manager().release(est);
+        }
+    });
+    let (cli, cli_counters) = manager(ConnConfig::default());
+    let mut qp_nums = Vec::new();
+    for i in 0..5 {
+        let est = cli.connect(addr, LONG).unwrap();
+        assert_eq!(est.reused_qp, i > 0, "connect {i}");
+        qp_nums.push(est.qp.qp_num());
+        cli.release(est);
+    }
+    server.join().unwrap();
+    assert!(
+        qp_nums.iter().all(|&n| n == qp_nums[0]),
+        "one QP serves all"
+    );
+    let s = cli.stats();
+    assert_eq!(
+        (s.qps_created, s.qp_cache_hits, s.qp_cache_misses),
+        (1, 4, 1)
+    );
+    assert_eq!((s.streams_opened, s.stream_reuses), (1, 4));
+    assert_eq!(s.qps_cached, 1);
+    assert_eq!(cli_counters.qps_created.load(Ordering::SeqCst), 1);
+    assert_eq!(srv_counters.qps_created.load(Ordering::SeqCst), 1);
+    assert_eq!(srv.stats().accepts, 5);
+}
+
+#[test]
+fn qp_cache_is_bounded_and_resets_what_it_keeps() {
+    let (m, counters) = manager(ConnConfig {
+        qp_cache_capacity: 2,
+        ..ConnConfig::default()
+    });
+    assert_eq!(m.prewarm(5).unwrap(), 2);
+    assert_eq!(
+        counters.qps_live.load(Ordering::SeqCst),
+        2,
+        "the third was destroyed"
+    );
+    let qp = m.qp_cache().take().unwrap();
+    qp.modify(&fabriq_verbs::QpAttr::init(m.config().access))
+        .unwrap();
+    assert!(m.release_qp(qp));
+    let qp: QueuePair = m.qp_cache().take().unwrap();
+    assert_eq!(qp.state(), QpState::Reset, "cached QPs are in RESET");
+    drop(qp);
+    let cache = m.qp_cache();
+    assert_eq!((cache.len(), cache.hits(), cache.dropped()), (1, 2, 1));
+}
+
+#[test]
+fn a_stale_idle_stream_is_replaced_transparently() {
+    let (srv, _) = manager(ConnConfig::default());
+    let listener = srv.listen("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr();
+    let server = serve(listener, 1);
+    let (cli, _) = manager(ConnConfig::default());
+    cli.connect(addr, LONG).unwrap();
+    // The listener is dropped when its thread ends, closing the stream the client kept.
+    server.join().unwrap().pop().unwrap().unwrap();
+    let listener = srv.listen(addr).unwrap();
+    let server = serve(listener, 1);
+    let est = cli.connect(addr, LONG).unwrap();
+    server.join().unwrap().pop().unwrap().unwrap();
+    let s = cli.stats();
+    assert_eq!(
+        (s.streams_opened, s.stream_reuses),
+        (2, 0),
+        "a fresh stream replaced it"
+    );
+    assert_eq!(s.connects, 2);
+    assert_eq!(s.failed, 0);
+    drop(est);
+}
+
+#[test]
+fn refused() {
+    let addr = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let (cli, counters) = manager(ConnConfig::default());
+    let err = cli.connect(addr, LONG).unwrap_err();
+    assert!(
+        matches!(err, ConnError::Refused { addr: a, .. } if a == addr),
+        "{err}"
+    );
+    assert_eq!(cli.stats().failed, 1);
+    assert_eq!(cli.stats().qps_cached, 1, "the QP went back to the cache");
+    assert_eq!(counters.qps_live.load(Ordering::SeqCst), 1);
+}
+
+/// A raw peer: accepts one connection and runs `f` on it.
+fn raw_server(f: impl FnOnce(TcpStream) + Send + 'static) -> (SocketAddr, JoinHandle<()>) {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    let h = std::thread::spawn(move || {
+        let (s, _) = l.accept().unwrap();
+        s.set_read_timeout(Some(LONG)).unwrap();
+        f(s)
+    });
+    (addr, h)
+}
+
+fn read_frame(s: &mut TcpStream) -> Option<Message> {
+    let mut prefix = [0u8; 4];
+    s.read_exact(&mut prefix).ok()?;
+    let len = wire::frame_len(prefix).ok()?;
+    let mut body = vec![0u8; len];
+    s.read_exact(&mut body).ok()?;
+    wire::decode_body(&body).ok()
+}
+
+fn server_hello_like(h: &Hello) -> Hello {
+    let mut h = h.clone();
+    h.target_worker = None;
+    h
+}
+
+#[test]
+fn client_times_out_when_the_server_never_answers() {
+    let (addr, h) = raw_server(|mut s| {
+        let _ = read_frame(&mut s);
+        let mut sink = [0u8; 16];
+        let _ = s.read(&mut sink); // until the client gives up
+    });
+    let (cli, _) = manager(ConnConfig::default());
+    let err = cli.connect(addr, SHORT).unwrap_err();
+    assert!(
+        matches!(err, ConnError::Timeout { phase: "hello-ack", after, .. } if after == SHORT),
+        "{err}"
+    );
+    h.join().unwrap();
+}
+
+#[test]
+fn server_times_out_on_a_silent_client_and_keeps_listening() {
+    let (srv, _) = manager(short_cfg());
+    let listener = srv.listen("127.0.0.1:0").unwrap();
+    let silent = TcpStream::connect(listener.local_addr()).unwrap();
+    let err = listener.next_incoming(Some(LONG)).unwrap_err();
+    assert!(
+        matches!(err, ConnError::Timeout { phase: "hello", .. }),
+        "{err}"
+    );
+    drop(silent);
+    // Nothing pending: an accept with a deadline reports it.
+    let err = listener
+        .next_incoming(Some(Duration::from_millis(20)))
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            ConnError::Timeout {
+                phase: "accept",
+                ..
+            }
+        ),
+        "{err}"
+    );
+    // Still usable.
+    let addr = listener.local_addr();
+    let server = serve(listener, 1);
+    let (cli, _) = manager(ConnConfig::default());
+    cli.connect(addr, LONG).unwrap();
+    server.join().unwrap().pop().unwrap().unwrap();
+}
+
+#[test]
+fn version_mismatch_from_the_server_side() {
+    let (addr, h) = raw_server(|mut s| {
+        let Some(Message::Hello(hello)) = read_frame(&mut s) else {
+            panic!("expected a hello")
+        };
+        let reply = Message::HelloAck(server_hello_like(&hello));
+        s.write_all(&wire::encode_with_version(&reply, 9)).unwrap();
+        let _ = s.read(&mut [0u8; 1]);
+    });
+    let (cli, _) = manager(ConnConfig::default());
+    let err = cli.connect(addr, LONG).unwrap_err();
+    assert!(
+        matches!(err, ConnError::VersionMismatch { local: 1, peer: 9 }),
+        "{err}"
+    );
+    h.join().unwrap();
+}
+
+fn raw_client(addr: SocketAddr, frame: &[u8]) -> TcpStream {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(LONG)).unwrap();
+    s.write_all(frame).unwrap();
+    s
+}
+
+fn some_hello(provider: &str) -> Hello {
+    let (m, _) = manager(ConnConfig::default());
+    let pd = m.pd().clone();
+    let cq = heap_cq(&pd);
+    let qp = pd.create_qp(&fabriq_verbs::QpInitAttr::new(&cq)).unwrap();
+    let mut ep = qp.endpoint();
+    ep.provider = provider.into();
+    Hello {
+        version: VERSION,
+        provider: provider.into(),
+        device: format!("{provider}0"),
+        endpoint: ep,
+        ring: RingGeometry {
+            slots: 4,
+            slot_size: 64,
+        },
+        initial_credits: 4,
+        eager_threshold: 64,
+        rndv_chunk_size: 4096,
+        worker_id: 0,
+        target_worker: None,
+        auth_token: Vec::new(),
+    }
+}
+
+#[test]
+fn version_mismatch_from_the_client_side_is_rejected_with_a_reason() {
+    let (srv, _) = manager(short_cfg());
+    let listener = srv.listen("127.0.0.1:0").unwrap();
+    let frame = wire::encode_with_version(&Message::Hello(some_hello("heap")), 9);
+    let mut raw = raw_client(listener.local_addr(), &frame);
+    let err = listener.next_incoming(Some(LONG)).unwrap_err();
+    assert!(
+        matches!(err, ConnError::VersionMismatch { local: 1, peer: 9 }),
+        "{err}"
+    );
+    let Some(Message::Reject(r)) = read_frame(&mut raw) else {
+        panic!("expected a reject")
+    };
+    assert_eq!(r.code, RejectCode::VersionMismatch);
+    assert_eq!(r.version, VERSION);
+}
+
+#[test]
+fn provider_mismatch_is_refused_on_both_sides() {
+    let (srv, _) = manager_named("shm", short_cfg());
+    let listener = srv.listen("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr();
+    let server = std::thread::spawn(move || listener.next_incoming(Some(LONG)).map(|_| ()));
+    let (cli, _) = manager_named("tcp", ConnConfig::default());
+    let err = cli.connect(addr, LONG).unwrap_err();
+    assert!(
+        matches!(&err, ConnError::ProviderMismatch { local, peer } if local == "tcp" && peer == "shm"),
+        "{err}"
+    );
+    let err = server.join().unwrap().unwrap_err();
+    assert!(
+        matches!(&err, ConnError::ProviderMismatch { local, peer } if local == "shm" && peer == "tcp"),
+        "{err}"
+    );
+}
+
+#[test]
+fn peer_closed_mid_handshake_on_either_side() {
+    let (addr, h) = raw_server(|mut s| {
+        let _ = read_frame(&mut s);
+        // close without answering
+    });
+    let (cli, _) = manager(ConnConfig::default());
+    let err = cli.connect(addr, LONG).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            ConnError::PeerClosed {
+                phase: "hello-ack",
+                ..
+            }
+        ),
+        "{err}"
+    );
+    h.join().unwrap();
+
+    // A client that sends its hello, reads the ack, then vanishes before Ready.
+    let (srv, _) = manager(short_cfg());
+    let listener = srv.listen("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr();
+    let client = std::thread::spawn(move || {
+        let mut s = raw_client(addr, &wire::encode(&Message::Hello(some_hello("heap"))));
+        let ack = read_frame(&mut s);
+        assert!(matches!(ack, Some(Message::HelloAck(_))));
+    });
+    let pending = listener.accept_pending(Some(LONG)).unwrap();
+    let err = pending.finish().unwrap_err();
+    client.join().unwrap();
+    assert!(
+        matches!(err, ConnError::PeerClosed { phase: "ready", .. }),
+        "{err}"
+    );
+    assert_eq!(srv.stats().qps_cached, 1, "QP returned on failure");
+}
+
+#[test]
+fn malformed_messages_are_errors_and_the_listener_survives() {
+    // Server answers garbage.
+    let (addr, h) = raw_server(|mut s| {
+        let _ = read_frame(&mut s);
+        s.write_all(&[0, 0, 0, 8, 1, 2, 3, 4, 5, 6, 7, 8]).unwrap();
+        let _ = s.read(&mut [0u8; 1]);
+    });
+    let (cli, _) = manager(ConnConfig::default());
+    let err = cli.connect(addr, LONG).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            ConnError::Malformed {
+                source: DecodeError::BadMagic(0x0102_0304),
+                ..
+            }
+        ),
+        "{err}"
+    );
+    h.join().unwrap();
+
+    // Server answers a 4 GiB length prefix: refused before any allocation.
+    let (addr, h) = raw_server(|mut s| {
+        let _ = read_frame(&mut s);
+        s.write_all(&[0xff, 0xff, 0xff, 0xff]).unwrap();
+        let _ = s.read(&mut [0u8; 1]);
+    });
+    let err = cli.connect(addr, LONG).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            ConnError::Malformed {
+                source: DecodeError::TooLong { field: "frame", .. },
+                ..
+            }
+        ),
+        "{err}"
+    );
+    h.join().unwrap();
+
+    // Server answers a valid message out of order.
+    let (addr, h) = raw_server(|mut s| {
+        let _ = read_frame(&mut s);
+        s.write_all(&wire::encode(&Message::Ready)).unwrap();
+        let _ = s.read(&mut [0u8; 1]);
+    });
+    let err = cli.connect(addr, LONG).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            ConnError::Unexpected {
+                phase: "hello-ack",
+                got: "ready",
+                ..
+            }
+        ),
+        "{err}"
+    );
+    h.join().unwrap();
+
+    // A client sends garbage; the listener reports it, tells the client, and keeps working.
+    let (srv, _) = manager(short_cfg());
+    let listener = srv.listen("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr();
+    let mut raw = raw_client(addr, b"\0\0\0\x05GET /");
+    let err = listener.next_incoming(Some(LONG)).unwrap_err();
+    assert!(matches!(err, ConnError::Malformed { .. }), "{err}");
+    assert!(matches!(
+        read_frame(&mut raw),
+        Some(Message::Reject(wire::Reject {
+            code: RejectCode::Malformed,
+            ..
+        }))
+    ));
+    let server = serve(listener, 1);
+    cli.connect(addr, LONG).unwrap();
+    server.join().unwrap().pop().unwrap().unwrap();
+}
+
+#[test]
+fn auth_token_and_target_worker_are_enforced() {
+    let (srv, _) = manager(ConnConfig {
+        auth_token: b"s3cret".to_vec(),
+        worker_id: 2,
+        ..short_cfg()
+    });
+    let listener = srv.listen("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr();
+    let server = std::thread::spawn(move || {
+        let e1 = listener.accept_pending(Some(LONG)).map(|_| ()).unwrap_err();
+        let e2 = listener.accept_pending(Some(LONG)).map(|_| ()).unwrap_err();
+        let ok = listener.accept_pending(Some(LONG)).unwrap().finish();
+        (e1, e2, ok)
+    });
+    let (bad, _) = manager(ConnConfig {
+        auth_token: b"guess".to_vec(),
+        ..ConnConfig::default()
+    });
+    let err = bad.connect(addr, LONG).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            ConnError::Rejected {
+                code: RejectCode::AuthFailed,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    let (good, _) = manager(ConnConfig {
+        auth_token: b"s3cret".to_vec(),
+        ..ConnConfig::default()
+    });
+    let err = good.connect_pending(addr, Some(5), LONG).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            ConnError::Rejected {
+                code: RejectCode::Unavailable,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    good.connect_pending(addr, Some(2), LONG)
+        .unwrap()
+        .finish()
+        .unwrap();
+    let (e1, e2, ok) = server.join().unwrap();
+    assert!(matches!(e1, ConnError::AuthFailed { .. }), "{e1}");
+    assert!(
+        matches!(
+            e2,
+            ConnError::WrongWorker {
+                requested: 5,
+                local: 2
+            }
+        ),
+        "{e2}"
+    );
+    ok.unwrap();
+}
+
+#[test]
+fn a_qp_failure_on_the_server_is_reported_to_the_client() {
+    let (srv, counters) = manager(short_cfg());
+    counters.fail_rtr.store(1, Ordering::SeqCst);
+    let listener = srv.listen("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr();
+    let server = serve(listener, 1);
+    let (cli, _) = manager(ConnConfig::default());
+    let err = cli.connect(addr, LONG).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            ConnError::Rejected {
+                code: RejectCode::Internal,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    let srv_err = server.join().unwrap().pop().unwrap().unwrap_err();
+    assert!(matches!(srv_err, ConnError::Verbs(_)), "{srv_err}");
+    assert_eq!(srv.stats().qps_cached, 1);
+}
+
+#[test]
+fn an_abandoned_pending_connection_tells_the_peer() {
+    let (srv, _) = manager(short_cfg());
+    let listener = srv.listen("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr();
+    let server = serve(listener, 1);
+    let (cli, _) = manager(ConnConfig::default());
+    let pending = cli.connect_pending(addr, None, LONG).unwrap();
+    drop(pending);
+    let err = server.join().unwrap().pop().unwrap().unwrap_err();
+    assert!(
+        matches!(
+            err,
+            ConnError::Rejected {
+                code: RejectCode::Internal,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert_eq!(cli.stats().qps_cached, 1);
+}
+
+#[test]
+fn a_closed_listener_wakes_its_accept() {
+    let (srv, _) = manager(ConnConfig::default());
+    let listener = srv.listen("127.0.0.1:0").unwrap();
+    let closer = listener.closer();
+    let t = std::thread::spawn(move || listener.next_incoming(None).map(|_| ()));
+    closer.close();
+    assert!(matches!(t.join().unwrap(), Err(ConnError::Closed)));
+}
+
+#[test]
+fn configuration_is_checked() {
+    let (pd, _) = heap_pd_named("heap");
+    let cq = heap_cq(&pd);
+    let bad = [
+        ConnConfig {
+            ring: RingGeometry {
+                slots: 1024,
+                slot_size: 64,
+            },
+            initial_credits: 64,
+            ..ConnConfig::default()
+        },
+        ConnConfig {
+            initial_credits: 65,
+            ..ConnConfig::default()
+        },
+        ConnConfig {
+            handshake_timeout: Duration::ZERO,
+            ..ConnConfig::default()
+        },
+    ];
+    for cfg in bad {
+        assert!(matches!(
+            ConnManager::new(&pd, &cq, cfg),
+            Err(ConnError::InvalidConfig(_))
+        ));
+    }
+}

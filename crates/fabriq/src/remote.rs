@@ -1,0 +1,323 @@
+//! One-sided remote memory. The owner exposes a registered region ([`ExposedRegion`]) and hands
+//! its [`RegionDescriptor`] to a peer (in a message, an RPC reply, a file); the peer wraps it in
+//! a [`RemoteRegion`] and does RDMA `write`, `read`, `compare_and_swap` and `fetch_and_add` on it
+//! through the channel's queue pair. No handler and no thread of the owner runs for these
+//! operations. [`CasLock`] is a distributed spin lock built on compare-and-swap.
+//!
+//! Access outside the region or without the right is refused by the owner's provider: the
+//! operation completes with `RemoteAccess` (which, as on any RC QP, also breaks the channel).
+
+use std::sync::atomic::AtomicU64;
+use std::time::Duration;
+
+use fabriq_verbs::{MemoryRegion, RemoteAddr, Rkey};
+use tokio::sync::oneshot;
+
+use crate::channel::ChannelError;
+use crate::worker::{Command, OneSidedOp};
+use crate::Channel;
+
+/// What a peer needs to reach an exposed region: 24 bytes on the wire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct RegionDescriptor {
+    /// Start address in the owner's address space.
+    pub addr: u64,
+    /// Length in bytes.
+    pub len: u64,
+    /// Remote key.
+    pub rkey: u32,
+}
+
+impl RegionDescriptor {
+    /// Encoded length.
+    pub const LEN: usize = 20;
+
+    /// Encode (little endian: addr, len, rkey).
+    pub fn to_bytes(&self) -> [u8; Self::LEN] {
+        let mut b = [0u8; Self::LEN];
+        b[..8].copy_from_slice(&self.addr.to_le_bytes());
+        b[8..16].copy_from_slice(&self.len.to_le_bytes());
+        b[16..20].copy_from_slice(&self.rkey.to_le_bytes());
+        b
+    }
+
+    /// Decode; `None` unless exactly [`RegionDescriptor::LEN`] bytes.
+    pub fn from_bytes(b: &[u8]) -> Option<RegionDescriptor> {
+        if b.len() != Self::LEN {
+            return None;
+        }
+        let mut a = [0u8; 8];
+        let mut l = [0u8; 8];
+        let mut k = [0u8; 4];
+        a.copy_from_slice(b.get(..8)?);
+        l.copy_from_slice(b.get(8..16)?);
+        k.copy_from_slice(b.get(16..20)?);
+        Some(RegionDescriptor {
+            addr: u64::from_le_bytes(a),
+            len: u64::from_le_bytes(l),
+            rkey: u32::from_le_bytes(k),
+        })
+    }
+}
+
+/// A region of this process exposed to peers for one-sided access (read, write, atomics).
+#[derive(Debug)]
+pub struct ExposedRegion {
+    mr: MemoryRegion,
+}
+
+impl ExposedRegion {
+    pub(crate) fn new(mr: MemoryRegion) -> ExposedRegion {
+        ExposedRegion { mr }
+    }
+
+    /// The descriptor to give peers.
+    pub fn descriptor(&self) -> RegionDescriptor {
+        RegionDescriptor {
+            addr: self.mr.addr(),
+            len: self.mr.len() as u64,
+            rkey: self.mr.rkey().0,
+        }
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.mr.len()
+    }
+
+    /// True for an empty region.
+    pub fn is_empty(&self) -> bool {
+        self.mr.is_empty()
+    }
+
+    /// Copy bytes out (peers may be writing concurrently, as with any RDMA memory).
+    pub fn read_at(&self, offset: usize, dst: &mut [u8]) -> Result<(), ChannelError> {
+        Ok(self.mr.read_at(offset, dst)?)
+    }
+
+    /// Copy bytes in.
+    pub fn write_at(&self, offset: usize, src: &[u8]) -> Result<(), ChannelError> {
+        Ok(self.mr.write_at(offset, src)?)
+    }
+
+    /// The aligned 64-bit word at `offset`, shared with peers' atomics.
+    pub fn atomic_u64(&self, offset: usize) -> Result<&AtomicU64, ChannelError> {
+        Ok(self.mr.atomic_u64(offset)?)
+    }
+}
+
+/// A peer's exposed region, reached through a channel.
+#[derive(Debug, Clone)]
+pub struct RemoteRegion {
+    channel: Channel,
+    desc: RegionDescriptor,
+}
+
+impl RemoteRegion {
+    pub(crate) fn new(channel: Channel, desc: RegionDescriptor) -> RemoteRegion {
+        RemoteRegion { channel, desc }
+    }
+
+    /// The descriptor.
+    pub fn descriptor(&self) -> RegionDescriptor {
+        self.desc
+    }
+
+    fn remote(&self, offset: u64, len: u64, align: u64) -> Result<RemoteAddr, ChannelError> {
+        let end = offset.checked_add(len);
+        if end.is_none_or(|e| e > self.desc.len) {
+            return Err(ChannelError::OutOfBounds {
+                offset,
+                len,
+                region_len: self.desc.len,
+            });
+        }
+        let addr = self.desc.addr.wrapping_add(offset);
+        if addr % align != 0 {
+            return Err(ChannelError::OutOfBounds {
+                offset,
+                len,
+                region_len: self.desc.len,
+            });
+        }
+        Ok(RemoteAddr {
+            addr,
+            rkey: Rkey(self.desc.rkey),
+        })
+    }
+
+    fn submit(&self, op: OneSidedOp) -> oneshot::Receiver<Result<Vec<u8>, ChannelError>> {
+        let (tx, rx) = oneshot::channel();
+        let s = self.channel.shared();
+        s.worker.submit(Command::OneSided {
+            chan: s.id,
+            op,
+            reply: tx,
+        });
+        rx
+    }
+
+    fn wait(rx: oneshot::Receiver<Result<Vec<u8>, ChannelError>>) -> Result<Vec<u8>, ChannelError> {
+        rx.blocking_recv().unwrap_or(Err(ChannelError::Closed))
+    }
+
+    fn word(v: Vec<u8>) -> Result<u64, ChannelError> {
+        let b: [u8; 8] = v
+            .get(..8)
+            .and_then(|s| s.try_into().ok())
+            .ok_or_else(|| ChannelError::Failed("atomic returned no word".into()))?;
+        Ok(u64::from_ne_bytes(b))
+    }
+
+    fn write_op(&self, offset: u64, data: &[u8]) -> Result<OneSidedOp, ChannelError> {
+        let remote = self.remote(offset, data.len() as u64, 1)?;
+        u32::try_from(data.len()).map_err(|_| ChannelError::MessageTooLarge {
+            len: data.len() as u64,
+            max: u64::from(u32::MAX),
+        })?;
+        Ok(OneSidedOp::Write {
+            remote,
+            data: data.to_vec(),
+        })
+    }
+
+    /// RDMA WRITE `data` at `offset`.
+    pub fn write(&self, offset: u64, data: &[u8]) -> Result<(), ChannelError> {
+        let op = self.write_op(offset, data)?;
+        Self::wait(self.submit(op)).map(|_| ())
+    }
+
+    /// RDMA READ `len` bytes at `offset`.
+    pub fn read(&self, offset: u64, len: u32) -> Result<Vec<u8>, ChannelError> {
+        let remote = self.remote(offset, u64::from(len), 1)?;
+        Self::wait(self.submit(OneSidedOp::Read { remote, len }))
+    }
+
+    /// Atomic compare-and-swap of the aligned word at `offset`; returns the value found (the
+    /// swap happened if it equals `compare`).
+    pub fn compare_and_swap(&self, offset: u64, compare: u64, swap: u64) -> Result<u64, ChannelError> {
+        let remote = self.remote(offset, 8, 8)?;
+        Self::word(Self::wait(self.submit(OneSidedOp::CompareSwap {
+            remote,
+            compare,
+            swap,
+        }))?)
+    }
+
+    /// Atomic fetch-and-add on the aligned word at `offset`; returns the value before.
+    pub fn fetch_and_add(&self, offset: u64, add: u64) -> Result<u64, ChannelError> {
+        let remote = self.remote(offset, 8, 8)?;
+        Self::word(Self::wait(self.submit(OneSidedOp::FetchAdd { remote, add }))?)
+    }
+
+    /// [`RemoteRegion::write`] from async code.
+    pub async fn write_async(&self, offset: u64, data: &[u8]) -> Result<(), ChannelError> {
+        let op = self.write_op(offset, data)?;
+        self.submit(op)
+            .await
+            .unwrap_or(Err(ChannelError::Closed))
+            .map(|_| ())
+    }
+
+    /// [`RemoteRegion::read`] from async code.
+    pub async fn read_async(&self, offset: u64, len: u32) -> Result<Vec<u8>, ChannelError> {
+        let remote = self.remote(offset, u64::from(len), 1)?;
+        self.submit(OneSidedOp::Read { remote, len })
+            .await
+            .unwrap_or(Err(ChannelError::Closed))
+    }
+
+    /// [`RemoteRegion::compare_and_swap`] from async code.
+    pub async fn compare_and_swap_async(
+        &self,
+        offset: u64,
+        compare: u64,
+        swap: u64,
+    ) -> Result<u64, ChannelError> {
+        let remote = self.remote(offset, 8, 8)?;
+        Self::word(
+            self.submit(OneSidedOp::CompareSwap {
+                remote,
+                compare,
+                swap,
+            })
+            .await
+            .unwrap_or(Err(ChannelError::Closed))?,
+        )
+    }
+}
+
+/// A distributed spin lock on one 64-bit word of a remote region: 0 = free, otherwise the
+/// holder's id. Acquire is compare-and-swap(0 → id) with bounded exponential back-off; release is
+/// compare-and-swap(id → 0), which also detects a release by a non-holder.
+#[derive(Debug, Clone)]
+pub struct CasLock {
+    region: RemoteRegion,
+    offset: u64,
+    id: u64,
+}
+
+impl CasLock {
+    /// A lock on the word at `offset`, taken under `id` (non-zero, unique per contender).
+    pub fn new(region: RemoteRegion, offset: u64, id: u64) -> Result<CasLock, ChannelError> {
+        if id == 0 {
+            return Err(ChannelError::InvalidConfig("lock id 0 means free".into()));
+        }
+        region.remote(offset, 8, 8)?;
+        Ok(CasLock { region, offset, id })
+    }
+
+    /// The region the lock word lives in (for data protected by the lock).
+    pub fn region(&self) -> &RemoteRegion {
+        &self.region
+    }
+
+    /// Try once; true if acquired.
+    pub fn try_lock(&self) -> Result<bool, ChannelError> {
+        Ok(self.region.compare_and_swap(self.offset, 0, self.id)? == 0)
+    }
+
+    /// Spin until acquired; returns the attempts it took.
+    pub fn lock(&self) -> Result<u64, ChannelError> {
+        let mut attempts = 1;
+        let mut backoff = 1u32;
+        while !self.try_lock()? {
+            attempts += 1;
+            for _ in 0..backoff {
+                std::hint::spin_loop();
+            }
+            if backoff >= 1024 {
+                std::thread::yield_now();
+            } else {
+                backoff *= 2;
+            }
+        }
+        Ok(attempts)
+    }
+
+    /// Release; errors if this id did not hold the lock.
+    pub fn unlock(&self) -> Result<(), ChannelError> {
+        let found = self.region.compare_and_swap(self.offset, self.id, 0)?;
+        if found != self.id {
+            return Err(ChannelError::Failed(format!(
+                "unlock by {} but the lock word held {found}",
+                self.id
+            )));
+        }
+        Ok(())
+    }
+
+    /// Spin until acquired or `timeout` passes.
+    pub fn lock_timeout(&self, timeout: Duration) -> Result<bool, ChannelError> {
+        let deadline = std::time::Instant::now() + timeout;
+        loop {
+            if self.try_lock()? {
+                return Ok(true);
+            }
+            if std::time::Instant::now() >= deadline {
+                return Ok(false);
+            }
+            std::thread::yield_now();
+        }
+    }
+}

@@ -1,0 +1,256 @@
+//! End-to-end behaviour of channels, RPC and one-sided access over the real providers
+//! (shm and tcp), with real worker threads. Waits are bounded by generous timeouts that only
+//! catch hangs.
+
+use std::time::Duration;
+
+use fabriq::{Config, Endpoint, Rpc, RpcError};
+
+const HANG: Duration = Duration::from_secs(30);
+
+fn pair(device: &str) -> (Endpoint, Endpoint, fabriq::Channel, fabriq::Channel) {
+    let cfg = Config {
+        device: device.into(),
+        ..Config::default()
+    };
+    let server = Endpoint::new(cfg.clone()).expect("server endpoint");
+    let client = Endpoint::new(cfg).expect("client endpoint");
+    let listener = server.listen("127.0.0.1:0").expect("listen");
+    let c = client.connect(listener.local_addr()).expect("connect");
+    let s = listener.accept_timeout(HANG).expect("accept");
+    (server, client, s, c)
+}
+
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len).map(|i| (i as u8).wrapping_mul(13).wrapping_add(seed)).collect()
+}
+
+fn eager_and_rendezvous(device: &str) {
+    let (_se, _ce, s, c) = pair(device);
+    for (i, len) in [0usize, 8, 4095, 4096, 4097, 65536, 1 << 20, (1 << 20) + 7].into_iter().enumerate() {
+        c.send(&pattern(len, i as u8)).expect("send");
+        let m = s.recv_timeout(HANG).expect("recv");
+        assert_eq!(&m[..], &pattern(len, i as u8)[..], "message {i} of {len} bytes");
+    }
+    // And back.
+    s.send(b"pong").expect("send back");
+    assert_eq!(&c.recv_timeout(HANG).expect("recv")[..], b"pong");
+}
+
+#[test]
+fn shm_eager_and_rendezvous_messages_arrive_intact() {
+    eager_and_rendezvous("shm0");
+}
+
+#[test]
+fn tcp_eager_and_rendezvous_messages_arrive_intact() {
+    eager_and_rendezvous("tcp0");
+}
+
+#[test]
+fn rpc_echo_unknown_method_and_timeout() {
+    let (se, _ce, _s, c) = pair("shm0");
+    se.serve("echo", |req| Ok(req.to_vec()));
+    se.serve("slow", |_| {
+        std::thread::sleep(Duration::from_millis(300));
+        Ok(vec![])
+    });
+    let rpc = Rpc::new(c);
+    assert_eq!(rpc.call("echo", b"abc", HANG).expect("echo"), b"abc");
+    assert!(matches!(
+        rpc.call("nope", b"", HANG),
+        Err(RpcError::UnknownMethod(_))
+    ));
+    assert!(matches!(
+        rpc.call("slow", b"", Duration::from_millis(20)),
+        Err(RpcError::Timeout)
+    ));
+}
+
+fn pair_with(cfg: Config) -> (Endpoint, Endpoint, fabriq::Channel, fabriq::Channel) {
+    let server = Endpoint::new(cfg.clone()).expect("server endpoint");
+    let client = Endpoint::new(cfg).expect("client endpoint");
+    let listener = server.listen("127.0.0.1:0").expect("listen");
+    let c = client.connect(listener.local_addr()).expect("connect");
+    let s = listener.accept_timeout(HANG).expect("accept");
+    (server, client, s, c)
+}
+
+/// Small messages, pipelined: none lost, none duplicated, order kept.
+fn million_messages(device: &str) {
+    let n: u64 = if cfg!(debug_assertions) { 100_000 } else { 1_000_000 };
+    let (_se, _ce, s, c) = pair_with(Config {
+        device: device.into(),
+        rnr_retry: 0,
+        ..Config::default()
+    });
+    let sender = std::thread::spawn(move || {
+        for i in 0..n {
+            c.send(&i.to_le_bytes()).expect("send");
+        }
+        c
+    });
+    for i in 0..n {
+        let m = s.recv_timeout(HANG).expect("recv");
+        let got = u64::from_le_bytes(m[..8].try_into().expect("8 bytes"));
+        assert_eq!(got, i, "message out of order, lost or duplicated");
+    }
+    let c = sender.join().expect("sender");
+    assert!(matches!(s.try_recv(), Ok(None)), "an extra message arrived");
+    let st = s.stats().expect("stats");
+    assert_eq!(st.msgs_received, n);
+    assert_eq!(st.duplicates_dropped, 0);
+    assert!(!c.is_closed() && !s.is_closed());
+}
+
+#[test]
+fn shm_million_small_messages_in_order() {
+    million_messages("shm0");
+}
+
+#[test]
+fn tcp_million_small_messages_in_order() {
+    million_messages("tcp0");
+}
+
+/// A receiver that does not read back-pressures the sender; with `rnr_retry = 0` a single RNR
+/// would break the channel, so its survival shows the receive queue never ran dry.
+#[test]
+fn slow_receiver_back_pressures_without_rnr() {
+    let (_se, _ce, s, c) = pair_with(Config {
+        device: "shm0".into(),
+        rnr_retry: 0,
+        rx_slots: 8,
+        max_queued: 8,
+        ..Config::default()
+    });
+    let mut sent = 0u64;
+    let deadline = std::time::Instant::now() + HANG;
+    loop {
+        match c.try_send(&sent.to_le_bytes()) {
+            Ok(()) => sent += 1,
+            Err(fabriq::ChannelError::WouldBlock) => break,
+            Err(e) => panic!("send failed: {e}"),
+        }
+        assert!(std::time::Instant::now() < deadline, "never back-pressured");
+    }
+    // The window is bounded: ring + queue.
+    assert!(sent <= 16, "accepted {sent} messages with nobody reading");
+    for i in 0..sent {
+        let m = s.recv_timeout(HANG).expect("recv");
+        assert_eq!(m[..8], i.to_le_bytes());
+    }
+    // Room again, and the channel is healthy in both directions.
+    c.send_timeout(b"more", HANG).expect("room after the receiver caught up");
+    assert_eq!(&s.recv_timeout(HANG).expect("recv")[..], b"more");
+    s.send(b"ok").expect("reverse");
+    assert_eq!(&c.recv_timeout(HANG).expect("recv")[..], b"ok");
+    assert!(!c.is_closed() && !s.is_closed());
+}
+
+#[test]
+fn rpc_with_64_concurrent_callers() {
+    let (se, _ce, _s, c) = pair_with(Config {
+        device: "shm0".into(),
+        ..Config::default()
+    });
+    se.serve("add", |req| {
+        let a = u64::from_le_bytes(req[..8].try_into().map_err(|_| "short")?);
+        Ok((a + 1).to_le_bytes().to_vec())
+    });
+    let rpc = Rpc::new(c);
+    let threads: Vec<_> = (0..64u64)
+        .map(|t| {
+            let rpc = rpc.clone();
+            std::thread::spawn(move || {
+                for i in 0..50u64 {
+                    let x = t * 1_000_000 + i;
+                    let r = rpc.call("add", &x.to_le_bytes(), HANG).expect("call");
+                    assert_eq!(r, (x + 1).to_le_bytes());
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().expect("caller");
+    }
+}
+
+#[test]
+fn rpc_reports_peer_gone() {
+    let (se, ce, s, c) = pair_with(Config {
+        device: "tcp0".into(),
+        ..Config::default()
+    });
+    let rpc = Rpc::new(c);
+    drop(s);
+    drop(se);
+    let r = rpc.call("anything", b"", HANG);
+    assert!(
+        matches!(r, Err(RpcError::PeerGone) | Err(RpcError::Channel(_))),
+        "got {r:?}"
+    );
+    drop(ce);
+}
+
+#[test]
+fn json_rpc_and_async_api() {
+    let (se, _ce, s, c) = pair("shm0");
+    se.serve(
+        "sum",
+        fabriq::json_handler(|v: Vec<u32>| Ok::<u64, String>(v.iter().map(|&x| u64::from(x)).sum())),
+    );
+    let rpc = Rpc::new(c.clone());
+    let total: u64 = rpc.call_json("sum", &vec![1u32, 2, 3], HANG).expect("json call");
+    assert_eq!(total, 6);
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    rt.block_on(async {
+        c.send_async(&pattern(100_000, 5)).await.expect("send_async");
+        let m = s.recv_async().await.expect("recv_async");
+        assert_eq!(&m[..], &pattern(100_000, 5)[..]);
+        let r = rpc.call_async("sum", b"[4,5]", HANG).await.expect("call_async");
+        assert_eq!(r, b"9");
+    });
+}
+
+#[test]
+fn one_sided_read_write_atomics_without_owner_code() {
+    let (se, _ce, s, c) = pair("shm0");
+    let region = se.expose(4096).expect("expose");
+    s.send(&region.descriptor().to_bytes()).expect("send descriptor");
+    let desc = fabriq::RegionDescriptor::from_bytes(&c.recv_timeout(HANG).expect("recv")).expect("descriptor");
+    let remote = c.remote_region(desc);
+    remote.write(100, b"hello").expect("write");
+    let mut buf = [0u8; 5];
+    region.read_at(100, &mut buf).expect("local read");
+    assert_eq!(&buf, b"hello");
+    region.write_at(200, b"world").expect("local write");
+    assert_eq!(remote.read(200, 5).expect("read"), b"world");
+    assert_eq!(remote.fetch_and_add(8, 5).expect("faa"), 0);
+    assert_eq!(remote.compare_and_swap(8, 5, 42).expect("cas"), 5);
+    assert_eq!(remote.compare_and_swap(8, 5, 43).expect("cas"), 42);
+    assert_eq!(region.atomic_u64(8).expect("word").load(std::sync::atomic::Ordering::SeqCst), 42);
+    assert!(matches!(
+        remote.read(4090, 10),
+        Err(fabriq::ChannelError::OutOfBounds { .. })
+    ));
+    assert!(matches!(
+        remote.compare_and_swap(3, 0, 1),
+        Err(fabriq::ChannelError::OutOfBounds { .. })
+    ));
+}
+
+#[test]
+fn thresholds_change_on_a_live_channel() {
+    let (_se, _ce, s, c) = pair("tcp0");
+    c.send(&pattern(3000, 1)).expect("send");
+    assert_eq!(&s.recv_timeout(HANG).expect("recv")[..], &pattern(3000, 1)[..]);
+    c.set_thresholds(fabriq::Thresholds::for_link_speed(25));
+    c.send(&pattern(3000, 2)).expect("send");
+    assert_eq!(&s.recv_timeout(HANG).expect("recv")[..], &pattern(3000, 2)[..]);
+    let st = c.stats().expect("stats");
+    assert_eq!((st.eager_sent, st.rendezvous_sent), (1, 1));
+}

@@ -1,0 +1,1464 @@
+//! One side of an MP-RDMA connection: the sans-IO state machine.
+//!
+//! Owns the sender rules (multi-path ACK clocking, out-of-order-aware path selection,
+//! probing, burst control, use it or lose it, idle restart, synchronise delay, loss
+//! recovery, tail-loss resend, RTO) and glues them to the receiver (`crate::recv`), the
+//! message store (`crate::send`), the congestion controllers (`crate::congestion`) and
+//! the wire format (`crate::frame`). Design: MP-RDMA (NSDI 2018) §3 and §4; the
+//! single-path baseline follows RoCEv2 go-back-N with DCQCN.
+//!
+//! Driving loop: input (`send`, `handle_datagram`, `handle_timeout`) → drain
+//! `poll_transmit` → drain `poll_event` → sleep until `poll_timeout`. Nothing here reads
+//! a clock or allocates per packet (queues keep their capacity; only a received
+//! message's buffer is allocated, once per message).
+
+use std::collections::VecDeque;
+use std::time::Duration;
+
+use bytes::Bytes;
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use thiserror::Error;
+
+use crate::config::{Config, Mode};
+use crate::congestion::{Dcqcn, Window};
+use crate::frame::{self, AckHeader, DataHeader, DecodeError, Frame, NackHeader};
+use crate::recv::{Receiver, ReceiverState, RecvOutcome};
+use crate::rtt::RttEstimator;
+use crate::send::{packets_for, SendQueue};
+use crate::seq;
+use crate::stats::{ProtocolStateSize, Stats};
+use crate::time::duration_nanos;
+use crate::{Instant, PathId};
+
+/// Identifies a message within one direction of a connection: 0, 1, 2, … in send order.
+/// The receiver reports the same id for the same message.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub struct MessageId(pub u64);
+
+/// A message's content.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Payload {
+    /// Real bytes, carried in the packets.
+    Bytes(Bytes),
+    /// Only a length: packets carry headers only and stand for this many payload bytes
+    /// (see [`Transmit::virtual_len`]). Used by the simulator to avoid copying payload.
+    Virtual(u64),
+}
+
+impl Payload {
+    /// Length in bytes (real or virtual).
+    pub fn len(&self) -> u64 {
+        match self {
+            Payload::Bytes(b) => b.len() as u64,
+            Payload::Virtual(n) => *n,
+        }
+    }
+
+    /// Whether the message is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl From<Vec<u8>> for Payload {
+    fn from(v: Vec<u8>) -> Self {
+        Payload::Bytes(Bytes::from(v))
+    }
+}
+
+impl From<Bytes> for Payload {
+    fn from(b: Bytes) -> Self {
+        Payload::Bytes(b)
+    }
+}
+
+/// What a datagram from [`Connection::poll_transmit`] is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum PacketKind {
+    /// First transmission of a data packet: on the path its ACK echoed, or on a random
+    /// path for the first window, after idle, or from the burst timer.
+    Data,
+    /// First transmission of a data packet on a new random path chosen by probing
+    /// (probability `probe_probability` per ACK-clocked packet).
+    Probe,
+    /// A data packet sent again.
+    Retransmit,
+    /// An acknowledgement.
+    Ack,
+    /// A negative acknowledgement.
+    Nack,
+}
+
+impl PacketKind {
+    /// Whether the packet carries (or stands for) payload.
+    pub fn is_data(self) -> bool {
+        matches!(
+            self,
+            PacketKind::Data | PacketKind::Probe | PacketKind::Retransmit
+        )
+    }
+}
+
+/// A datagram to send, written into the buffer given to [`Connection::poll_transmit`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Transmit {
+    /// Virtual path to send it on (the driver's UDP source-port index).
+    pub path: PathId,
+    /// Bytes written to the buffer (`buf[..len]` is the datagram).
+    pub len: usize,
+    /// Payload bytes the datagram stands for without carrying them (virtual payload);
+    /// its size on a modelled wire is `len + virtual_len`. 0 for real payload.
+    pub virtual_len: u32,
+    /// Whether the datagram may be sent ECN-capable (ECT): data yes, ACK/NACK no.
+    pub ecn_capable: bool,
+    /// What it is.
+    pub kind: PacketKind,
+}
+
+impl Transmit {
+    /// Size on the wire, counting virtual payload.
+    pub fn wire_len(&self) -> usize {
+        self.len + self.virtual_len as usize
+    }
+}
+
+/// Why a connection stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Error)]
+#[non_exhaustive]
+pub enum ConnectionError {
+    /// `max_rto_count` retransmission timeouts in a row without progress.
+    #[error("peer unreachable: retransmission timed out {0} times")]
+    TimedOut(u32),
+    /// The peer broke the protocol in a way that cannot be ignored (e.g. a message
+    /// whose packets disagree after they were acknowledged).
+    #[error("protocol violation by peer: {0}")]
+    Protocol(&'static str),
+}
+
+/// Why [`Connection::send`] refused a message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Error)]
+#[non_exhaustive]
+pub enum SendError {
+    /// Too many messages queued or unacknowledged: back-pressure, retry after
+    /// [`Event::MessageAcked`].
+    #[error("send queue full")]
+    QueueFull,
+    /// Longer than `Config::max_message_len`.
+    #[error("message of {0} bytes exceeds max_message_len")]
+    TooLarge(u64),
+    /// The connection failed.
+    #[error("connection failed: {0}")]
+    Failed(ConnectionError),
+}
+
+/// Something the application should know.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Event {
+    /// A complete message from the peer; delivered exactly once, in message order.
+    MessageReceived {
+        /// The message's id in the peer's send order.
+        id: MessageId,
+        /// Its content.
+        payload: Payload,
+        /// Whether it was sent with the synchronise flag (applied only after every
+        /// earlier message was complete).
+        synchronise: bool,
+    },
+    /// Every packet of a message we sent was acknowledged.
+    MessageAcked(MessageId),
+    /// The connection failed; nothing more will be sent or delivered.
+    Failed(ConnectionError),
+}
+
+/// The sender's protocol state (what a NIC would keep per connection).
+///
+/// PSN invariants (serial order): `snd_una <= snd_nxt <= snd_max`,
+/// `snd_una <= snd_ooh + 1`; in multi-path mode `snd_nxt == snd_max`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct SenderState {
+    /// Oldest unacknowledged PSN.
+    pub(crate) snd_una: u32,
+    /// Next PSN to send (multi-path: next new PSN; go-back-N: may rewind).
+    pub(crate) snd_nxt: u32,
+    /// One past the highest PSN ever sent.
+    pub(crate) snd_max: u32,
+    /// Highest SACKed PSN (out-of-order high).
+    pub(crate) snd_ooh: u32,
+    /// Loss recovery ends when `snd_una` reaches this (`snd_nxt` at entry).
+    pub(crate) recovery: u32,
+    /// Next PSN to retransmit in recovery.
+    pub(crate) snd_retx: u32,
+    /// Next PSN the tail-loss resend may send again.
+    pub(crate) snd_tail: u32,
+    /// SACK bitmap: bit `i` set = PSN `snd_una + i` was selectively acknowledged. Lets
+    /// recovery and tail resend skip packets that arrived (not in the paper's 66 bytes;
+    /// 8 bytes that avoid resending a whole bitmap window per loss).
+    pub(crate) sacked: u64,
+    /// Packets SACKed above `snd_una` (window inflation); `<= snd_nxt - snd_una`.
+    pub(crate) inflate: u32,
+    /// Retransmissions sent and not yet acknowledged.
+    pub(crate) retx_in_flight: u32,
+    /// Congestion window.
+    pub(crate) window: Window,
+    /// RTT estimate.
+    pub(crate) rtt: RttEstimator,
+    /// Consecutive timeouts without progress.
+    pub(crate) rto_count: u8,
+    /// In loss recovery.
+    pub(crate) in_recovery: bool,
+    /// The recovery was started by a timeout: every unSACKed packet below `recovery`
+    /// is presumed lost (not only those more than Δ below `snd_ooh`).
+    pub(crate) recovery_after_timeout: bool,
+}
+
+/// Timer kinds (timers are data: one optional deadline each).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(usize)]
+enum Timer {
+    /// Retransmission timeout.
+    Rto = 0,
+    /// Burst timer: release window left over by burst-limited ACKs.
+    Burst = 1,
+    /// Wake-up when a delayed synchronise message may go.
+    Sync = 2,
+    /// Wake-up when the single-path pacer allows the next packet.
+    Pace = 3,
+    /// DCQCN rate increase (runs from a rate cut until line rate is reached).
+    Increase = 4,
+    /// The resent hole at `snd_una` is overdue: its resend was lost too.
+    Resend = 5,
+}
+
+const TIMER_COUNT: usize = 6;
+const TIMERS: [Timer; TIMER_COUNT] = [
+    Timer::Rto,
+    Timer::Burst,
+    Timer::Sync,
+    Timer::Pace,
+    Timer::Increase,
+    Timer::Resend,
+];
+
+/// Deadlines and time marks.
+#[derive(Clone, Copy, Debug, Default)]
+struct Timers {
+    deadline: [Option<Instant>; TIMER_COUNT],
+    /// A synchronise message may not leave before this (Δt after the previous tail).
+    sync_not_before: Instant,
+    /// Restart from the initial window when sending after this instant with nothing in
+    /// flight.
+    idle_restart_at: Option<Instant>,
+    /// A NACK may rewind the go-back-N pointer again after this.
+    rewind_holdoff_until: Instant,
+    /// The PSN last resent for a NACK, and when another NACK may resend it again.
+    nack_resend: Option<(u32, Instant)>,
+    /// The PSN the `Resend` timer watches (a resent hole at `snd_una`).
+    resend_watch: u32,
+    /// The path the latest ACK echoed: known to work, used for resends that no ACK
+    /// clocks (resend timer, RTO).
+    last_ack_path: PathId,
+    /// Last DCQCN reaction to a congestion notification (alpha decays in whole
+    /// `alpha_timer` periods from here, computed lazily at the next notification).
+    last_rate_cut: Option<Instant>,
+    /// Single-path pacer: earliest time of the next data packet.
+    next_send: Instant,
+}
+
+impl Timers {
+    fn get(&self, t: Timer) -> Option<Instant> {
+        self.deadline.get(t as usize).copied().flatten()
+    }
+    fn set(&mut self, t: Timer, at: Option<Instant>) {
+        if let Some(d) = self.deadline.get_mut(t as usize) {
+            *d = at;
+        }
+    }
+}
+
+/// One ACK-clock send opportunity: a packet may leave on `path`.
+#[derive(Clone, Copy, Debug)]
+struct Token {
+    path: PathId,
+    /// The path replaces the ACK's path because of probing.
+    probe: bool,
+    /// A specific PSN to resend (a NACKed one); `None`: whatever is due next.
+    psn: Option<u32>,
+}
+
+/// An ACK or NACK waiting to be sent.
+#[derive(Clone, Copy, Debug)]
+enum Reply {
+    Ack { via: PathId, h: AckHeader },
+    Nack { via: PathId, h: NackHeader },
+}
+
+/// One side of a full-duplex MP-RDMA connection.
+pub struct Connection {
+    config: Config,
+    s: SenderState,
+    receiver: Receiver,
+    queue: SendQueue,
+    dcqcn: Dcqcn,
+    timers: Timers,
+    tokens: VecDeque<Token>,
+    replies: VecDeque<Reply>,
+    events: VecDeque<Event>,
+    rng: SmallRng,
+    stats: Stats,
+    error: Option<ConnectionError>,
+}
+
+impl std::fmt::Debug for Connection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Connection")
+            .field("mode", &self.config.mode)
+            .field("sender", &self.s)
+            .field("receiver", &self.receiver.state)
+            .field("queued_messages", &self.queue.len())
+            .field("error", &self.error)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Tail resend waits until this many later packets were SACKed (TCP's duplicate-ACK
+/// threshold), so mild reordering does not trigger it.
+const TAIL_REORDER_THRESHOLD: u32 = 3;
+
+/// Largest span of PSNs queued or in flight; keeps serial comparisons unambiguous.
+const MAX_PSN_SPAN: u64 = 1 << 30;
+
+impl Connection {
+    /// Creates one side of a connection at time `now`.
+    ///
+    /// An invalid `config` is repaired with [`Config::sanitized`]; call
+    /// [`Config::validate`] first to reject one instead. Both sides start at PSN 0.
+    pub fn new(config: Config, now: Instant) -> Connection {
+        Self::with_initial_psn(config, now, 0)
+    }
+
+    /// Like [`Connection::new`], with both directions starting at PSN `psn` (tests
+    /// use it to cross the 32-bit wrap; peers must agree on it).
+    pub(crate) fn with_initial_psn(config: Config, now: Instant, psn: u32) -> Connection {
+        let config = config.sanitized();
+        let window = match config.mode {
+            Mode::MultiPath => config.bitmap_len,
+            Mode::SinglePath => 1,
+        };
+        let initial_window = f64::from(config.initial_window);
+        let s = SenderState {
+            snd_una: psn,
+            snd_nxt: psn,
+            snd_max: psn,
+            snd_ooh: psn,
+            recovery: psn,
+            snd_retx: psn,
+            snd_tail: psn,
+            sacked: 0,
+            inflate: 0,
+            retx_in_flight: 0,
+            window: Window::new(initial_window, config.min_window, config.max_window),
+            rtt: RttEstimator::new(config.initial_rtt),
+            rto_count: 0,
+            in_recovery: false,
+            recovery_after_timeout: false,
+        };
+        let timers = Timers {
+            next_send: now,
+            sync_not_before: now,
+            rewind_holdoff_until: now,
+            ..Timers::default()
+        };
+        let dcqcn = Dcqcn::new(&config.dcqcn);
+        let stats = Stats {
+            state_size: ProtocolStateSize {
+                sender: std::mem::size_of::<SenderState>(),
+                receiver: std::mem::size_of::<ReceiverState>(),
+                rate_control: if config.mode == Mode::SinglePath {
+                    std::mem::size_of::<Dcqcn>()
+                } else {
+                    0
+                },
+                timers: std::mem::size_of::<[Option<Instant>; TIMER_COUNT]>(),
+            },
+            ..Stats::default()
+        };
+        let mut c = Connection {
+            receiver: Receiver::new(psn, window, config.max_message_len),
+            queue: SendQueue::new(psn),
+            rng: SmallRng::seed_from_u64(config.seed),
+            config,
+            s,
+            dcqcn,
+            timers,
+            tokens: VecDeque::new(),
+            replies: VecDeque::new(),
+            events: VecDeque::new(),
+            stats,
+            error: None,
+        };
+        c.refresh_stats(now);
+        c
+    }
+
+    /// The configuration in use (after sanitizing).
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// Counters and current congestion state.
+    pub fn stats(&self) -> &Stats {
+        &self.stats
+    }
+
+    /// Why the connection failed, if it did.
+    pub fn error(&self) -> Option<ConnectionError> {
+        self.error
+    }
+
+    /// Whether every message sent was acknowledged and nothing is waiting to be sent.
+    pub fn is_idle(&self) -> bool {
+        self.queue.is_empty() && self.replies.is_empty()
+    }
+
+    /// Congestion window in packets.
+    pub fn cwnd(&self) -> f64 {
+        self.s.window.get()
+    }
+
+    /// Smoothed RTT estimate.
+    pub fn srtt(&self) -> Duration {
+        self.s.rtt.srtt()
+    }
+
+    /// Packets sent and not yet cumulatively acknowledged.
+    pub fn packets_in_flight(&self) -> u32 {
+        seq::dist(self.s.snd_una, self.s.snd_nxt)
+    }
+
+    /// Queues a message. It is split into `mss`-byte packets; `synchronise` makes the
+    /// receiver apply it only after every earlier message is complete.
+    pub fn send(
+        &mut self,
+        now: Instant,
+        payload: Payload,
+        synchronise: bool,
+    ) -> Result<MessageId, SendError> {
+        if let Some(e) = self.error {
+            return Err(SendError::Failed(e));
+        }
+        let len = payload.len();
+        if len > self.config.max_message_len {
+            return Err(SendError::TooLarge(len));
+        }
+        let packets = packets_for(len, self.config.mss);
+        let span = u64::from(seq::dist(self.s.snd_una, self.queue.end_psn()));
+        if self.queue.len() >= self.config.max_queued_messages || span + packets > MAX_PSN_SPAN {
+            return Err(SendError::QueueFull);
+        }
+        let id = self.queue.push(payload, synchronise, packets as u32);
+        self.stats.messages_sent += 1;
+        if self.config.mode == Mode::MultiPath {
+            self.kickoff(now);
+        }
+        self.refresh_stats(now);
+        Ok(id)
+    }
+
+    /// Handles one datagram received on virtual path `path` (the path the ACK goes back
+    /// on), with the ECN CE mark `ecn_ce`.
+    ///
+    /// A malformed datagram, or one that contradicts this side's state, is ignored and
+    /// reported as an error; the connection keeps working. A fatal violation ends the
+    /// connection with [`Event::Failed`].
+    pub fn handle_datagram(
+        &mut self,
+        now: Instant,
+        path: PathId,
+        ecn_ce: bool,
+        datagram: &[u8],
+    ) -> Result<(), DecodeError> {
+        if self.error.is_some() {
+            return Ok(());
+        }
+        let r = match frame::decode(datagram)? {
+            Frame::Data(h, payload) => {
+                self.on_data(now, path, ecn_ce, &h, payload);
+                Ok(())
+            }
+            Frame::Ack(h) => self.on_ack(now, &h),
+            Frame::Nack(h) => self.on_nack(now, &h),
+        };
+        self.refresh_stats(now);
+        r
+    }
+
+    /// Runs every timer whose deadline is at or before `now`. Spurious calls are harmless.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        if self.error.is_some() {
+            return;
+        }
+        for t in TIMERS {
+            if self.timers.get(t).is_some_and(|d| d <= now) {
+                self.timers.set(t, None);
+                self.on_timer(now, t);
+                if self.error.is_some() {
+                    return;
+                }
+            }
+        }
+        self.refresh_stats(now);
+    }
+
+    /// The next instant `handle_timeout` should be called, if any.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        if self.error.is_some() {
+            return None;
+        }
+        self.timers.deadline.iter().flatten().min().copied()
+    }
+
+    /// Writes the next datagram to send into `buf` (cleared first) and describes it.
+    /// Call until it returns `None`.
+    pub fn poll_transmit(&mut self, now: Instant, buf: &mut Vec<u8>) -> Option<Transmit> {
+        buf.clear();
+        if self.error.is_some() {
+            return None;
+        }
+        if let Some(reply) = self.replies.pop_front() {
+            let (path, kind) = match reply {
+                Reply::Ack { via, h } => {
+                    frame::encode_ack(&h, buf);
+                    self.stats.acks_sent += 1;
+                    (via, PacketKind::Ack)
+                }
+                Reply::Nack { via, h } => {
+                    frame::encode_nack(&h, buf);
+                    self.stats.nacks_sent += 1;
+                    (via, PacketKind::Nack)
+                }
+            };
+            self.stats.packets_sent += 1;
+            self.stats.bytes_sent += buf.len() as u64;
+            return Some(Transmit {
+                path,
+                len: buf.len(),
+                virtual_len: 0,
+                ecn_capable: false,
+                kind,
+            });
+        }
+        let t = match self.config.mode {
+            Mode::MultiPath => self.transmit_multipath(now, buf),
+            Mode::SinglePath => self.transmit_single_path(now, buf),
+        };
+        if t.is_some() {
+            self.refresh_stats(now);
+        }
+        t
+    }
+
+    /// The next event for the application, if any.
+    pub fn poll_event(&mut self) -> Option<Event> {
+        self.events.pop_front()
+    }
+
+    // ----- receiving data -------------------------------------------------------------
+
+    fn on_data(&mut self, now: Instant, via: PathId, ecn_ce: bool, h: &DataHeader, payload: &[u8]) {
+        let before = self.events.len();
+        let outcome =
+            self.receiver
+                .on_data(now, self.config.nack_interval, h, payload, &mut self.events);
+        self.stats.max_ooo_gap = self.receiver.max_gap;
+        for e in self.events.iter().skip(before) {
+            if let Event::MessageReceived { payload, .. } = e {
+                self.stats.messages_received += 1;
+                self.stats.payload_bytes_received += payload.len();
+            }
+        }
+        let aack = self.receiver.state.rcv_nxt;
+        let ack = AckHeader {
+            path: h.path,
+            sack: h.psn,
+            aack,
+            timestamp_echo: h.timestamp,
+            ece: ecn_ce,
+            synchronise: h.synchronise,
+            retransmit: h.retransmit,
+        };
+        match outcome {
+            Ok(RecvOutcome::Accepted) => self.replies.push_back(Reply::Ack { via, h: ack }),
+            Ok(RecvOutcome::Duplicate) => {
+                self.stats.duplicates_received += 1;
+                self.replies.push_back(Reply::Ack { via, h: ack });
+            }
+            Ok(RecvOutcome::Overflow(nack)) => {
+                self.stats.ooo_drops += 1;
+                if let Some(lost) = nack {
+                    self.replies.push_back(Reply::Nack {
+                        via,
+                        h: NackHeader {
+                            path: h.path,
+                            lost,
+                            aack,
+                            timestamp_echo: h.timestamp,
+                            ece: ecn_ce,
+                            synchronise: false,
+                            retransmit: h.retransmit,
+                        },
+                    });
+                }
+            }
+            Ok(RecvOutcome::EarlySync) => {
+                self.stats.sync_early_drops += 1;
+                self.replies.push_back(Reply::Nack {
+                    via,
+                    h: NackHeader {
+                        path: h.path,
+                        lost: h.psn,
+                        aack,
+                        timestamp_echo: h.timestamp,
+                        ece: ecn_ce,
+                        synchronise: true,
+                        retransmit: h.retransmit,
+                    },
+                });
+            }
+            Err(e) => self.fail(e),
+        }
+    }
+
+    // ----- sender: acknowledgements -----------------------------------------------------
+
+    /// Checks that an acknowledged PSN range makes sense: `aack` within
+    /// `[snd_una - span, snd_max]` and `psn` below `snd_max`.
+    fn check_ack_range(&self, psn: u32, aack: u32) -> Result<(), DecodeError> {
+        let s = &self.s;
+        if seq::lt(s.snd_max, aack) || !seq::lt(psn, s.snd_max) {
+            return Err(DecodeError::Protocol("acknowledges a PSN never sent"));
+        }
+        Ok(())
+    }
+
+    fn rtt_sample(&mut self, now: Instant, echo: u64) {
+        let ts = Instant::from_nanos(echo);
+        if ts <= now {
+            self.s.rtt.on_sample(now - ts);
+        }
+    }
+
+    fn on_ack(&mut self, now: Instant, h: &AckHeader) -> Result<(), DecodeError> {
+        if seq::diff(h.sack, self.s.snd_una) < -(MAX_PSN_SPAN as i32) {
+            return Ok(()); // ancient duplicate
+        }
+        self.check_ack_range(h.sack, h.aack)?;
+        self.stats.acks_received += 1;
+        self.rtt_sample(now, h.timestamp_echo);
+        if h.ece {
+            self.stats.ecn_echoes += 1;
+        }
+        match self.config.mode {
+            Mode::MultiPath => self.on_ack_multipath(now, h),
+            Mode::SinglePath => {
+                self.advance_una(now, h.aack);
+                if h.ece {
+                    self.on_congestion_notification(now);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn on_ack_multipath(&mut self, now: Instant, h: &AckHeader) {
+        let (min, max) = (self.config.min_window, self.config.max_window);
+        self.timers.last_ack_path = h.path;
+        // A SACK at or above snd_una is a packet leaving the network: inflate by one.
+        let fresh = !seq::lt(h.sack, self.s.snd_una) && !self.is_sacked(h.sack);
+        if fresh {
+            self.s.inflate = self.s.inflate.saturating_add(1);
+            self.mark_sacked(h.sack);
+        }
+        if h.retransmit {
+            self.s.retx_in_flight = self.s.retx_in_flight.saturating_sub(1);
+        }
+        self.advance_una(now, h.aack);
+        if h.ece {
+            self.s.window.on_marked_ack(min, max);
+        } else {
+            self.s.window.on_unmarked_ack(min, max);
+        }
+        // Out-of-order aware path selection: an ACK far behind the highest SACK comes
+        // from a slow path; shrink the window and do not reuse that path.
+        let snd_ool = self.s.snd_ooh.wrapping_sub(self.config.delta);
+        let slow = !h.retransmit && seq::lt(h.sack, snd_ool);
+        self.s.snd_ooh = seq::max(self.s.snd_ooh, h.sack);
+        if slow {
+            self.stats.slow_path_prunes += 1;
+            self.s.window.shrink_by_one(min, max);
+            self.kickoff(now);
+            return;
+        }
+        self.detect_loss(now);
+        self.release_on_ack(now, h.path);
+        self.kickoff(now);
+    }
+
+    /// Sender-side loss detection. Path selection keeps reordering within Δ, so when
+    /// the highest SACK is more than Δ above `snd_una`, the packet at `snd_una` (and
+    /// every unSACKed one that far behind) is lost: start recovery without waiting for
+    /// the receiver's bitmap to overflow.
+    fn detect_loss(&mut self, now: Instant) {
+        let behind = seq::diff(self.s.snd_ooh, self.s.snd_una);
+        if self.s.in_recovery || behind <= 0 || behind.unsigned_abs() <= self.config.delta {
+            return;
+        }
+        let una = self.s.snd_una;
+        self.enter_recovery(now, una, false);
+    }
+
+    /// How long a resent hole may stay missing before its resend counts as lost:
+    /// one RTT for the resend plus the usual RTO margin (`srtt + 4·rttvar`).
+    fn resend_grace(&self) -> Duration {
+        self.s.rtt.srtt() + self.s.rtt.rto(Duration::ZERO, self.config.max_rto)
+    }
+
+    /// The `Resend` timer fired: the resent hole at `snd_una` is still missing, so the
+    /// resend was lost as well; send it again (the timer re-arms when it leaves).
+    fn on_resend_timer(&mut self) {
+        let una = self.s.snd_una;
+        if self.timers.resend_watch != una || self.in_flight() == 0 {
+            return;
+        }
+        self.stats.repeated_resends += 1;
+        let path = self.timers.last_ack_path;
+        self.tokens.push_front(Token {
+            path,
+            probe: false,
+            psn: Some(una),
+        });
+    }
+
+    fn on_nack(&mut self, now: Instant, h: &NackHeader) -> Result<(), DecodeError> {
+        if seq::diff(h.lost, self.s.snd_una) < -(MAX_PSN_SPAN as i32) {
+            return Ok(());
+        }
+        self.check_ack_range(h.lost, h.aack)?;
+        self.stats.nacks_received += 1;
+        self.rtt_sample(now, h.timestamp_echo);
+        if h.ece {
+            self.stats.ecn_echoes += 1;
+        }
+        self.advance_una(now, h.aack);
+        match self.config.mode {
+            Mode::MultiPath => {
+                if h.ece {
+                    self.s
+                        .window
+                        .on_marked_ack(self.config.min_window, self.config.max_window);
+                }
+                if seq::lt(h.lost, self.s.snd_una) {
+                    self.kickoff(now);
+                    return Ok(()); // already recovered
+                }
+                if !h.synchronise {
+                    // Bitmap overflow: `lost` (rcv_nxt) is missing while a packet L
+                    // further arrived. Recover every hole up to the current snd_nxt.
+                    if !self.s.in_recovery {
+                        self.enter_recovery(now, h.lost.wrapping_add(1), false);
+                    } else if !seq::lt(h.lost, self.s.recovery) {
+                        self.s.recovery = self.s.snd_nxt;
+                    }
+                }
+                // The named packet is known missing (lost, or an early synchronise
+                // packet the receiver dropped): resend it now on the NACK's path,
+                // outside the window; again for the same PSN only after an RTT.
+                let repeat = self
+                    .timers
+                    .nack_resend
+                    .is_some_and(|(psn, at)| psn == h.lost && now < at);
+                if !repeat {
+                    self.timers.nack_resend = Some((h.lost, now + self.s.rtt.srtt()));
+                    self.tokens.push_front(Token {
+                        path: h.path,
+                        probe: false,
+                        psn: Some(h.lost),
+                    });
+                }
+                self.kickoff(now);
+            }
+            Mode::SinglePath => {
+                if h.ece {
+                    self.on_congestion_notification(now);
+                }
+                if seq::lt(h.lost, self.s.snd_nxt) && now >= self.timers.rewind_holdoff_until {
+                    // Go-back-N: resend everything from the lost PSN.
+                    self.s.snd_nxt = seq::max(h.lost, self.s.snd_una);
+                    self.timers.rewind_holdoff_until = now + self.s.rtt.srtt();
+                    self.stats.go_back_n += 1;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Enters loss recovery until `snd_una` reaches the current `snd_nxt`; the sweep
+    /// of holes starts at `sweep_from`.
+    fn enter_recovery(&mut self, now: Instant, sweep_from: u32, after_timeout: bool) {
+        self.s.in_recovery = true;
+        self.s.recovery_after_timeout = after_timeout;
+        self.s.recovery = self.s.snd_nxt;
+        self.s.snd_retx = sweep_from;
+        self.timers.rewind_holdoff_until = now + self.s.rtt.srtt();
+        self.stats.recoveries += 1;
+    }
+
+    /// Moves `snd_una` to `aack` if that is progress; completes acknowledged messages.
+    fn advance_una(&mut self, now: Instant, aack: u32) {
+        if !seq::lt(self.s.snd_una, aack) {
+            return;
+        }
+        let advanced = seq::dist(self.s.snd_una, aack);
+        self.s.inflate = self.s.inflate.saturating_sub(advanced);
+        self.s.sacked = self.s.sacked.checked_shr(advanced).unwrap_or(0);
+        self.s.snd_una = aack;
+        if seq::lt(self.s.snd_nxt, aack) {
+            self.s.snd_nxt = aack; // go-back-N rewound below an ACK that then arrived
+        }
+        let events = &mut self.events;
+        let stats = &mut self.stats;
+        self.queue.pop_acked(aack, |id| {
+            stats.messages_acked += 1;
+            events.push_back(Event::MessageAcked(id));
+        });
+        if self.s.in_recovery && !seq::lt(self.s.snd_una, self.s.recovery) {
+            self.s.in_recovery = false;
+            self.s.recovery_after_timeout = false;
+            self.s.retx_in_flight = 0;
+        }
+        let in_flight = seq::dist(self.s.snd_una, self.s.snd_nxt);
+        self.s.inflate = self.s.inflate.min(in_flight);
+        if in_flight == 0 {
+            self.s.retx_in_flight = 0;
+        }
+        self.s.rto_count = 0;
+        self.rearm_rto(now, true);
+        if self.timers.get(Timer::Resend).is_some() {
+            if self.s.in_recovery
+                && !self.s.recovery_after_timeout
+                && seq::lt(self.s.snd_una, self.s.snd_retx)
+            {
+                // The new hole at snd_una was already resent by the sweep: watch it.
+                self.timers.resend_watch = self.s.snd_una;
+                self.timers
+                    .set(Timer::Resend, Some(now + self.resend_grace()));
+            } else {
+                self.timers.set(Timer::Resend, None);
+            }
+        }
+    }
+
+    // ----- sender: window and send opportunities ------------------------------------------
+
+    fn is_sacked(&self, psn: u32) -> bool {
+        let off = seq::diff(psn, self.s.snd_una);
+        (0..64).contains(&off) && self.s.sacked & (1u64 << off) != 0
+    }
+
+    fn mark_sacked(&mut self, psn: u32) {
+        let off = seq::diff(psn, self.s.snd_una);
+        if (0..64).contains(&off) {
+            self.s.sacked |= 1u64 << off;
+        }
+    }
+
+    /// PSNs in `[from, until)` not known to be SACKed (`from >= snd_una`).
+    fn unsacked_between(&self, from: u32, until: u32) -> u64 {
+        if !seq::lt(from, until) {
+            return 0;
+        }
+        let total = u64::from(seq::dist(from, until));
+        let lo = seq::dist(self.s.snd_una, from).min(64);
+        let hi = seq::dist(self.s.snd_una, until).min(64);
+        let width = hi - lo;
+        let ones = if width >= 64 {
+            u64::MAX
+        } else {
+            (1u64 << width) - 1
+        };
+        let mask = ones.checked_shl(lo).unwrap_or(0);
+        total - u64::from((self.s.sacked & mask).count_ones())
+    }
+
+    /// First PSN at or after `from` and before `until` that is not SACKed.
+    fn first_unsacked(&self, mut from: u32, until: u32) -> Option<u32> {
+        while seq::lt(from, until) {
+            if !self.is_sacked(from) {
+                return Some(from);
+            }
+            from = from.wrapping_add(1);
+        }
+        None
+    }
+
+    fn in_flight(&self) -> u32 {
+        seq::dist(self.s.snd_una, self.s.snd_nxt)
+    }
+
+    /// Available window: `cwnd + inflate - (snd_nxt - snd_una) - retransmissions in
+    /// flight - opportunities already granted`, rounded down.
+    fn available_window(&self) -> i64 {
+        let awnd = self.s.window.get() + f64::from(self.s.inflate)
+            - f64::from(self.in_flight())
+            - f64::from(self.s.retx_in_flight)
+            - self.tokens.len() as f64;
+        awnd.floor() as i64
+    }
+
+    /// Packets that could be sent now: retransmissions owed, new data, tail resends.
+    fn sendable(&self) -> u64 {
+        let s = &self.s;
+        let mut n = 0u64;
+        if s.in_recovery {
+            let from = seq::max(s.snd_retx, s.snd_una);
+            n += self.unsacked_between(from, self.recovery_limit());
+        }
+        if self.new_data_blocked_by_bitmap() {
+            return n;
+        }
+        n += u64::from(seq::dist(s.snd_nxt, self.queue.end_psn()));
+        if n == 0 {
+            let from = seq::max(s.snd_tail, s.snd_una);
+            n += self.unsacked_between(from, self.tail_resend_limit());
+        }
+        n
+    }
+
+    /// In recovery the receiver's bitmap is pinned at the hole (`rcv_nxt == snd_una`):
+    /// a new packet at or beyond `snd_una + L` would be dropped on arrival, so new data
+    /// waits until the hole fills.
+    fn new_data_blocked_by_bitmap(&self) -> bool {
+        self.s.in_recovery
+            && seq::dist(self.s.snd_una, self.s.snd_nxt) >= self.config.bitmap_len
+            && seq::lt(self.s.snd_nxt, self.queue.end_psn())
+    }
+
+    /// Recovery resends unSACKed packets more than Δ below the highest SACK: path
+    /// selection keeps reordering within Δ, so such a packet is lost, while one closer
+    /// to `snd_ooh` may still be in flight on a slightly slower path.
+    fn recovery_limit(&self) -> u32 {
+        let s = &self.s;
+        let limit = s.recovery.min_serial(s.snd_nxt);
+        if s.recovery_after_timeout {
+            return limit;
+        }
+        if seq::lt(s.snd_ooh, s.snd_una) {
+            return s.snd_una;
+        }
+        let reorder_bound = s.snd_ooh.wrapping_sub(self.config.delta).wrapping_add(1);
+        limit.min_serial(seq::max(reorder_bound, s.snd_una))
+    }
+
+    /// Tail resend covers unacknowledged packets at least [`TAIL_REORDER_THRESHOLD`]
+    /// below the highest SACK: so many later packets arrived that this one is lost
+    /// or on a slow path, not merely overtaken.
+    fn tail_resend_limit(&self) -> u32 {
+        if seq::lt(self.s.snd_ooh, self.s.snd_una) {
+            return self.s.snd_una; // nothing SACKed above snd_una
+        }
+        let bound = self
+            .s
+            .snd_ooh
+            .wrapping_sub(TAIL_REORDER_THRESHOLD)
+            .wrapping_add(1);
+        seq::max(bound, self.s.snd_una).min_serial(self.s.snd_nxt)
+    }
+
+    fn random_path(&mut self) -> PathId {
+        PathId(self.rng.gen_range(0..self.config.num_paths))
+    }
+
+    /// Multi-path ACK clocking: an ACK releases up to `burst_per_ack` packets on its own
+    /// path (each may instead probe a random path); window left over waits for the burst
+    /// timer; an opportunity without data shrinks the window (use it or lose it).
+    fn release_on_ack(&mut self, now: Instant, path: PathId) {
+        let avail = self.available_window();
+        if avail <= 0 {
+            return;
+        }
+        let sendable = self.sendable().saturating_sub(self.tokens.len() as u64);
+        if sendable == 0 {
+            if self.new_data_blocked_by_bitmap() {
+                return; // data waits for the hole to fill: not an unused opportunity
+            }
+            self.stats.unused_send_opportunities += 1;
+            self.s
+                .window
+                .shrink_by_one(self.config.min_window, self.config.max_window);
+            return;
+        }
+        let avail = avail as u64;
+        let k = avail
+            .min(u64::from(self.config.burst_per_ack))
+            .min(sendable);
+        for _ in 0..k {
+            let probe = self.config.probe_probability > 0.0
+                && self.rng.gen_bool(self.config.probe_probability);
+            let token = if probe {
+                Token {
+                    path: self.random_path(),
+                    probe: true,
+                    psn: None,
+                }
+            } else {
+                Token {
+                    path,
+                    probe: false,
+                    psn: None,
+                }
+            };
+            self.tokens.push_back(token);
+        }
+        if avail > k && sendable > k && self.timers.get(Timer::Burst).is_none() {
+            self.timers
+                .set(Timer::Burst, Some(now + self.s.rtt.srtt() / 2));
+        }
+    }
+
+    /// With nothing in flight no ACK will clock the sender: send the window on random
+    /// paths (the first window, or after idle, restarting from the initial window).
+    fn kickoff(&mut self, now: Instant) {
+        if self.in_flight() != 0 || !self.tokens.is_empty() || self.error.is_some() {
+            return;
+        }
+        let sendable = self.sendable();
+        if sendable == 0 {
+            return;
+        }
+        if self.timers.idle_restart_at.is_some_and(|t| now >= t) {
+            self.stats.idle_restarts += 1;
+            self.s.window.set(
+                f64::from(self.config.initial_window),
+                self.config.min_window,
+                self.config.max_window,
+            );
+            self.timers.idle_restart_at = None;
+        }
+        let n = (self.available_window().max(1) as u64).min(sendable);
+        for _ in 0..n {
+            let path = self.random_path();
+            self.tokens.push_back(Token {
+                path,
+                probe: false,
+                psn: None,
+            });
+        }
+    }
+
+    fn on_burst_timer(&mut self, now: Instant) {
+        let avail = self.available_window();
+        if avail <= 0 {
+            return;
+        }
+        let sendable = self.sendable().saturating_sub(self.tokens.len() as u64);
+        let n = (avail as u64).min(sendable);
+        for _ in 0..n {
+            let path = self.random_path();
+            self.tokens.push_back(Token {
+                path,
+                probe: false,
+                psn: None,
+            });
+        }
+        self.kickoff(now);
+    }
+
+    /// Which PSN a send opportunity goes to, and whether it is a retransmission.
+    /// `None`: nothing to send (or a synchronise message must wait).
+    fn next_psn(&mut self, now: Instant) -> Option<(u32, bool)> {
+        let s = self.s;
+        if s.in_recovery {
+            // Loss recovery: the next packet from snd_retx that was not SACKed.
+            let from = seq::max(s.snd_retx, s.snd_una);
+            if let Some(psn) = self.first_unsacked(from, self.recovery_limit()) {
+                self.s.snd_retx = psn.wrapping_add(1);
+                return Some((psn, true));
+            }
+        }
+        if self.new_data_blocked_by_bitmap() {
+            return None;
+        }
+        if seq::lt(s.snd_nxt, self.queue.end_psn()) {
+            let p = self.queue.packet(s.snd_nxt, self.config.mss)?;
+            if p.synchronise
+                && p.ipsn == 0
+                && s.snd_una != s.snd_nxt
+                && now < self.timers.sync_not_before
+            {
+                self.timers
+                    .set(Timer::Sync, Some(self.timers.sync_not_before));
+                return None;
+            }
+            return Some((s.snd_nxt, false));
+        }
+        // Tail loss: no new data. Resend, as if new, an unacknowledged packet below the
+        // highest SACK (a later packet arrived, so this one is lost or on a slow path).
+        let from = seq::max(s.snd_tail, s.snd_una);
+        if let Some(psn) = self.first_unsacked(from, self.tail_resend_limit()) {
+            self.s.snd_tail = psn.wrapping_add(1);
+            return Some((psn, true));
+        }
+        None
+    }
+
+    fn transmit_multipath(&mut self, now: Instant, buf: &mut Vec<u8>) -> Option<Transmit> {
+        while let Some(token) = self.tokens.front().copied() {
+            let named = token
+                .psn
+                .filter(|&p| !seq::lt(p, self.s.snd_una) && seq::lt(p, self.s.snd_nxt));
+            if named.is_some() || token.psn.is_some() {
+                self.tokens.pop_front();
+                if let Some(psn) = named {
+                    if let Some(t) =
+                        self.emit_data(now, token.path, psn, true, PacketKind::Retransmit, buf)
+                    {
+                        return Some(t);
+                    }
+                }
+                continue;
+            }
+            let Some((psn, retransmit)) = self.next_psn(now) else {
+                if self.timers.get(Timer::Sync).is_some() && self.sendable() > 0 {
+                    return None; // keep the opportunities for the synchronise message
+                }
+                self.tokens.clear();
+                return None;
+            };
+            self.tokens.pop_front();
+            let kind = if retransmit {
+                PacketKind::Retransmit
+            } else if token.probe {
+                PacketKind::Probe
+            } else {
+                PacketKind::Data
+            };
+            if let Some(t) = self.emit_data(now, token.path, psn, retransmit, kind, buf) {
+                return Some(t);
+            }
+        }
+        None
+    }
+
+    fn transmit_single_path(&mut self, now: Instant, buf: &mut Vec<u8>) -> Option<Transmit> {
+        let s = self.s;
+        if !seq::lt(s.snd_nxt, self.queue.end_psn()) {
+            return None;
+        }
+        if seq::dist(s.snd_una, s.snd_nxt) >= self.config.dcqcn.max_inflight_packets {
+            return None;
+        }
+        if now < self.timers.next_send {
+            self.timers.set(Timer::Pace, Some(self.timers.next_send));
+            return None;
+        }
+        let retransmit = seq::lt(s.snd_nxt, s.snd_max);
+        let kind = if retransmit {
+            PacketKind::Retransmit
+        } else {
+            PacketKind::Data
+        };
+        let t = self.emit_data(
+            now,
+            PathId(self.config.single_path),
+            s.snd_nxt,
+            retransmit,
+            kind,
+            buf,
+        )?;
+        let bits = (t.wire_len() as f64) * 8.0;
+        let gap = Duration::from_secs_f64(bits / self.dcqcn.rate());
+        self.timers.next_send = self.timers.next_send.max(now) + gap;
+        Some(t)
+    }
+
+    /// Encodes data packet `psn` into `buf` and updates the sender state.
+    fn emit_data(
+        &mut self,
+        now: Instant,
+        path: PathId,
+        psn: u32,
+        retransmit: bool,
+        kind: PacketKind,
+        buf: &mut Vec<u8>,
+    ) -> Option<Transmit> {
+        let p = self.queue.packet(psn, self.config.mss)?;
+        let was_idle = self.in_flight() == 0;
+        let h = DataHeader {
+            path,
+            psn,
+            msn: p.msn,
+            ipsn: p.ipsn,
+            timestamp: now.as_nanos(),
+            payload_len: p.len,
+            synchronise: p.synchronise,
+            retransmit,
+            tail: p.tail,
+            is_virtual: p.is_virtual,
+        };
+        buf.clear();
+        frame::encode_data(&h, self.queue.bytes(&p), buf);
+        let virtual_len = if p.is_virtual { u32::from(p.len) } else { 0 };
+        if retransmit {
+            self.stats.retransmits += 1;
+            if self.config.mode == Mode::MultiPath {
+                self.s.retx_in_flight = self.s.retx_in_flight.saturating_add(1);
+                if psn == self.s.snd_una && self.s.in_recovery && !self.s.recovery_after_timeout {
+                    self.timers.resend_watch = psn;
+                    self.timers
+                        .set(Timer::Resend, Some(now + self.resend_grace()));
+                }
+            }
+        } else {
+            self.stats.payload_bytes_sent += u64::from(p.len);
+            if kind == PacketKind::Probe {
+                self.stats.probes += 1;
+            }
+        }
+        if psn == self.s.snd_nxt {
+            self.s.snd_nxt = psn.wrapping_add(1);
+            self.s.snd_max = seq::max(self.s.snd_max, self.s.snd_nxt);
+            if p.tail && !retransmit {
+                // Δt = α·Δ / (cwnd / RTT): the time Δ packets take to leave at the
+                // current rate; a synchronise message waits that long after this tail.
+                let srtt = duration_nanos(self.s.rtt.srtt()) as f64;
+                let dt = self.config.sync_alpha * f64::from(self.config.delta) * srtt
+                    / self.s.window.get();
+                self.timers.sync_not_before = now + Duration::from_nanos(dt as u64);
+            }
+        }
+        self.stats.packets_sent += 1;
+        self.stats.data_packets_sent += 1;
+        self.stats.bytes_sent += (buf.len() as u64) + u64::from(virtual_len);
+        let idle_after = self.s.rtt.srtt() * self.config.idle_restart_rtts;
+        self.timers.idle_restart_at = Some(now + idle_after);
+        if was_idle || self.timers.get(Timer::Rto).is_none() {
+            self.rearm_rto(now, true);
+        }
+        Some(Transmit {
+            path,
+            len: buf.len(),
+            virtual_len,
+            ecn_capable: true,
+            kind,
+        })
+    }
+
+    // ----- timers -------------------------------------------------------------------------
+
+    fn rto(&self) -> Duration {
+        let base = self.s.rtt.rto(self.config.min_rto, self.config.max_rto);
+        let backoff = base.saturating_mul(1u32 << u32::from(self.s.rto_count.min(16)));
+        backoff.min(self.config.max_rto)
+    }
+
+    /// (Re)arms the retransmission timer while anything is in flight.
+    fn rearm_rto(&mut self, now: Instant, restart: bool) {
+        if self.in_flight() == 0 {
+            self.timers.set(Timer::Rto, None);
+        } else if restart || self.timers.get(Timer::Rto).is_none() {
+            self.timers.set(Timer::Rto, Some(now + self.rto()));
+        }
+    }
+
+    fn on_timer(&mut self, now: Instant, t: Timer) {
+        match t {
+            Timer::Rto => self.on_rto(now),
+            Timer::Burst => {
+                if self.config.mode == Mode::MultiPath {
+                    self.on_burst_timer(now);
+                }
+            }
+            Timer::Sync | Timer::Pace => {} // wake-ups: poll_transmit re-checks
+            Timer::Resend => self.on_resend_timer(),
+            Timer::Increase => {
+                if self.dcqcn.on_increase_timer(&self.config.dcqcn) {
+                    self.timers.set(
+                        Timer::Increase,
+                        Some(now + self.config.dcqcn.rate_increase_timer),
+                    );
+                }
+            }
+        }
+    }
+
+    fn on_rto(&mut self, now: Instant) {
+        if self.in_flight() == 0 {
+            return;
+        }
+        self.stats.timeouts += 1;
+        self.s.rto_count = self.s.rto_count.saturating_add(1);
+        if u32::from(self.s.rto_count) > self.config.max_rto_count {
+            self.fail(ConnectionError::TimedOut(u32::from(self.s.rto_count) - 1));
+            return;
+        }
+        match self.config.mode {
+            Mode::MultiPath => {
+                let (min, max) = (self.config.min_window, self.config.max_window);
+                let una = self.s.snd_una;
+                self.enter_recovery(now, una.wrapping_add(1), true);
+                self.s.snd_tail = una;
+                // Everything in flight is presumed gone: it no longer holds the window.
+                self.s.inflate = self.in_flight();
+                self.s.retx_in_flight = 0;
+                self.s.window.set(
+                    (self.s.window.get() / 2.0).min(f64::from(self.config.initial_window)),
+                    min,
+                    max,
+                );
+                self.tokens.clear();
+                let path = self.timers.last_ack_path;
+                self.tokens.push_back(Token {
+                    path,
+                    probe: false,
+                    psn: Some(una),
+                });
+            }
+            Mode::SinglePath => {
+                self.s.snd_nxt = self.s.snd_una;
+                self.stats.go_back_n += 1;
+            }
+        }
+        self.timers.set(Timer::Rto, Some(now + self.rto()));
+    }
+
+    fn on_congestion_notification(&mut self, now: Instant) {
+        let cfg = &self.config.dcqcn;
+        if self
+            .timers
+            .last_rate_cut
+            .is_some_and(|t| now < t + cfg.cnp_interval)
+        {
+            return;
+        }
+        // Alpha decays once per alpha period without notification; applying the whole
+        // periods elapsed since the last cut equals running the alpha timer.
+        // Before the first cut alpha keeps its initial value 1 (the first cut halves).
+        let since = self
+            .timers
+            .last_rate_cut
+            .map_or(Duration::ZERO, |t| now - t);
+        let periods = since.as_nanos() / cfg.alpha_timer.as_nanos().max(1);
+        self.dcqcn
+            .decay_alpha(cfg, u32::try_from(periods).unwrap_or(u32::MAX));
+        self.timers.last_rate_cut = Some(now);
+        self.dcqcn.on_congestion(cfg);
+        self.stats.rate_cuts += 1;
+        self.timers
+            .set(Timer::Increase, Some(now + cfg.rate_increase_timer));
+    }
+
+    fn fail(&mut self, e: ConnectionError) {
+        if self.error.is_some() {
+            return;
+        }
+        self.error = Some(e);
+        self.tokens.clear();
+        self.replies.clear();
+        self.timers.deadline = [None; TIMER_COUNT];
+        self.events.push_back(Event::Failed(e));
+    }
+
+    fn refresh_stats(&mut self, now: Instant) {
+        let cwnd = self.s.window.get();
+        if self.config.trace_cwnd && self.stats.cwnd != cwnd {
+            self.stats.cwnd_trace.push((now, cwnd));
+        }
+        self.stats.cwnd = cwnd;
+        self.stats.srtt = self.s.rtt.srtt();
+        self.stats.rto = self.s.rtt.rto(self.config.min_rto, self.config.max_rto);
+        if self.config.mode == Mode::SinglePath {
+            self.stats.rate_bps = self.dcqcn.rate();
+        }
+    }
+}
+
+/// Serial minimum for PSNs.
+trait MinSerial {
+    fn min_serial(self, other: u32) -> u32;
+}
+
+impl MinSerial for u32 {
+    fn min_serial(self, other: u32) -> u32 {
+        if seq::lt(other, self) {
+            other
+        } else {
+            self
+        }
+    }
+}
+
+#[cfg(test)]
+impl Connection {
+    /// Internal state for tests.
+    pub(crate) fn sender_state(&self) -> &SenderState {
+        &self.s
+    }
+    pub(crate) fn receiver_state(&self) -> &ReceiverState {
+        &self.receiver.state
+    }
+    pub(crate) fn timer_deadline_burst(&self) -> Option<Instant> {
+        self.timers.get(Timer::Burst)
+    }
+    pub(crate) fn set_cwnd_for_test(&mut self, cwnd: f64) {
+        self.s
+            .window
+            .set(cwnd, self.config.min_window, self.config.max_window);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn new_connection_is_quiet_until_asked_to_send() {
+        let mut c = Connection::new(Config::default(), Instant::ZERO);
+        let mut buf = Vec::new();
+        assert!(c.is_idle());
+        assert_eq!(c.packets_in_flight(), 0);
+        assert_eq!(c.poll_timeout(), None);
+        assert_eq!(c.poll_transmit(Instant::ZERO, &mut buf), None);
+        assert_eq!(c.poll_event(), None);
+        c.send(Instant::ZERO, Payload::Virtual(3000), false)
+            .unwrap();
+        assert!(!c.is_idle());
+        let t = c.poll_transmit(Instant::ZERO, &mut buf).unwrap();
+        assert_eq!(
+            (t.kind, t.virtual_len, t.len),
+            (PacketKind::Data, 1024, frame::DATA_HEADER_LEN)
+        );
+        assert_eq!(c.packets_in_flight(), 1);
+        assert!(c.poll_timeout().is_some(), "the RTO is armed");
+    }
+
+    #[test]
+    fn send_rejects_oversized_messages_and_full_queues() {
+        let config = Config {
+            max_message_len: 10,
+            max_queued_messages: 2,
+            ..Config::default()
+        };
+        let mut c = Connection::new(config, Instant::ZERO);
+        assert_eq!(
+            c.send(Instant::ZERO, Payload::Virtual(11), false),
+            Err(SendError::TooLarge(11))
+        );
+        c.send(Instant::ZERO, Payload::Virtual(10), false).unwrap();
+        c.send(Instant::ZERO, Payload::Virtual(0), false).unwrap();
+        assert_eq!(
+            c.send(Instant::ZERO, Payload::Virtual(1), false),
+            Err(SendError::QueueFull)
+        );
+    }
+}

@@ -1,0 +1,8 @@
+//! Protocol scenarios: two connections driven through the [`pair::Pair`] harness in
+//! virtual time, one test per protocol rule, plus property tests.
+
+mod pair;
+mod props;
+mod rules;
+mod scenarios;
+mod single_path;

@@ -1,0 +1,183 @@
+//! The MR table in each context segment, read directly by every process that maps the segment:
+//! key → (address, length, rights, PD, where the bytes live). No round trip to the owner.
+//!
+//! Keys: the low [`MR_INDEX_BITS`] bits select the table entry, the high bits are random and
+//! change at every registration, so keys are neither sequential nor reusable by a stale holder.
+//! `lkey == rkey` (as on mlx5 NICs); the rights decide what each may do.
+//!
+//! Immediate deregistration without locks: a user of an entry first announces itself
+//! (`active += 1`, SeqCst), then checks the key (SeqCst). Deregistration clears the key
+//! (SeqCst), then waits until `active` drains to 0. Either the user sees the cleared key and
+//! backs off, or deregistration sees the user and waits for it to finish — so once
+//! deregistration returns no access can touch the memory. A user that died with the count
+//! raised would stall deregistration: after [`DRAIN_TIMEOUT`] the entry (and its segment pages)
+//! are quarantined — never reused — instead of hanging.
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use super::segment::{Segment, MR_INDEX_BITS};
+use crate::AccessFlags;
+
+/// The bytes live in the owner's segment heap (peers reach them through their mapping).
+pub(crate) const MR_KIND_SEGMENT: u32 = 1;
+/// The bytes are ordinary memory of the owner process (peers use cross-memory attach).
+pub(crate) const MR_KIND_FOREIGN: u32 = 2;
+
+/// Longest wait for in-flight accesses when an entry is invalidated.
+pub(crate) const DRAIN_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// The table index a key selects.
+#[inline]
+pub(crate) fn key_index(key: u32) -> u32 {
+    key & ((1 << MR_INDEX_BITS) - 1)
+}
+
+/// Where bytes are, seen from this process.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Loc {
+    /// Addressable here: our own memory or our mapping of a peer's segment.
+    Direct(*mut u8),
+    /// Private memory of another process.
+    Remote {
+        /// The process.
+        pid: i32,
+        /// Address in that process.
+        addr: u64,
+    },
+}
+
+/// Announced use of a table entry; dropping it ends the use.
+pub(crate) struct Guard<'a> {
+    active: &'a AtomicU32,
+}
+
+impl<'a> Guard<'a> {
+    /// Enter the entry guarded by `active` if `key` still reads `want` (nonzero).
+    #[inline]
+    pub(crate) fn enter(active: &'a AtomicU32, key: &AtomicU32, want: u32) -> Option<Guard<'a>> {
+        if want == 0 {
+            return None;
+        }
+        active.fetch_add(1, Ordering::SeqCst);
+        let guard = Guard { active };
+        (key.load(Ordering::SeqCst) == want).then_some(guard)
+    }
+}
+
+impl Drop for Guard<'_> {
+    #[inline]
+    fn drop(&mut self) {
+        self.active.fetch_sub(1, Ordering::Release);
+    }
+}
+
+/// Clear `key` and wait until no user is inside; false if users stayed past [`DRAIN_TIMEOUT`].
+pub(crate) fn invalidate(key: &AtomicU32, active: &AtomicU32) -> bool {
+    key.store(0, Ordering::SeqCst);
+    wait_idle(active)
+}
+
+/// Wait until `active` reads 0; false after [`DRAIN_TIMEOUT`].
+pub(crate) fn wait_idle(active: &AtomicU32) -> bool {
+    let start = Instant::now();
+    let mut spins = 0u32;
+    while active.load(Ordering::SeqCst) != 0 {
+        spins += 1;
+        if spins % 128 == 0 {
+            if start.elapsed() > DRAIN_TIMEOUT {
+                return false;
+            }
+            std::thread::yield_now();
+        } else {
+            std::hint::spin_loop();
+        }
+    }
+    true
+}
+
+/// A registered region, looked up and held (it cannot be deregistered while this lives).
+pub(crate) struct MrRef<'a> {
+    _guard: Guard<'a>,
+    seg: &'a Segment,
+    addr: u64,
+    len: u64,
+    access: AccessFlags,
+    pd: u32,
+    kind: u32,
+    seg_off: u64,
+}
+
+/// Look `key` up in `seg`'s MR table.
+#[inline]
+pub(crate) fn lookup(seg: &Segment, key: u32) -> Option<MrRef<'_>> {
+    let slot = seg.mr_slot(key_index(key));
+    let guard = Guard::enter(&slot.active, &slot.key, key)?;
+    Some(MrRef {
+        _guard: guard,
+        seg,
+        addr: slot.addr.load(Ordering::Relaxed),
+        len: slot.len.load(Ordering::Relaxed),
+        access: AccessFlags::from_bits_truncate(slot.access.load(Ordering::Relaxed)),
+        pd: slot.pd.load(Ordering::Relaxed),
+        kind: slot.kind.load(Ordering::Relaxed),
+        seg_off: slot.seg_off.load(Ordering::Relaxed),
+    })
+}
+
+impl MrRef<'_> {
+    /// Where `[addr, addr+len)` is, if it lies in the region, the region belongs to `pd` and
+    /// grants `need`.
+    #[inline]
+    pub(crate) fn locate(&self, addr: u64, len: u64, need: AccessFlags, pd: u32) -> Option<Loc> {
+        if self.pd != pd || !self.access.contains(need) {
+            return None;
+        }
+        let end = addr.checked_add(len)?;
+        if addr < self.addr || end > self.addr.checked_add(self.len)? {
+            return None;
+        }
+        let delta = addr - self.addr;
+        match self.kind {
+            MR_KIND_SEGMENT => {
+                let off = self.seg_off.checked_add(delta)?;
+                self.seg.ptr(off, len).map(Loc::Direct)
+            }
+            MR_KIND_FOREIGN if self.seg.same_process() => {
+                Some(Loc::Direct(addr as usize as *mut u8))
+            }
+            MR_KIND_FOREIGN => Some(Loc::Remote {
+                pid: self.seg.pid,
+                addr,
+            }),
+            _ => None,
+        }
+    }
+}
+
+/// What a registration publishes.
+pub(crate) struct MrEntry {
+    pub(crate) addr: u64,
+    pub(crate) len: u64,
+    pub(crate) access: AccessFlags,
+    pub(crate) pd: u32,
+    pub(crate) kind: u32,
+    pub(crate) seg_off: u64,
+}
+
+/// Fill entry `index` of our table and publish it under a fresh key; returns the key.
+pub(crate) fn publish(seg: &Segment, index: u32, e: &MrEntry) -> u32 {
+    let slot = seg.mr_slot(index);
+    let previous_tag = slot.last_tag.load(Ordering::Relaxed);
+    let tag = super::segment::fresh_tag(32 - MR_INDEX_BITS, previous_tag);
+    slot.last_tag.store(tag, Ordering::Relaxed);
+    let key = (tag << MR_INDEX_BITS) | key_index(index);
+    slot.addr.store(e.addr, Ordering::Relaxed);
+    slot.len.store(e.len, Ordering::Relaxed);
+    slot.access.store(e.access.bits(), Ordering::Relaxed);
+    slot.pd.store(e.pd, Ordering::Relaxed);
+    slot.kind.store(e.kind, Ordering::Relaxed);
+    slot.seg_off.store(e.seg_off, Ordering::Relaxed);
+    slot.key.store(key, Ordering::SeqCst);
+    key
+}

@@ -1,0 +1,528 @@
+//! A `tcp` queue pair: a [`QpCore`] behind a lock, plus the TCP connection to its peer QP.
+//!
+//! Two locks, always taken in this order: `rx` (the read side of the connection and its
+//! reassembly buffer; held by whoever reads the socket: the progress thread or a busy poller)
+//! then `side` (the QP core, the write side and its output buffer; held by posters too).
+//! Posting writes frames straight to the socket from the posting thread; only when the socket
+//! buffer is full does the rest wait for EPOLLOUT on the progress thread.
+
+use std::any::Any;
+use std::io::{Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpStream};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::{Mutex, MutexGuard};
+
+use super::engine::Engine;
+use super::{PORT_MTU, PROVIDER};
+use crate::provider::QpOps;
+use crate::soft::cq::SoftCq;
+use crate::soft::mr::MrTable;
+use crate::soft::qp::{QpConfig, QpCore, Transition};
+use crate::soft::rq::SoftSrq;
+use crate::soft::wire::{self, Frame, DEFAULT_MAX_PAYLOAD};
+use crate::{
+    PostError, QpAttr, QpEndpoint, QpInfo, QpInitAttr, QpNum, QpState, RecvWr, Result, SendWr,
+    VerbsError,
+};
+
+/// Initial size of the reassembly buffer, and the least free room a read is given.
+const RX_CHUNK: usize = 64 * 1024;
+/// Largest frame accepted.
+const MAX_FRAME: usize = DEFAULT_MAX_PAYLOAD + wire::HEADER_LEN + 32;
+/// Reads per `drive_rx` call, so one busy connection cannot starve the others.
+const MAX_READS_PER_DRIVE: usize = 16;
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How `drive_rx` takes the read lock.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Lock {
+    /// Wait for it (progress thread: it must not lose an edge).
+    Wait,
+    /// Skip if someone else is reading (busy poller).
+    Try,
+}
+
+struct Side {
+    core: QpCore,
+    conn: Option<Arc<TcpStream>>,
+    /// An accepted connection that arrived before this QP knew its peer: (peer QPN, stream).
+    parked: Option<(u32, TcpStream)>,
+    tx: Vec<u8>,
+    tx_off: usize,
+    out_armed: bool,
+}
+
+struct Rx {
+    conn: Option<Arc<TcpStream>>,
+    buf: Vec<u8>,
+    start: usize,
+    end: usize,
+}
+
+/// A QP of the `tcp` provider.
+pub(crate) struct TcpQp {
+    qp_num: QpNum,
+    endpoint: QpEndpoint,
+    engine: Arc<Engine>,
+    rx: Mutex<Rx>,
+    side: Mutex<Side>,
+}
+
+impl TcpQp {
+    pub fn create(
+        engine: &Arc<Engine>,
+        init: &QpInitAttr<'_>,
+        send_cq: SoftCq,
+        recv_cq: SoftCq,
+        srq: Option<SoftSrq>,
+        table: Arc<MrTable>,
+    ) -> Result<Arc<TcpQp>> {
+        let qpn = engine.alloc_qpn();
+        let psn = rand::random::<u32>() & 0x00ff_ffff;
+        let mut caps = init.caps;
+        caps.max_recv_sge = caps.max_recv_sge.max(1);
+        caps.max_send_sge = caps.max_send_sge.max(1);
+        let core = QpCore::new(QpConfig {
+            qp_num: QpNum(qpn),
+            caps,
+            sq_sig_all: init.sq_sig_all,
+            send_cq,
+            recv_cq,
+            table,
+            srq,
+            max_payload: DEFAULT_MAX_PAYLOAD,
+            min_ack_timeout: engine.opts.min_ack_timeout,
+            initial_psn: psn,
+        });
+        let endpoint = QpEndpoint {
+            provider: PROVIDER.to_string(),
+            device: engine.device.name.clone(),
+            address: engine.local_addr.to_string(),
+            qp_num: QpNum(qpn),
+            psn,
+            lid: 0,
+            gid: [0; 16],
+            mtu: PORT_MTU,
+            extra: Default::default(),
+        };
+        let qp = Arc::new(TcpQp {
+            qp_num: QpNum(qpn),
+            endpoint,
+            engine: engine.clone(),
+            rx: Mutex::new(Rx {
+                conn: None,
+                buf: Vec::new(),
+                start: 0,
+                end: 0,
+            }),
+            side: Mutex::new(Side {
+                core,
+                conn: None,
+                parked: None,
+                tx: Vec::new(),
+                tx_off: 0,
+                out_armed: false,
+            }),
+        });
+        engine.add_qp(qpn, &qp);
+        Ok(qp)
+    }
+
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        self.side.lock().core.poll_timeout()
+    }
+
+    /// Timers are due.
+    pub fn on_timer(&self, now: Instant) {
+        let mut side = self.side.lock();
+        side.core.handle_timeout(now);
+        self.transmit(&mut side, now);
+    }
+
+    /// Send what the core allows and what is buffered; close the connection if the QP is in
+    /// ERROR; make sure the progress thread wakes for the next deadline.
+    fn transmit(&self, side: &mut Side, now: Instant) {
+        if side.conn.is_some() {
+            let Side { core, tx, .. } = side;
+            core.poll_transmit(now, tx);
+            self.flush_tx(side);
+        }
+        if side.core.state() == QpState::Error {
+            close_side(side);
+        }
+        self.engine.note_deadline(side.core.poll_timeout());
+    }
+
+    fn flush_tx(&self, side: &mut Side) {
+        let Some(conn) = side.conn.clone() else {
+            side.tx.clear();
+            side.tx_off = 0;
+            return;
+        };
+        while side.tx_off < side.tx.len() {
+            let Some(pending) = side.tx.get(side.tx_off..) else {
+                break;
+            };
+            match rustix::net::send(&*conn, pending, rustix::net::SendFlags::NOSIGNAL) {
+                Ok(n) => side.tx_off += n,
+                Err(rustix::io::Errno::INTR) => continue,
+                Err(rustix::io::Errno::AGAIN) => {
+                    if !side.out_armed {
+                        side.out_armed = true;
+                        self.engine.set_out_interest(self.qp_num.0, &conn, true);
+                    }
+                    return;
+                }
+                Err(e) => {
+                    side.core.fail(format!("send to peer failed: {e}"));
+                    close_side(side);
+                    return;
+                }
+            }
+        }
+        side.tx.clear();
+        side.tx_off = 0;
+        if side.out_armed {
+            side.out_armed = false;
+            self.engine.set_out_interest(self.qp_num.0, &conn, false);
+        }
+    }
+
+    /// Busy mode: re-arm the one-shot epoll registration of the connection.
+    pub fn rearm(&self) {
+        let side = self.side.lock();
+        if let Some(c) = &side.conn {
+            self.engine.set_out_interest(self.qp_num.0, c, side.out_armed);
+        }
+    }
+
+    /// The socket has room again.
+    pub fn flush_out(&self) {
+        let mut side = self.side.lock();
+        self.transmit(&mut side, Instant::now());
+    }
+
+    /// Read what the connection has, feed the frames to the core, answer.
+    pub fn drive_rx(&self, lock: Lock) {
+        let mut rx = match lock {
+            Lock::Wait => self.rx.lock(),
+            Lock::Try => match self.rx.try_lock() {
+                Some(g) => g,
+                None => return,
+            },
+        };
+        let Some(stream) = rx.conn.clone() else {
+            return;
+        };
+        let mut closed = None;
+        for _ in 0..MAX_READS_PER_DRIVE {
+            make_room(&mut rx);
+            let Rx { buf, end, .. } = &mut *rx;
+            let Some(dst) = buf.get_mut(*end..) else {
+                break;
+            };
+            let room = dst.len();
+            match (&*stream).read(dst) {
+                Ok(0) => {
+                    closed = Some("peer closed the connection".to_string());
+                    break;
+                }
+                Ok(n) => {
+                    *end += n;
+                    if !self.process(&mut rx) {
+                        return;
+                    }
+                    if n < room {
+                        break;
+                    }
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    closed = Some(format!("read from peer failed: {e}"));
+                    break;
+                }
+            }
+        }
+        if let Some(reason) = closed {
+            let mut side = self.side.lock();
+            // Only the QP's current connection can fail it (not one a RESET already dropped).
+            if side.conn.as_ref().is_some_and(|c| Arc::ptr_eq(c, &stream)) {
+                side.core.fail(reason);
+                close_side(&mut side);
+            }
+            rx.conn = None;
+        }
+    }
+
+    /// Decode and handle every complete frame in the buffer. Returns false when the connection
+    /// was dropped.
+    fn process(&self, rx: &mut MutexGuard<'_, Rx>) -> bool {
+        let mut side_guard = self.side.lock();
+        let side = &mut *side_guard;
+        if side.conn.is_none() {
+            // Closed from the posting side (ERROR, RESET): stop reading it.
+            rx.conn = None;
+            return false;
+        }
+        let now = Instant::now();
+        let mut bad = None;
+        {
+            let Rx {
+                buf, start, end, ..
+            } = &mut **rx;
+            while let Some(bytes) = buf.get(*start..*end) {
+                match wire::decode(bytes, DEFAULT_MAX_PAYLOAD) {
+                    Ok(None) => break,
+                    Ok(Some((frame, n))) => {
+                        if let Frame::Hello { .. } = frame {
+                            bad = Some("HELLO inside an established connection".to_string());
+                            break;
+                        }
+                        side.core.handle_frame(now, &frame, &mut side.tx);
+                        *start += n;
+                        if side.core.state() == QpState::Error {
+                            break;
+                        }
+                    }
+                    Err(e) => {
+                        bad = Some(format!("malformed frame from peer: {e}"));
+                        break;
+                    }
+                }
+            }
+        }
+        if let Some(reason) = bad {
+            side.core.fail(reason);
+        }
+        side.core.end_batch(&mut side.tx);
+        self.transmit(side, now);
+        if side.conn.is_none() {
+            rx.conn = None;
+            return false;
+        }
+        true
+    }
+
+    /// The listener accepted a connection whose HELLO names this QP.
+    pub fn accept_incoming(&self, src_qpn: u32, stream: TcpStream) {
+        let mut rx = self.rx.lock();
+        let mut side = self.side.lock();
+        let state = side.core.state();
+        if state == QpState::Error || side.conn.is_some() || side.parked.is_some() {
+            tracing::warn!(
+                qp = self.qp_num.0,
+                src_qpn,
+                ?state,
+                "tcp0: connection for a QP that is connected or in ERROR; closed"
+            );
+            return;
+        }
+        match side.core.remote().map(|r| r.qp_num.0) {
+            Some(remote) if remote == src_qpn => {
+                self.attach(&mut rx, &mut side, stream);
+            }
+            Some(remote) => tracing::warn!(
+                qp = self.qp_num.0,
+                src_qpn,
+                remote,
+                "tcp0: connection from a QP other than the peer; closed"
+            ),
+            None => side.parked = Some((src_qpn, stream)),
+        }
+    }
+
+    fn attach(&self, rx: &mut Rx, side: &mut Side, stream: TcpStream) {
+        let stream = Arc::new(stream);
+        if let Err(e) = self.engine.register_conn(self.qp_num.0, &stream) {
+            side.core.fail(format!("cannot watch the connection: {e}"));
+            return;
+        }
+        rx.conn = Some(stream.clone());
+        rx.start = 0;
+        rx.end = 0;
+        side.conn = Some(stream);
+        side.tx.clear();
+        side.tx_off = 0;
+        side.out_armed = false;
+        self.transmit(side, Instant::now());
+    }
+
+    fn modify_rtr(&self, attr: &QpAttr) -> Result<()> {
+        self.side
+            .lock()
+            .core
+            .state()
+            .check_transition(QpState::Rtr)?;
+        let remote = attr
+            .remote
+            .as_ref()
+            .ok_or_else(|| VerbsError::InvalidArgument("RTR needs the remote endpoint".into()))?;
+        if remote.provider != PROVIDER {
+            return Err(VerbsError::InvalidArgument(format!(
+                "cannot connect a tcp QP to a {} QP",
+                remote.provider
+            )));
+        }
+        let raddr: SocketAddr = remote.address.parse().map_err(|e| {
+            VerbsError::InvalidArgument(format!("remote address {:?}: {e}", remote.address))
+        })?;
+        let me = (self.engine.local_addr, self.qp_num.0);
+        let peer = (raddr, remote.qp_num.0);
+        if me == peer {
+            return Err(VerbsError::InvalidArgument(
+                "a tcp QP cannot be connected to itself".into(),
+            ));
+        }
+        let stream = if me < peer {
+            Some(connect(raddr, remote.qp_num.0, self.qp_num.0)?)
+        } else {
+            None
+        };
+        let mut rx = self.rx.lock();
+        let mut side = self.side.lock();
+        side.core.modify(attr)?;
+        if let Some(s) = stream {
+            if side.conn.is_some() {
+                return Err(VerbsError::Connect("QP is already connected".into()));
+            }
+            side.parked = None;
+            self.attach(&mut rx, &mut side, s);
+        } else if let Some((src, s)) = side.parked.take() {
+            if src == remote.qp_num.0 {
+                self.attach(&mut rx, &mut side, s);
+            } else {
+                tracing::warn!(
+                    qp = self.qp_num.0,
+                    src,
+                    "tcp0: parked connection came from another QP; closed"
+                );
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Open the connection to the peer's listener and introduce it.
+fn connect(addr: SocketAddr, dst_qpn: u32, src_qpn: u32) -> Result<TcpStream> {
+    let mut s = TcpStream::connect_timeout(&addr, CONNECT_TIMEOUT)
+        .map_err(|e| VerbsError::Connect(format!("tcp connect to {addr}: {e}")))?;
+    s.set_nodelay(true)
+        .map_err(|e| VerbsError::io("set TCP_NODELAY", e))?;
+    let mut hello = Vec::with_capacity(32);
+    wire::encode(
+        &Frame::Hello {
+            dst_qpn,
+            src_qpn,
+            version: wire::PROTOCOL_VERSION,
+        },
+        &mut hello,
+    );
+    s.write_all(&hello)
+        .map_err(|e| VerbsError::Connect(format!("HELLO to {addr}: {e}")))?;
+    s.set_nonblocking(true)
+        .map_err(|e| VerbsError::io("set non-blocking", e))?;
+    Ok(s)
+}
+
+fn close_side(side: &mut Side) {
+    if let Some(c) = side.conn.take() {
+        let _ = c.shutdown(Shutdown::Both);
+    }
+    side.parked = None;
+    side.tx.clear();
+    side.tx_off = 0;
+    side.out_armed = false;
+}
+
+/// Ensure the buffer has room for the next read: compact, and grow to hold the frame being
+/// reassembled (its length was checked against the limit by the decoder before it is trusted
+/// here: a length above [`MAX_FRAME`] fails decoding, so we never grow past it).
+fn make_room(rx: &mut Rx) {
+    if rx.start == rx.end {
+        rx.start = 0;
+        rx.end = 0;
+        if rx.buf.len() > 16 * RX_CHUNK {
+            // Give back the room a large frame needed.
+            rx.buf = Vec::new();
+        }
+    }
+    let pending = rx.buf.get(rx.start..rx.end).unwrap_or(&[]);
+    let frame_len = wire::peek_len(pending)
+        .filter(|&l| l <= MAX_FRAME)
+        .unwrap_or(0);
+    let need_from_start = frame_len.max(pending.len() + RX_CHUNK);
+    if rx.buf.len() - rx.start < need_from_start && rx.start > 0 {
+        rx.buf.copy_within(rx.start..rx.end, 0);
+        rx.end -= rx.start;
+        rx.start = 0;
+    }
+    if rx.buf.len() - rx.start < need_from_start {
+        rx.buf.resize(rx.start + need_from_start, 0);
+    }
+}
+
+impl Drop for TcpQp {
+    fn drop(&mut self) {
+        self.engine.remove_qp(self.qp_num.0);
+        if let Some(c) = self.side.get_mut().conn.take() {
+            let _ = c.shutdown(Shutdown::Both);
+        }
+    }
+}
+
+impl QpOps for TcpQp {
+    fn qp_num(&self) -> QpNum {
+        self.qp_num
+    }
+
+    fn state(&self) -> QpState {
+        self.side.lock().core.state()
+    }
+
+    fn query(&self) -> QpInfo {
+        self.side.lock().core.query()
+    }
+
+    fn endpoint(&self) -> QpEndpoint {
+        self.endpoint.clone()
+    }
+
+    fn modify(&self, attr: &QpAttr) -> Result<()> {
+        if attr.state == Some(QpState::Rtr) && self.state() == QpState::Init {
+            return self.modify_rtr(attr);
+        }
+        let mut rx = self.rx.lock();
+        let mut side = self.side.lock();
+        match side.core.modify(attr)? {
+            Transition::Error | Transition::Reset => {
+                close_side(&mut side);
+                rx.conn = None;
+                rx.start = 0;
+                rx.end = 0;
+            }
+            Transition::Rts | Transition::None | Transition::Rtr(_) => {
+                self.transmit(&mut side, Instant::now())
+            }
+        }
+        Ok(())
+    }
+
+    fn post_send(&self, wrs: &[SendWr<'_>]) -> Result<(), PostError> {
+        let mut side = self.side.lock();
+        let now = Instant::now();
+        let r = side.core.post_send(now, wrs);
+        self.transmit(&mut side, now);
+        r
+    }
+
+    fn post_recv(&self, wrs: &[RecvWr<'_>]) -> Result<(), PostError> {
+        self.side.lock().core.post_recv(wrs)
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}

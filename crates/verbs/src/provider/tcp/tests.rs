@@ -1,0 +1,853 @@
+//! In-process tests of the tcp provider: two contexts (two listeners) talking over loopback.
+//! Every wait has a generous timeout that only catches hangs.
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::time::Duration;
+
+use crate::soft::wire::{self, Frame};
+use crate::*;
+
+const WAIT: Duration = Duration::from_secs(20);
+
+struct Side {
+    ctx: Context,
+    pd: ProtectionDomain,
+    cq: CompletionQueue,
+    mr: MemoryRegion,
+    qp: QueuePair,
+}
+
+fn open(progress: &str) -> Context {
+    let mut cfg = DeviceConfig::default();
+    cfg.options.insert("progress".into(), progress.into());
+    Context::open_with("tcp0", &cfg).unwrap()
+}
+
+fn side(ctx: &Context, caps: QpCaps, access: AccessFlags) -> Side {
+    let pd = ctx.alloc_pd().unwrap();
+    let cq = ctx.create_cq(256).unwrap();
+    let mr = pd.alloc_mr(1 << 16, access).unwrap();
+    let mut init = QpInitAttr::new(&cq);
+    init.caps = caps;
+    let qp = pd.create_qp(&init).unwrap();
+    Side {
+        ctx: ctx.clone(),
+        pd,
+        cq,
+        mr,
+        qp,
+    }
+}
+
+fn connect_with(a: &Side, b: &Side, rts: impl Fn() -> QpAttr) {
+    let (ea, eb) = (a.qp.endpoint(), b.qp.endpoint());
+    for (s, remote) in [(a, &eb), (b, &ea)] {
+        s.qp.modify(&QpAttr::init(AccessFlags::ALL)).unwrap();
+        s.qp.modify(&QpAttr::rtr(remote.clone())).unwrap();
+        s.qp.modify(&rts()).unwrap();
+    }
+}
+
+fn pair_in(ca: &Context, cb: &Context) -> (Side, Side) {
+    let a = side(ca, QpCaps::default(), AccessFlags::ALL);
+    let b = side(cb, QpCaps::default(), AccessFlags::ALL);
+    connect_with(&a, &b, QpAttr::rts);
+    (a, b)
+}
+
+fn pair() -> (Side, Side) {
+    pair_in(&open("thread"), &open("thread"))
+}
+
+fn wait(cq: &CompletionQueue, n: usize) -> Vec<WorkCompletion> {
+    let mut got = Vec::new();
+    let deadline = std::time::Instant::now() + WAIT;
+    let mut buf = [WorkCompletion::EMPTY; 16];
+    while got.len() < n {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        assert!(
+            !left.is_zero(),
+            "timed out waiting for {n} completions, got {got:?}"
+        );
+        let k = cq
+            .poll_blocking(&mut buf[..(n - got.len()).min(16)], left)
+            .unwrap();
+        got.extend_from_slice(&buf[..k]);
+    }
+    got
+}
+
+fn wait_state(qp: &QueuePair, state: QpState) {
+    let deadline = std::time::Instant::now() + WAIT;
+    while qp.state() != state {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "QP stuck in {:?}",
+            qp.state()
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+fn assert_no_completion(cq: &CompletionQueue) {
+    let mut buf = [WorkCompletion::EMPTY; 4];
+    assert_eq!(cq.poll(&mut buf).unwrap(), 0, "unexpected {:?}", &buf[..1]);
+}
+
+#[test]
+fn device_is_listed_and_advertises_what_it_implements() {
+    let devs = devices().unwrap();
+    assert!(devs.iter().any(|d| d.name == "tcp0" && d.provider == "tcp"));
+    let ctx = open("thread");
+    let caps = ctx.query_device().capabilities;
+    for c in [
+        Capabilities::SEND,
+        Capabilities::SEND_IMM,
+        Capabilities::WRITE,
+        Capabilities::WRITE_IMM,
+        Capabilities::READ,
+        Capabilities::ATOMICS,
+        Capabilities::SRQ,
+        Capabilities::INLINE,
+        Capabilities::CQ_EVENTS,
+    ] {
+        assert!(caps.contains(c), "{c:?}");
+    }
+    assert!(!caps.contains(Capabilities::SYNCHRONISE));
+    let port = ctx.query_port(1).unwrap();
+    assert_eq!(port.state, PortState::Active);
+    assert!(port.address.parse::<std::net::SocketAddr>().is_ok());
+    assert!(Context::open("tcp7").is_err());
+    let mut cfg = DeviceConfig::default();
+    cfg.options.insert("nonsense".into(), "1".into());
+    assert!(matches!(
+        Context::open_with("tcp0", &cfg),
+        Err(VerbsError::InvalidArgument(_))
+    ));
+}
+
+#[test]
+fn send_with_sge_lists_and_immediate_data() {
+    let (a, b) = pair();
+    a.mr.write_at(0, b"hello, ").unwrap();
+    a.mr.write_at(100, b"world").unwrap();
+    let recv_sges = [b.mr.sge(0, 4).unwrap(), b.mr.sge(200, 100).unwrap()];
+    b.qp.post_recv(&[RecvWr::new(1, &recv_sges)]).unwrap();
+    b.qp.post_recv(&[RecvWr::new(2, &[b.mr.sge(400, 16).unwrap()])])
+        .unwrap();
+    let sges = [a.mr.sge(0, 7).unwrap(), a.mr.sge(100, 5).unwrap()];
+    a.qp.post_send(&[
+        SendWr::new(10, &sges, WrOpcode::Send),
+        SendWr::new(11, &sges[1..], WrOpcode::SendWithImm { imm: 0xfeed }),
+    ])
+    .unwrap();
+    let wcs = wait(&b.cq, 2);
+    assert_eq!(wcs[0].wr_id, 1);
+    assert_eq!(wcs[0].status, WcStatus::Success);
+    assert_eq!(wcs[0].opcode, WcOpcode::Recv);
+    assert_eq!(wcs[0].byte_len, 12);
+    assert_eq!(wcs[0].imm_data, None);
+    assert_eq!(wcs[0].src_qp, a.qp.qp_num());
+    assert_eq!(wcs[1].wr_id, 2);
+    assert_eq!(wcs[1].imm_data, Some(0xfeed));
+    let mut got = [0u8; 12];
+    b.mr.read_at(0, &mut got[..4]).unwrap();
+    b.mr.read_at(200, &mut got[4..]).unwrap();
+    assert_eq!(&got, b"hello, world");
+    let sent = wait(&a.cq, 2);
+    assert!(sent
+        .iter()
+        .all(|w| w.status.is_success() && w.opcode == WcOpcode::Send));
+    assert_eq!([sent[0].wr_id, sent[1].wr_id], [10, 11]);
+}
+
+#[test]
+fn write_write_imm_and_read() {
+    let (a, b) = pair();
+    a.mr.write_at(0, &[7u8; 300]).unwrap();
+    let src = [a.mr.sge(0, 100).unwrap(), a.mr.sge(100, 200).unwrap()];
+    a.qp.post_send(&[SendWr::new(
+        1,
+        &src,
+        WrOpcode::Write {
+            remote: b.mr.remote(1000),
+        },
+    )])
+    .unwrap();
+    assert_eq!(wait(&a.cq, 1)[0].status, WcStatus::Success);
+    let mut got = [0u8; 302];
+    b.mr.read_at(999, &mut got).unwrap();
+    assert_eq!(got[0], 0);
+    assert!(got[1..301].iter().all(|&x| x == 7));
+    assert_eq!(got[301], 0);
+
+    b.qp.post_recv(&[RecvWr::new(5, &[])]).unwrap();
+    a.mr.write_at(0, b"imm!").unwrap();
+    a.qp.post_send(&[SendWr::new(
+        2,
+        &[a.mr.sge(0, 4).unwrap()],
+        WrOpcode::WriteWithImm {
+            remote: b.mr.remote(4000),
+            imm: 77,
+        },
+    )])
+    .unwrap();
+    let wc = wait(&b.cq, 1)[0];
+    assert_eq!(
+        (wc.wr_id, wc.opcode, wc.imm_data, wc.byte_len),
+        (5, WcOpcode::RecvRdmaWithImm, Some(77), 4)
+    );
+    let mut got = [0u8; 4];
+    b.mr.read_at(4000, &mut got).unwrap();
+    assert_eq!(&got, b"imm!");
+    wait(&a.cq, 1);
+
+    b.mr.write_at(8000, b"remote bytes").unwrap();
+    let dst = [a.mr.sge(500, 6).unwrap(), a.mr.sge(600, 6).unwrap()];
+    a.qp.post_send(&[SendWr::new(
+        3,
+        &dst,
+        WrOpcode::Read {
+            remote: b.mr.remote(8000),
+        },
+    )])
+    .unwrap();
+    let wc = wait(&a.cq, 1)[0];
+    assert_eq!(
+        (wc.wr_id, wc.status, wc.opcode, wc.byte_len),
+        (3, WcStatus::Success, WcOpcode::RdmaRead, 12)
+    );
+    let mut got = [0u8; 12];
+    a.mr.read_at(500, &mut got[..6]).unwrap();
+    a.mr.read_at(600, &mut got[6..]).unwrap();
+    assert_eq!(&got, b"remote bytes");
+}
+
+#[test]
+fn large_write_and_read_cross_many_socket_buffers() {
+    let ctx_a = open("thread");
+    let ctx_b = open("thread");
+    let a = side(&ctx_a, QpCaps::default(), AccessFlags::ALL);
+    let b = side(&ctx_b, QpCaps::default(), AccessFlags::ALL);
+    connect_with(&a, &b, QpAttr::rts);
+    let len = 8 << 20;
+    let big_a = a.pd.alloc_mr(len, AccessFlags::ALL).unwrap();
+    let big_b = b.pd.alloc_mr(len, AccessFlags::ALL).unwrap();
+    let pattern: Vec<u8> = (0..len).map(|i| (i * 31 % 251) as u8).collect();
+    big_a.write_at(0, &pattern).unwrap();
+    let sge = [big_a.sge(0, len as u32).unwrap()];
+    a.qp.post_send(&[
+        SendWr::new(
+            1,
+            &sge,
+            WrOpcode::Write {
+                remote: big_b.remote(0),
+            },
+        ),
+        SendWr::new(
+            2,
+            &sge,
+            WrOpcode::Write {
+                remote: big_b.remote(0),
+            },
+        ),
+    ])
+    .unwrap();
+    assert!(wait(&a.cq, 2).iter().all(|w| w.status.is_success()));
+    let mut got = vec![0u8; len];
+    big_b.read_at(0, &mut got).unwrap();
+    assert!(got == pattern);
+    big_a.write_at(0, &vec![0u8; len]).unwrap();
+    a.qp.post_send(&[SendWr::new(
+        3,
+        &sge,
+        WrOpcode::Read {
+            remote: big_b.remote(0),
+        },
+    )])
+    .unwrap();
+    let wc = wait(&a.cq, 1)[0];
+    assert_eq!((wc.status, wc.byte_len), (WcStatus::Success, len as u32));
+    big_a.read_at(0, &mut got).unwrap();
+    assert!(got == pattern);
+}
+
+#[test]
+fn atomics_and_misaligned_atomic() {
+    let (a, b) = pair();
+    b.mr.atomic_u64(64)
+        .unwrap()
+        .store(40, std::sync::atomic::Ordering::SeqCst);
+    let res = [a.mr.sge(0, 8).unwrap()];
+    a.qp.post_send(&[SendWr::new(
+        1,
+        &res,
+        WrOpcode::AtomicFetchAdd {
+            remote: b.mr.remote(64),
+            add: 2,
+        },
+    )])
+    .unwrap();
+    wait(&a.cq, 1);
+    assert_eq!(
+        a.mr.atomic_u64(0)
+            .unwrap()
+            .load(std::sync::atomic::Ordering::SeqCst),
+        40
+    );
+    a.qp.post_send(&[
+        SendWr::new(
+            2,
+            &res,
+            WrOpcode::AtomicCmpSwp {
+                remote: b.mr.remote(64),
+                compare: 42,
+                swap: 100,
+            },
+        ),
+        SendWr::new(
+            3,
+            &[a.mr.sge(8, 8).unwrap()],
+            WrOpcode::AtomicCmpSwp {
+                remote: b.mr.remote(64),
+                compare: 42,
+                swap: 7,
+            },
+        ),
+    ])
+    .unwrap();
+    let wcs = wait(&a.cq, 2);
+    assert_eq!(wcs[0].opcode, WcOpcode::CompSwap);
+    assert_eq!(
+        a.mr.atomic_u64(0)
+            .unwrap()
+            .load(std::sync::atomic::Ordering::SeqCst),
+        42
+    );
+    assert_eq!(
+        a.mr.atomic_u64(8)
+            .unwrap()
+            .load(std::sync::atomic::Ordering::SeqCst),
+        100
+    );
+    assert_eq!(
+        b.mr.atomic_u64(64)
+            .unwrap()
+            .load(std::sync::atomic::Ordering::SeqCst),
+        100
+    );
+
+    a.qp.post_send(&[SendWr::new(
+        4,
+        &res,
+        WrOpcode::AtomicFetchAdd {
+            remote: b.mr.remote(65),
+            add: 1,
+        },
+    )])
+    .unwrap();
+    let wc = wait(&a.cq, 1)[0];
+    assert_eq!(wc.status, WcStatus::RemoteInvalidRequest);
+    assert_eq!(
+        b.mr.atomic_u64(64)
+            .unwrap()
+            .load(std::sync::atomic::Ordering::SeqCst),
+        100
+    );
+    wait_state(&a.qp, QpState::Error);
+}
+
+#[test]
+fn inline_send_from_a_stack_buffer_and_limits() {
+    let (a, b) = pair();
+    b.qp.post_recv(&[RecvWr::new(1, &[b.mr.sge(0, 64).unwrap()])])
+        .unwrap();
+    let data = *b"inline payload";
+    let sge = [Sge {
+        addr: data.as_ptr() as u64,
+        length: data.len() as u32,
+        lkey: Lkey(0),
+    }];
+    a.qp.post_send(&[
+        SendWr::new(1, &sge, WrOpcode::Send).with_flags(SendFlags::INLINE | SendFlags::SIGNALED)
+    ])
+    .unwrap();
+    let wc = wait(&b.cq, 1)[0];
+    assert_eq!(wc.byte_len, data.len() as u32);
+    let mut got = [0u8; 14];
+    b.mr.read_at(0, &mut got).unwrap();
+    assert_eq!(got, data);
+    wait(&a.cq, 1);
+    // Above max_inline_data (64 by default): refused at post time.
+    let big = [0u8; 65];
+    let sge = [Sge {
+        addr: big.as_ptr() as u64,
+        length: 65,
+        lkey: Lkey(0),
+    }];
+    let err =
+        a.qp.post_send(&[SendWr::new(2, &sge, WrOpcode::Send).with_flags(SendFlags::INLINE)])
+            .unwrap_err();
+    assert_eq!(err.index, 0);
+    assert!(matches!(err.source, VerbsError::InvalidArgument(_)));
+    // Too many SGEs.
+    let sges = [a.mr.sge(0, 1).unwrap(); 5];
+    let err =
+        a.qp.post_send(&[SendWr::new(3, &sges, WrOpcode::Send)])
+            .unwrap_err();
+    assert!(matches!(err.source, VerbsError::LimitExceeded(_)));
+}
+
+#[test]
+fn unsignaled_sends_complete_silently_and_bad_lkey_is_local_protection() {
+    let (a, b) = pair();
+    b.qp.post_recv(&[RecvWr::new(1, &[]), RecvWr::new(2, &[])])
+        .unwrap();
+    a.qp.post_send(&[
+        SendWr::new(1, &[], WrOpcode::Send).with_flags(SendFlags::empty()),
+        SendWr::new(2, &[], WrOpcode::Send),
+    ])
+    .unwrap();
+    let wcs = wait(&a.cq, 1);
+    assert_eq!(wcs[0].wr_id, 2);
+    wait(&b.cq, 2);
+    assert_no_completion(&a.cq);
+    let bad = [Sge {
+        addr: a.mr.addr(),
+        length: 8,
+        lkey: Lkey(a.mr.lkey().0 ^ 0x5a5a),
+    }];
+    a.qp.post_send(&[SendWr::new(3, &bad, WrOpcode::Send).with_flags(SendFlags::empty())])
+        .unwrap();
+    let wc = wait(&a.cq, 1)[0];
+    assert_eq!((wc.wr_id, wc.status), (3, WcStatus::LocalProtection));
+    assert_eq!(a.qp.state(), QpState::Error);
+}
+
+#[test]
+fn remote_access_errors_leave_memory_unchanged() {
+    let ctx_a = open("thread");
+    let ctx_b = open("thread");
+    let a = side(&ctx_a, QpCaps::default(), AccessFlags::ALL);
+    let b = side(
+        &ctx_b,
+        QpCaps::default(),
+        AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ,
+    );
+    connect_with(&a, &b, QpAttr::rts);
+    a.mr.write_at(0, &[9u8; 64]).unwrap();
+    let src = [a.mr.sge(0, 64).unwrap()];
+    // No REMOTE_WRITE on the target region.
+    a.qp.post_send(&[SendWr::new(
+        1,
+        &src,
+        WrOpcode::Write {
+            remote: b.mr.remote(0),
+        },
+    )])
+    .unwrap();
+    let wc = wait(&a.cq, 1)[0];
+    assert_eq!(wc.status, WcStatus::RemoteAccess);
+    let mut got = [1u8; 64];
+    b.mr.read_at(0, &mut got).unwrap();
+    assert_eq!(got, [0u8; 64]);
+    wait_state(&a.qp, QpState::Error);
+
+    // Out of bounds, on a fresh pair with a writable region.
+    let (a, b) = pair();
+    let src = [a.mr.sge(0, 64).unwrap()];
+    a.qp.post_send(&[SendWr::new(
+        1,
+        &src,
+        WrOpcode::Write {
+            remote: b.mr.remote(b.mr.len() - 32),
+        },
+    )])
+    .unwrap();
+    assert_eq!(wait(&a.cq, 1)[0].status, WcStatus::RemoteAccess);
+    let mut got = [1u8; 32];
+    b.mr.read_at(b.mr.len() - 32, &mut got).unwrap();
+    assert_eq!(got, [0u8; 32]);
+}
+
+#[test]
+fn deregistered_region_refuses_its_old_rkey() {
+    let (a, b) = pair();
+    let extra = b.pd.alloc_mr(4096, AccessFlags::ALL).unwrap();
+    let remote = extra.remote(0);
+    drop(extra);
+    a.qp.post_send(&[SendWr::new(
+        1,
+        &[a.mr.sge(0, 8).unwrap()],
+        WrOpcode::Write { remote },
+    )])
+    .unwrap();
+    assert_eq!(wait(&a.cq, 1)[0].status, WcStatus::RemoteAccess);
+}
+
+#[test]
+fn rnr_is_retried_until_a_receive_is_posted() {
+    let ctx_a = open("thread");
+    let ctx_b = open("thread");
+    let a = side(&ctx_a, QpCaps::default(), AccessFlags::ALL);
+    let b = side(&ctx_b, QpCaps::default(), AccessFlags::ALL);
+    // Shortest RNR timer, infinite RNR retries.
+    let (ea, eb) = (a.qp.endpoint(), b.qp.endpoint());
+    for (s, remote) in [(&a, &eb), (&b, &ea)] {
+        s.qp.modify(&QpAttr::init(AccessFlags::ALL)).unwrap();
+        s.qp.modify(&QpAttr::rtr(remote.clone()).with_min_rnr_timer(1))
+            .unwrap();
+        s.qp.modify(&QpAttr::rts().with_rnr_retry(7)).unwrap();
+    }
+    a.mr.write_at(0, b"late").unwrap();
+    a.qp.post_send(&[SendWr::new(1, &[a.mr.sge(0, 4).unwrap()], WrOpcode::Send)])
+        .unwrap();
+    // Let a few RNR rounds happen (no assertion on timing).
+    std::thread::sleep(Duration::from_millis(20));
+    assert_no_completion(&a.cq);
+    b.qp.post_recv(&[RecvWr::new(9, &[b.mr.sge(0, 8).unwrap()])])
+        .unwrap();
+    let wc = wait(&b.cq, 1)[0];
+    assert_eq!((wc.wr_id, wc.byte_len), (9, 4));
+    assert_eq!(wait(&a.cq, 1)[0].status, WcStatus::Success);
+}
+
+#[test]
+fn rnr_retry_exceeded_then_the_queue_flushes() {
+    let ctx_a = open("thread");
+    let ctx_b = open("thread");
+    let a = side(&ctx_a, QpCaps::default(), AccessFlags::ALL);
+    let b = side(&ctx_b, QpCaps::default(), AccessFlags::ALL);
+    let (ea, eb) = (a.qp.endpoint(), b.qp.endpoint());
+    for (s, remote) in [(&a, &eb), (&b, &ea)] {
+        s.qp.modify(&QpAttr::init(AccessFlags::ALL)).unwrap();
+        s.qp.modify(&QpAttr::rtr(remote.clone()).with_min_rnr_timer(1))
+            .unwrap();
+        s.qp.modify(&QpAttr::rts().with_rnr_retry(2)).unwrap();
+    }
+    a.qp.post_send(&[
+        SendWr::new(1, &[], WrOpcode::Send),
+        SendWr::new(2, &[], WrOpcode::Send),
+    ])
+    .unwrap();
+    let wcs = wait(&a.cq, 2);
+    assert_eq!(
+        (wcs[0].wr_id, wcs[0].status),
+        (1, WcStatus::RnrRetryExceeded)
+    );
+    assert_eq!((wcs[1].wr_id, wcs[1].status), (2, WcStatus::WrFlushed));
+    assert_eq!(a.qp.state(), QpState::Error);
+}
+
+#[test]
+fn error_state_flushes_everything_and_new_posts() {
+    let (a, _b) = pair();
+    a.qp.post_recv(&[
+        RecvWr::new(1, &[a.mr.sge(0, 8).unwrap()]),
+        RecvWr::new(2, &[]),
+    ])
+    .unwrap();
+    a.qp.modify(&QpAttr::error()).unwrap();
+    let wcs = wait(&a.cq, 2);
+    assert!(wcs
+        .iter()
+        .all(|w| w.status == WcStatus::WrFlushed && w.opcode == WcOpcode::Recv));
+    a.qp.post_send(&[SendWr::new(3, &[], WrOpcode::Send).with_flags(SendFlags::empty())])
+        .unwrap();
+    a.qp.post_recv(&[RecvWr::new(4, &[])]).unwrap();
+    let wcs = wait(&a.cq, 2);
+    assert_eq!(
+        (wcs[0].wr_id, wcs[0].status, wcs[0].opcode),
+        (3, WcStatus::WrFlushed, WcOpcode::Send)
+    );
+    assert_eq!((wcs[1].wr_id, wcs[1].status), (4, WcStatus::WrFlushed));
+    // RESET → INIT is allowed again; posting a send in INIT is refused.
+    a.qp.modify(&QpAttr::reset()).unwrap();
+    a.qp.modify(&QpAttr::init(AccessFlags::ALL)).unwrap();
+    let err =
+        a.qp.post_send(&[SendWr::new(5, &[], WrOpcode::Send)])
+            .unwrap_err();
+    assert!(matches!(
+        err.source,
+        VerbsError::WrongState {
+            state: QpState::Init,
+            ..
+        }
+    ));
+    assert!(matches!(
+        a.qp.modify(&QpAttr::rts()),
+        Err(VerbsError::IllegalTransition { .. })
+    ));
+}
+
+#[test]
+fn peer_disconnect_moves_qp_to_error_and_flushes() {
+    let (a, b) = pair();
+    a.qp.post_recv(&[RecvWr::new(1, &[])]).unwrap();
+    drop(b);
+    let wc = wait(&a.cq, 1)[0];
+    assert_eq!((wc.wr_id, wc.status), (1, WcStatus::WrFlushed));
+    wait_state(&a.qp, QpState::Error);
+}
+
+/// Accept the connection of a QP whose "peer" is this test, and read its HELLO.
+fn fake_peer(qp: &QueuePair) -> TcpStream {
+    let listener = TcpListener::bind("127.0.0.2:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let fake = QpEndpoint {
+        address: addr.to_string(),
+        qp_num: QpNum(77),
+        ..qp.endpoint()
+    };
+    qp.modify(&QpAttr::init(AccessFlags::ALL)).unwrap();
+    qp.modify(&QpAttr::rtr(fake)).unwrap();
+    qp.modify(&QpAttr::rts()).unwrap();
+    let (mut s, _) = listener.accept().unwrap();
+    let mut hello = [0u8; wire::HEADER_LEN + 8];
+    s.read_exact(&mut hello).unwrap();
+    match wire::decode(&hello, 0).unwrap().unwrap().0 {
+        Frame::Hello {
+            dst_qpn, src_qpn, ..
+        } => {
+            assert_eq!((dst_qpn, src_qpn), (77, qp.qp_num().0));
+        }
+        f => panic!("expected HELLO, got {f:?}"),
+    }
+    s
+}
+
+#[test]
+fn malformed_frame_fails_only_its_qp() {
+    let ca = open("thread");
+    let cb = open("thread");
+    let (a, b) = pair_in(&ca, &cb);
+    let victim = side(&cb, QpCaps::default(), AccessFlags::ALL);
+    let mut s = fake_peer(&victim.qp);
+    victim.qp.post_recv(&[RecvWr::new(5, &[])]).unwrap();
+    // A frame with an unknown opcode.
+    let mut bad = vec![0u8; 16];
+    bad[..4].copy_from_slice(&16u32.to_be_bytes());
+    bad[4] = 0x7e;
+    s.write_all(&bad).unwrap();
+    let wc = wait(&victim.cq, 1)[0];
+    assert_eq!((wc.wr_id, wc.status), (5, WcStatus::WrFlushed));
+    assert_eq!(victim.qp.state(), QpState::Error);
+    // The victim closed the connection.
+    let mut buf = [0u8; 1];
+    s.set_read_timeout(Some(WAIT)).unwrap();
+    assert_eq!(s.read(&mut buf).unwrap_or(0), 0);
+    // The other QP of the same context keeps working.
+    b.qp.post_recv(&[RecvWr::new(1, &[b.mr.sge(0, 8).unwrap()])])
+        .unwrap();
+    a.qp.post_send(&[SendWr::new(1, &[a.mr.sge(0, 8).unwrap()], WrOpcode::Send)])
+        .unwrap();
+    assert_eq!(wait(&b.cq, 1)[0].status, WcStatus::Success);
+    assert_eq!(wait(&a.cq, 1)[0].status, WcStatus::Success);
+}
+
+#[test]
+fn truncated_frame_then_close_fails_the_qp_and_flushes_sends() {
+    let ctx = open("thread");
+    let victim = side(&ctx, QpCaps::default(), AccessFlags::ALL);
+    let mut s = fake_peer(&victim.qp);
+    victim
+        .qp
+        .post_send(&[SendWr::new(
+            9,
+            &[victim.mr.sge(0, 8).unwrap()],
+            WrOpcode::Send,
+        )])
+        .unwrap();
+    // Half a frame, then the peer goes away.
+    let mut frame = Vec::new();
+    wire::encode(
+        &Frame::Request(wire::Request {
+            qpn: victim.qp.qp_num().0,
+            psn: 0,
+            solicited: false,
+            op: wire::RequestOp::Send {
+                imm: None,
+                payload: &[1; 32],
+            },
+        }),
+        &mut frame,
+    );
+    s.write_all(&frame[..20]).unwrap();
+    drop(s);
+    let wc = wait(&victim.cq, 1)[0];
+    assert_eq!((wc.wr_id, wc.status), (9, WcStatus::WrFlushed));
+    assert_eq!(victim.qp.state(), QpState::Error);
+}
+
+#[test]
+fn hello_for_unknown_qp_and_garbage_connections_are_dropped() {
+    let ctx = open("thread");
+    let addr = ctx.query_port(1).unwrap().address;
+    let mut s = TcpStream::connect(&addr).unwrap();
+    let mut hello = Vec::new();
+    wire::encode(
+        &Frame::Hello {
+            dst_qpn: 0x00ff_fff0,
+            src_qpn: 1,
+            version: wire::PROTOCOL_VERSION,
+        },
+        &mut hello,
+    );
+    s.write_all(&hello).unwrap();
+    s.set_read_timeout(Some(WAIT)).unwrap();
+    let mut buf = [0u8; 1];
+    assert_eq!(s.read(&mut buf).unwrap_or(0), 0, "closed by the context");
+    let mut g = TcpStream::connect(&addr).unwrap();
+    g.write_all(&[0xff; 24]).unwrap();
+    g.set_read_timeout(Some(WAIT)).unwrap();
+    assert_eq!(g.read(&mut buf).unwrap_or(0), 0, "closed by the context");
+    // The context still serves QPs.
+    let (a, b) = pair_in(&ctx, &ctx);
+    b.qp.post_recv(&[RecvWr::new(1, &[])]).unwrap();
+    a.qp.post_send(&[SendWr::new(1, &[], WrOpcode::Send)])
+        .unwrap();
+    wait(&b.cq, 1);
+}
+
+#[test]
+fn shared_receive_queue_feeds_two_qps() {
+    let ca = open("thread");
+    let cb = open("thread");
+    let pd = cb.alloc_pd().unwrap();
+    let cq = cb.create_cq(64).unwrap();
+    let srq = pd
+        .create_srq(&SrqInitAttr {
+            max_wr: 8,
+            max_sge: 1,
+            srq_limit: 0,
+        })
+        .unwrap();
+    let mr = pd.alloc_mr(4096, AccessFlags::ALL).unwrap();
+    let mut init = QpInitAttr::new(&cq);
+    init.srq = Some(&srq);
+    let t1 = pd.create_qp(&init).unwrap();
+    let t2 = pd.create_qp(&init).unwrap();
+    let s1 = side(&ca, QpCaps::default(), AccessFlags::ALL);
+    let s2 = side(&ca, QpCaps::default(), AccessFlags::ALL);
+    for (s, t) in [(&s1, &t1), (&s2, &t2)] {
+        s.qp.connect(&t.endpoint(), AccessFlags::ALL).unwrap();
+        t.connect(&s.qp.endpoint(), AccessFlags::ALL).unwrap();
+    }
+    assert!(matches!(
+        t1.post_recv(&[RecvWr::new(0, &[])]),
+        Err(PostError {
+            source: VerbsError::InvalidArgument(_),
+            ..
+        })
+    ));
+    srq.post_recv(&[
+        RecvWr::new(1, &[mr.sge(0, 16).unwrap()]),
+        RecvWr::new(2, &[mr.sge(16, 16).unwrap()]),
+    ])
+    .unwrap();
+    assert_eq!(srq.outstanding(), 2);
+    s1.qp
+        .post_send(&[SendWr::new(1, &[s1.mr.sge(0, 4).unwrap()], WrOpcode::Send)])
+        .unwrap();
+    wait(&s1.cq, 1);
+    s2.qp
+        .post_send(&[SendWr::new(1, &[s2.mr.sge(0, 4).unwrap()], WrOpcode::Send)])
+        .unwrap();
+    wait(&s2.cq, 1);
+    let wcs = wait(&cq, 2);
+    assert_eq!([wcs[0].wr_id, wcs[1].wr_id], [1, 2]);
+    assert_eq!([wcs[0].qp_num, wcs[1].qp_num], [t1.qp_num(), t2.qp_num()]);
+    assert_eq!(srq.outstanding(), 0);
+}
+
+#[test]
+fn cq_event_fd_wakes_a_sleeping_poller() {
+    let (a, b) = pair();
+    b.qp.post_recv(&[RecvWr::new(1, &[])]).unwrap();
+    b.cq.req_notify(false).unwrap();
+    a.qp.post_send(&[SendWr::new(1, &[], WrOpcode::Send)])
+        .unwrap();
+    assert!(b.cq.wait_event(Some(WAIT)).unwrap());
+    assert_eq!(b.cq.ack_events().unwrap(), 1);
+    wait(&b.cq, 1);
+}
+
+#[test]
+fn busy_mode_progresses_from_poll_and_still_serves_one_sided_ops() {
+    let (a, b) = pair_in(&open("busy"), &open("busy"));
+    for i in 0..100u64 {
+        b.qp.post_recv(&[RecvWr::new(i, &[b.mr.sge(0, 8).unwrap()])])
+            .unwrap();
+        a.qp.post_send(&[SendWr::new(i, &[a.mr.sge(0, 8).unwrap()], WrOpcode::Send)])
+            .unwrap();
+        assert_eq!(wait(&b.cq, 1)[0].wr_id, i);
+        assert_eq!(wait(&a.cq, 1)[0].wr_id, i);
+    }
+    // b never polls here: its progress thread serves the READ.
+    b.mr.write_at(0, b"fallback").unwrap();
+    a.qp.post_send(&[SendWr::new(
+        7,
+        &[a.mr.sge(100, 8).unwrap()],
+        WrOpcode::Read {
+            remote: b.mr.remote(0),
+        },
+    )])
+    .unwrap();
+    assert_eq!(wait(&a.cq, 1)[0].status, WcStatus::Success);
+    let mut got = [0u8; 8];
+    a.mr.read_at(100, &mut got).unwrap();
+    assert_eq!(&got, b"fallback");
+}
+
+#[test]
+fn fence_orders_a_send_after_a_read() {
+    let (a, b) = pair();
+    b.mr.write_at(0, b"fenced").unwrap();
+    b.qp.post_recv(&[RecvWr::new(1, &[b.mr.sge(100, 8).unwrap()])])
+        .unwrap();
+    a.qp.post_send(&[
+        SendWr::new(
+            1,
+            &[a.mr.sge(0, 6).unwrap()],
+            WrOpcode::Read {
+                remote: b.mr.remote(0),
+            },
+        ),
+        SendWr::new(2, &[a.mr.sge(0, 6).unwrap()], WrOpcode::Send)
+            .with_flags(SendFlags::SIGNALED | SendFlags::FENCE),
+    ])
+    .unwrap();
+    let wcs = wait(&a.cq, 2);
+    assert_eq!([wcs[0].wr_id, wcs[1].wr_id], [1, 2]);
+    wait(&b.cq, 1);
+    let mut got = [0u8; 6];
+    b.mr.read_at(100, &mut got).unwrap();
+    assert_eq!(&got, b"fenced", "the SEND carried what the READ brought");
+}
+
+#[test]
+fn send_queue_full_is_back_pressure() {
+    let ctx_a = open("thread");
+    let ctx_b = open("thread");
+    let caps = QpCaps {
+        max_send_wr: 2,
+        ..QpCaps::default()
+    };
+    let a = side(&ctx_a, caps, AccessFlags::ALL);
+    let b = side(&ctx_b, QpCaps::default(), AccessFlags::ALL);
+    connect_with(&a, &b, QpAttr::rts);
+    // No receives at b: the SENDs wait in RNR, so the queue stays full.
+    let wrs = [
+        SendWr::new(1, &[], WrOpcode::Send),
+        SendWr::new(2, &[], WrOpcode::Send),
+        SendWr::new(3, &[], WrOpcode::Send),
+    ];
+    let err = a.qp.post_send(&wrs).unwrap_err();
+    assert_eq!(err.index, 2);
+    assert!(matches!(err.source, VerbsError::QueueFull));
+    b.qp.post_recv(&[RecvWr::new(1, &[]), RecvWr::new(2, &[])])
+        .unwrap();
+    wait(&a.cq, 2);
+    let _ = &b.ctx;
+}

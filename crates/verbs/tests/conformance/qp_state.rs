@@ -1,0 +1,587 @@
+//! The RC state machine: every (from, to) pair is accepted or refused exactly as
+//! [`QpState::can_transition_to`] says; posting in a state that does not accept the request is
+//! `WrongState`; ERROR flushes every outstanding request and every new one; a full send queue
+//! is back-pressure; RESET makes a QP reusable.
+
+use std::rc::Rc;
+use std::sync::mpsc::{Receiver, TryRecvError};
+use std::time::Duration;
+
+use fabriq_verbs::{
+    AccessFlags, Capabilities, Context, MemoryRegion, ProtectionDomain, QpAttr, QpCaps, QpEndpoint,
+    QpInitAttr, QpState, QueuePair, RecvWr, SendFlags, SendWr, VerbsError, WcOpcode, WcStatus,
+    WrOpcode,
+};
+
+use crate::harness::{
+    connect_pair, drive_to_rtr, drive_to_rts, expect_wc, fail, pattern, pump_all, Backoff,
+    ConnectOpts, Env, TestCq, TestProvider, TestResult,
+};
+use crate::peer::{connected, PeerSetup, PeerSge, Reply, Request};
+
+/// QPs of this process on one context, PD and CQ.
+struct Lab {
+    _ctx: Context,
+    pd: ProtectionDomain,
+    cq: Rc<TestCq>,
+    mr: MemoryRegion,
+}
+
+impl Lab {
+    fn new<P: TestProvider>(env: &Env<P>) -> Result<Lab, Box<dyn std::error::Error>> {
+        let ctx = env.open()?;
+        let pd = ctx.alloc_pd()?;
+        let cq = TestCq::new(ctx.create_cq(1024)?, true);
+        let mr = pd.alloc_mr(4096, AccessFlags::ALL)?;
+        Ok(Lab {
+            _ctx: ctx,
+            pd,
+            cq,
+            mr,
+        })
+    }
+
+    fn qp(&self, caps: QpCaps) -> Result<QueuePair, VerbsError> {
+        let mut init = QpInitAttr::new(&self.cq.cq);
+        init.caps = caps;
+        self.pd.create_qp(&init)
+    }
+}
+
+/// Drive `b` to RTS towards `toward` on another thread (a provider may block in RTR until the
+/// other side moves).
+fn drive_partner(b: &QueuePair, toward: QpEndpoint) -> Receiver<Result<(), String>> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let b = b.clone();
+    std::thread::spawn(move || {
+        let _ =
+            tx.send(drive_to_rts(&b, &toward, &ConnectOpts::default()).map_err(|e| e.to_string()));
+    });
+    rx
+}
+
+fn join_partner(rx: Receiver<Result<(), String>>) -> TestResult {
+    let mut backoff = Backoff::new(crate::harness::TIMEOUT);
+    loop {
+        match rx.try_recv() {
+            Ok(r) => return r.map_err(|e| fail(format!("driving the partner QP: {e}"))),
+            Err(TryRecvError::Disconnected) => return Err(fail("partner thread died")),
+            Err(TryRecvError::Empty) => {}
+        }
+        pump_all();
+        if !backoff.snooze() {
+            return Err(fail("timed out driving the partner QP"));
+        }
+    }
+}
+
+/// A fresh QP in `state`, with the partner it is connected to (kept alive by the caller).
+fn fresh_at(
+    lab: &Lab,
+    state: QpState,
+) -> Result<(QueuePair, Option<QueuePair>), Box<dyn std::error::Error>> {
+    let a = lab.qp(QpCaps::default())?;
+    match state {
+        QpState::Reset => Ok((a, None)),
+        QpState::Init => {
+            a.modify(&QpAttr::init(ConnectOpts::default().access))?;
+            Ok((a, None))
+        }
+        QpState::Rtr => {
+            let b = lab.qp(QpCaps::default())?;
+            let rx = drive_partner(&b, a.endpoint());
+            let r = drive_to_rtr(&a, &b.endpoint(), &ConnectOpts::default());
+            join_partner(rx)?;
+            r?;
+            Ok((a, Some(b)))
+        }
+        QpState::Rts | QpState::Sqd => {
+            let b = lab.qp(QpCaps::default())?;
+            connect_pair(&a, &b, &ConnectOpts::default(), &ConnectOpts::default())?;
+            if state == QpState::Sqd {
+                a.modify(&state_only(QpState::Sqd))?;
+            }
+            Ok((a, Some(b)))
+        }
+        QpState::Error => {
+            a.modify(&QpAttr::error())?;
+            Ok((a, None))
+        }
+        QpState::Sqe => Err(fail("SQE cannot be entered by modify")),
+    }
+}
+
+fn state_only(s: QpState) -> QpAttr {
+    QpAttr {
+        state: Some(s),
+        ..QpAttr::default()
+    }
+}
+
+/// The attributes of a transition into `to` (a remote is only needed for RTR).
+fn attr_for(to: QpState, remote: &QpEndpoint) -> QpAttr {
+    match to {
+        QpState::Init => QpAttr::init(ConnectOpts::default().access),
+        QpState::Rtr => QpAttr::rtr(remote.clone()),
+        QpState::Rts => QpAttr::rts(),
+        other => state_only(other),
+    }
+}
+
+const STATES: [QpState; 7] = [
+    QpState::Reset,
+    QpState::Init,
+    QpState::Rtr,
+    QpState::Rts,
+    QpState::Sqd,
+    QpState::Sqe,
+    QpState::Error,
+];
+
+/// Every (from, to) pair: legal transitions succeed and land in `to`; illegal ones are refused
+/// with IllegalTransition and leave the QP where it was. SQE is never entered by modify, so it
+/// is only a target. A provider without SQD support may refuse transitions into SQD with
+/// Unsupported (reported as a skip).
+pub fn qp_state_machine_allows_exactly_the_legal_transitions<P: TestProvider>(
+    env: &Env<P>,
+) -> TestResult {
+    let lab = Lab::new(env)?;
+    let spare = lab.qp(QpCaps::default())?.endpoint();
+    let mut problems = Vec::new();
+    for from in STATES.into_iter().filter(|s| *s != QpState::Sqe) {
+        let (a, _partner) = match fresh_at(&lab, from) {
+            Ok(x) => x,
+            Err(e) if from == QpState::Sqd && e.to_string().contains("not supported") => {
+                env.skip(&format!(
+                    "SQD not supported ({e}); pairs from SQD not checked"
+                ));
+                continue;
+            }
+            Err(e) => {
+                problems.push(format!("cannot bring a QP to {from:?}: {e}"));
+                continue;
+            }
+        };
+        for to in STATES.into_iter().filter(|to| !from.can_transition_to(*to)) {
+            match a.modify(&attr_for(to, &spare)) {
+                Err(VerbsError::IllegalTransition { from: f, to: t }) if f == from && t == to => {}
+                other => problems.push(format!(
+                    "{from:?} -> {to:?} must be IllegalTransition, got {other:?}"
+                )),
+            }
+            if a.state() != from {
+                problems.push(format!(
+                    "refused {from:?} -> {to:?} moved the QP to {:?}",
+                    a.state()
+                ));
+            }
+        }
+        for to in STATES.into_iter().filter(|to| from.can_transition_to(*to)) {
+            let (a, _partner) = fresh_at(&lab, from)?;
+            // The new partner of an RTR transition lives until the state is checked.
+            let mut _rtr_partner = None;
+            let result = if to == QpState::Rtr {
+                let b = lab.qp(QpCaps::default())?;
+                let rx = drive_partner(&b, a.endpoint());
+                let r = a.modify(&attr_for(to, &b.endpoint()));
+                join_partner(rx)?;
+                _rtr_partner = Some(b);
+                r
+            } else {
+                a.modify(&attr_for(to, &spare))
+            };
+            match result {
+                Ok(()) if a.state() == to => {}
+                Ok(()) => problems.push(format!(
+                    "{from:?} -> {to:?} succeeded but the QP is in {:?}",
+                    a.state()
+                )),
+                Err(VerbsError::Unsupported { .. }) if to == QpState::Sqd => {
+                    env.skip(&format!("{from:?} -> SQD: Unsupported"));
+                }
+                Err(e) => problems.push(format!("legal {from:?} -> {to:?} failed: {e}")),
+            }
+        }
+    }
+    if problems.is_empty() {
+        Ok(())
+    } else {
+        Err(fail(format!(
+            "state machine violations:\n  {}",
+            problems.join("\n  ")
+        )))
+    }
+}
+
+fn expect_wrong_state(
+    r: Result<(), fabriq_verbs::PostError>,
+    state: QpState,
+    what: &str,
+) -> TestResult {
+    match r {
+        Err(e) if e.index == 0 => match e.source {
+            VerbsError::WrongState { state: s, .. } if s == state => Ok(()),
+            other => Err(fail(format!(
+                "post_{what} in {state:?}: expected WrongState, got {other:?}"
+            ))),
+        },
+        other => Err(fail(format!(
+            "post_{what} in {state:?}: expected WrongState at index 0, got {other:?}"
+        ))),
+    }
+}
+
+/// RESET refuses sends and receives; INIT and RTR refuse sends and accept receives; all with
+/// `WrongState` at index 0.
+pub fn qp_posting_in_wrong_state_is_wrong_state_error<P: TestProvider>(env: &Env<P>) -> TestResult {
+    let lab = Lab::new(env)?;
+    let s = [lab.mr.sge(0, 64)?];
+    for state in [QpState::Reset, QpState::Init, QpState::Rtr] {
+        let (a, _partner) = fresh_at(&lab, state)?;
+        expect_wrong_state(
+            a.post_send(&[SendWr::new(1, &s, WrOpcode::Send)]),
+            state,
+            "send",
+        )?;
+        let recv = a.post_recv(&[RecvWr::new(2, &s)]);
+        if state == QpState::Reset {
+            expect_wrong_state(recv, state, "recv")?;
+        } else if let Err(e) = recv {
+            return Err(fail(format!(
+                "post_recv in {state:?} must be accepted: {e}"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// With a SEND stuck in RNR at the head of the send queue, three requests behind it (one
+/// unsignaled) and four receives posted, moving the QP to ERROR completes every one of them
+/// with WrFlushed: sends in post order, receives with opcode Recv.
+pub fn qp_error_flushes_outstanding_send_and_recv<P: TestProvider>(env: &Env<P>) -> TestResult {
+    let lab = Lab::new(env)?;
+    let a = lab.qp(QpCaps::default())?;
+    let b = lab.qp(QpCaps::default())?;
+    let forever = ConnectOpts {
+        rnr_retry: 7,
+        ..ConnectOpts::default()
+    };
+    connect_pair(&a, &b, &forever, &forever)?;
+    let s = [lab.mr.sge(0, 64)?];
+    let r: Vec<[fabriq_verbs::Sge; 1]> = (0..4)
+        .map(|i| lab.mr.sge(1024 + i * 256, 256).map(|s| [s]))
+        .collect::<Result<_, _>>()?;
+    let recvs: Vec<RecvWr<'_>> = r
+        .iter()
+        .enumerate()
+        .map(|(i, s)| RecvWr::new(100 + i as u64, s))
+        .collect();
+    a.post_recv(&recvs)?;
+    let behind = if env.attr.capabilities.contains(Capabilities::WRITE) {
+        WrOpcode::Write {
+            remote: lab.mr.remote(512),
+        }
+    } else {
+        WrOpcode::Send
+    };
+    a.post_send(&[
+        SendWr::new(1, &s, WrOpcode::Send),
+        SendWr::new(2, &s, behind),
+        SendWr::new(3, &s, behind).with_flags(SendFlags::empty()),
+        SendWr::new(4, &s, WrOpcode::Send),
+    ])?;
+    if let Ok(early) = lab.cq.wait_for(1, Duration::from_millis(100)) {
+        return Err(fail(format!(
+            "a request completed while the SEND at the head of the queue had no receive: {early:?}"
+        )));
+    }
+    a.modify(&QpAttr::error())?;
+    let wcs = lab.cq.wait(8)?;
+    let (sends, recvd): (Vec<&fabriq_verbs::WorkCompletion>, Vec<_>) =
+        wcs.iter().partition(|wc| wc.wr_id < 100);
+    let send_ids: Vec<u64> = sends.iter().map(|wc| wc.wr_id).collect();
+    if send_ids != [1, 2, 3, 4] {
+        return Err(fail(format!(
+            "flushed sends must complete once each, in post order: {wcs:?}"
+        )));
+    }
+    if let Some(bad) = wcs
+        .iter()
+        .find(|wc| wc.status != WcStatus::WrFlushed || wc.qp_num != a.qp_num())
+    {
+        return Err(fail(format!(
+            "every outstanding request must complete with WrFlushed: {bad:?}"
+        )));
+    }
+    let mut recv_ids: Vec<u64> = recvd.iter().map(|wc| wc.wr_id).collect();
+    recv_ids.sort_unstable();
+    if recv_ids != [100, 101, 102, 103] || recvd.iter().any(|wc| wc.opcode != WcOpcode::Recv) {
+        return Err(fail(format!(
+            "flushed receives must complete once each with opcode Recv: {recvd:?}"
+        )));
+    }
+    if a.state() != QpState::Error {
+        return Err(fail(format!("QP is {:?} after modify(ERROR)", a.state())));
+    }
+    let more = lab.cq.take_ready();
+    if !more.is_empty() {
+        return Err(fail(format!("extra completions after the flush: {more:?}")));
+    }
+    Ok(())
+}
+
+/// A QP in ERROR accepts sends (signaled or not) and receives, and completes each with
+/// WrFlushed.
+pub fn qp_posting_in_error_completes_with_wr_flushed<P: TestProvider>(env: &Env<P>) -> TestResult {
+    let lab = Lab::new(env)?;
+    let (a, _b) = fresh_at(&lab, QpState::Rts)?;
+    a.modify(&QpAttr::error())?;
+    let s = [lab.mr.sge(0, 64)?];
+    a.post_send(&[
+        SendWr::new(7, &s, WrOpcode::Send),
+        SendWr::new(8, &s, WrOpcode::Send).with_flags(SendFlags::empty()),
+    ])?;
+    a.post_recv(&[RecvWr::new(9, &s)])?;
+    let mut wcs = lab.cq.wait(3)?;
+    wcs.sort_by_key(|wc| wc.wr_id);
+    for (wc, id) in wcs.iter().zip(7..) {
+        expect_wc(wc, id, WcStatus::WrFlushed, "request posted in ERROR")?;
+    }
+    Ok(())
+}
+
+/// Posting more sends than the send queue holds fails with QueueFull at the first request that
+/// does not fit; once the queue drains, posting works again.
+pub fn qp_full_send_queue_is_back_pressure<P: TestProvider>(env: &Env<P>) -> TestResult {
+    if !env.has(Capabilities::SEND) {
+        return Ok(());
+    }
+    let lab = Lab::new(env)?;
+    let requested = 8u32;
+    let a = lab.qp(QpCaps {
+        max_send_wr: requested,
+        ..QpCaps::default()
+    })?;
+    let b = lab.qp(QpCaps::default())?;
+    let granted = a.query().caps.max_send_wr;
+    if granted < requested || granted > 120 {
+        return Err(fail(format!(
+            "max_send_wr {requested} requested, {granted} granted"
+        )));
+    }
+    let forever = ConnectOpts {
+        rnr_retry: 7,
+        ..ConnectOpts::default()
+    };
+    connect_pair(&a, &b, &forever, &forever)?;
+    let s = [lab.mr.sge(0, 32)?];
+    let wrs: Vec<SendWr<'_>> = (0..=u64::from(granted))
+        .map(|i| SendWr::new(i, &s, WrOpcode::Send))
+        .collect();
+    let posted = match a.post_send(&wrs) {
+        Err(e) if matches!(e.source, VerbsError::QueueFull) && e.index >= requested as usize && e.index <= granted as usize => e.index,
+        other => {
+            return Err(fail(format!(
+                "posting {} sends on a queue of {granted}: expected QueueFull at index {granted}, got {other:?}",
+                granted + 1
+            )))
+        }
+    };
+    let r: Vec<[fabriq_verbs::Sge; 1]> = (0..posted)
+        .map(|i| lab.mr.sge(1024 + i * 32, 32).map(|s| [s]))
+        .collect::<Result<_, _>>()?;
+    let recvs: Vec<RecvWr<'_>> = r
+        .iter()
+        .enumerate()
+        .map(|(i, s)| RecvWr::new(1000 + i as u64, s))
+        .collect();
+    b.post_recv(&recvs)?;
+    // Both QPs share the lab CQ: the senders' completions and the receiver's arrive there.
+    let wcs = lab.cq.wait(2 * posted)?;
+    let sends: Vec<u64> = wcs
+        .iter()
+        .filter(|w| w.qp_num == a.qp_num())
+        .map(|w| w.wr_id)
+        .collect();
+    if sends.len() != posted || sends.iter().enumerate().any(|(i, &id)| id != i as u64) {
+        return Err(fail(format!(
+            "queued sends must complete in order after the receives arrived: {wcs:?}"
+        )));
+    }
+    if let Some(bad) = wcs.iter().find(|w| w.status != WcStatus::Success) {
+        return Err(fail(format!("completion after back-pressure: {bad:?}")));
+    }
+    b.post_recv(&[RecvWr::new(2000, &r[0])])?;
+    a.post_send(&[SendWr::new(500, &s, WrOpcode::Send)])?;
+    let wcs = lab.cq.wait(2)?;
+    if !wcs
+        .iter()
+        .any(|w| w.wr_id == 500 && w.status == WcStatus::Success)
+    {
+        return Err(fail(format!("a send after the queue drained: {wcs:?}")));
+    }
+    Ok(())
+}
+
+/// A connected QP moved to RESET (both sides) and connected again carries traffic again.
+pub fn qp_reset_and_reconnect_carries_traffic_again<P: TestProvider>(env: &Env<P>) -> TestResult {
+    if !env.has(Capabilities::SEND) {
+        return Ok(());
+    }
+    let (node, mut peer) = connected(
+        env,
+        &crate::harness::NodeOpts::default(),
+        PeerSetup::default(),
+    )?;
+    let rbuf = peer.reg_mr(256, AccessFlags::LOCAL_WRITE)?;
+    let mr = node.mr(256, AccessFlags::ALL)?;
+    for round in 0..2u8 {
+        if round > 0 {
+            node.qp.modify(&QpAttr::reset())?;
+            if node.qp.state() != QpState::Reset {
+                return Err(fail(format!(
+                    "after modify(RESET) the QP is {:?}",
+                    node.qp.state()
+                )));
+            }
+            peer.endpoint = match peer.call(&Request::Reset)? {
+                Reply::Endpoint(ep) => ep,
+                other => return Err(fail(format!("peer reset: {other:?}"))),
+            };
+            if peer.state()? != QpState::Reset {
+                return Err(fail("the peer QP is not in RESET after modify(RESET)"));
+            }
+            let o = ConnectOpts::default();
+            peer.connect(&node, &o, &o)?;
+        }
+        peer.post_recv(
+            u64::from(round),
+            &[PeerSge {
+                mr: rbuf.id,
+                offset: 0,
+                len: 256,
+            }],
+        )?;
+        mr.write_at(0, &pattern(round + 1, 100))?;
+        let s = [mr.sge(0, 100)?];
+        node.qp
+            .post_send(&[SendWr::new(10 + u64::from(round), &s, WrOpcode::Send)])?;
+        expect_wc(
+            &node.cq.wait(1)?[0],
+            10 + u64::from(round),
+            WcStatus::Success,
+            &format!("SEND in round {round}"),
+        )?;
+        let r = peer.poll(1)?[0];
+        if r.wr_id != u64::from(round)
+            || r.status != WcStatus::Success
+            || peer.read(&rbuf, 0, 100)? != pattern(round + 1, 100)
+        {
+            return Err(fail(format!(
+                "round {round}: receive {r:?} or its payload is wrong"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Posting more receives than the receive queue holds fails with QueueFull at the first one
+/// that does not fit.
+pub fn qp_full_receive_queue_is_back_pressure<P: TestProvider>(env: &Env<P>) -> TestResult {
+    let lab = Lab::new(env)?;
+    let a = lab.qp(QpCaps {
+        max_recv_wr: 8,
+        ..QpCaps::default()
+    })?;
+    a.modify(&QpAttr::init(ConnectOpts::default().access))?;
+    let granted = a.query().caps.max_recv_wr;
+    if !(8..=120).contains(&granted) {
+        return Err(fail(format!("max_recv_wr 8 requested, {granted} granted")));
+    }
+    let s: Vec<[fabriq_verbs::Sge; 1]> = (0..=granted as usize)
+        .map(|i| lab.mr.sge(i * 16, 16).map(|s| [s]))
+        .collect::<Result<_, _>>()?;
+    let wrs: Vec<RecvWr<'_>> = s
+        .iter()
+        .enumerate()
+        .map(|(i, s)| RecvWr::new(i as u64, s))
+        .collect();
+    match a.post_recv(&wrs) {
+        Err(e) if matches!(e.source, VerbsError::QueueFull) && e.index >= 8 && e.index <= granted as usize => Ok(()),
+        other => Err(fail(format!(
+            "posting {} receives on a queue of {granted}: expected QueueFull at index {granted}, got {other:?}",
+            granted + 1
+        ))),
+    }
+}
+
+/// `query` reports what is in force: RTS, the access flags and timers given at connect time,
+/// the connected peer; a later RTS → RTS modify changes the RNR retry count it reports.
+pub fn qp_query_reports_the_attributes_in_force<P: TestProvider>(env: &Env<P>) -> TestResult {
+    let lab = Lab::new(env)?;
+    let a = lab.qp(QpCaps::default())?;
+    let b = lab.qp(QpCaps::default())?;
+    let oa = ConnectOpts {
+        access: AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ,
+        min_rnr_timer: 5,
+        rnr_retry: 6,
+        timeout: 13,
+        retry_cnt: 4,
+    };
+    connect_pair(&a, &b, &oa, &ConnectOpts::default())?;
+    let q = a.query();
+    let want = (
+        QpState::Rts,
+        oa.access,
+        oa.min_rnr_timer,
+        oa.rnr_retry,
+        oa.timeout,
+        oa.retry_cnt,
+    );
+    let got = (
+        q.state,
+        q.access,
+        q.min_rnr_timer,
+        q.rnr_retry,
+        q.timeout,
+        q.retry_cnt,
+    );
+    if got != want || q.qp_num != a.qp_num() {
+        return Err(fail(format!(
+            "query after connect: expected (state, access, min_rnr_timer, rnr_retry, timeout, \
+             retry_cnt) = {want:?}, got {got:?}"
+        )));
+    }
+    match &q.remote {
+        Some(r) if r.qp_num == b.qp_num() => {}
+        other => {
+            return Err(fail(format!(
+                "query names remote {other:?}, expected QP {:?}",
+                b.qp_num()
+            )))
+        }
+    }
+    let caps = q.caps;
+    let want_caps = QpCaps::default();
+    if caps.max_send_wr < want_caps.max_send_wr
+        || caps.max_recv_wr < want_caps.max_recv_wr
+        || caps.max_send_sge < want_caps.max_send_sge
+        || caps.max_recv_sge < want_caps.max_recv_sge
+    {
+        return Err(fail(format!(
+            "granted caps {caps:?} are below the requested {want_caps:?}"
+        )));
+    }
+    a.modify(&QpAttr {
+        state: Some(QpState::Rts),
+        rnr_retry: Some(2),
+        ..QpAttr::default()
+    })?;
+    if a.query().rnr_retry != 2 || a.state() != QpState::Rts {
+        return Err(fail(format!(
+            "RTS -> RTS with rnr_retry 2: query reports {:?}",
+            a.query()
+        )));
+    }
+    Ok(())
+}

@@ -223,12 +223,82 @@ fn ping_pong(c: &mut Criterion) {
     });
 }
 
+/// Preemption-filtered estimates for shared, noisy machines: each sample is the fastest of
+/// many 64-operation batches (a batch the scheduler did not interrupt), scaled to the
+/// iteration count. Compare with the plain benches above, which include every preemption.
+fn min_of_batches(c: &mut Criterion) {
+    const BATCH: u32 = 64;
+    fn best(iters: u64, mut op: impl FnMut()) -> Duration {
+        let batches = (iters / u64::from(BATCH)).max(8);
+        let mut min = Duration::MAX;
+        for _ in 0..batches {
+            let t = Instant::now();
+            for _ in 0..BATCH {
+                op();
+            }
+            min = min.min(t.elapsed());
+        }
+        min / BATCH * iters as u32
+    }
+    let (a, b) = pair();
+    let src = a.pd.alloc_mr(4096, AccessFlags::ALL).unwrap();
+    let dst = b.pd.alloc_mr(4096, AccessFlags::ALL).unwrap();
+    let sge = [src.sge(0, 8).unwrap()];
+    let rsge = [dst.sge(0, 8).unwrap()];
+    let mut wc = [WorkCompletion::EMPTY; 1];
+    let mut g = c.benchmark_group("shm/min_of_batches");
+    g.bench_function("write_8B", |bch| {
+        bch.iter_custom(|iters| {
+            best(iters, || {
+                a.qp.post_send(&[SendWr::new(
+                    1,
+                    &sge,
+                    WrOpcode::Write {
+                        remote: dst.remote(0),
+                    },
+                )])
+                .unwrap();
+                poll_one(&a.cq, &mut wc);
+            })
+        })
+    });
+    g.bench_function("send_recv_8B", |bch| {
+        bch.iter_custom(|iters| {
+            best(iters, || {
+                b.qp.post_recv(&[RecvWr::new(2, &rsge)]).unwrap();
+                a.qp.post_send(&[SendWr::new(1, &sge, WrOpcode::Send)])
+                    .unwrap();
+                poll_one(&a.cq, &mut wc);
+                poll_one(&b.cq, &mut wc);
+            })
+        })
+    });
+    let r = BenchRing::new(1024);
+    g.bench_function("ring_push_pop", |bch| {
+        bch.iter_custom(|iters| {
+            best(iters, || {
+                black_box(r.push_pop(black_box(7)));
+            })
+        })
+    });
+    let cq = a.cq.clone();
+    let mut many = [WorkCompletion::EMPTY; 16];
+    g.bench_function("poll_cq_empty", |bch| {
+        bch.iter_custom(|iters| {
+            best(iters, || {
+                black_box(cq.poll(&mut many).unwrap());
+            })
+        })
+    });
+    g.finish();
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default()
         .warm_up_time(Duration::from_millis(500))
         .measurement_time(Duration::from_secs(2))
         .sample_size(30);
-    targets = ring, poll_empty, one_sided, two_sided, ping_pong
+    targets = ring, poll_empty, one_sided, two_sided, ping_pong, min_of_batches
 }
 criterion_main!(benches);

@@ -73,7 +73,12 @@ fn end(progress: &str) -> End {
     let cq = ctx.create_cq(1024).unwrap();
     let mr = pd.alloc_mr(4096, AccessFlags::ALL).unwrap();
     let qp = pd.create_qp(&QpInitAttr::new(&cq)).unwrap();
-    End { cq, qp, mr, _pd: pd }
+    End {
+        cq,
+        qp,
+        mr,
+        _pd: pd,
+    }
 }
 
 fn wait_recv(e: &End) {
@@ -102,10 +107,12 @@ fn verbs(progress: &str, iters: usize) -> Vec<Duration> {
     b.qp.connect(&ea, AccessFlags::ALL).unwrap();
     let total = iters + 100;
     let echo = std::thread::spawn(move || {
-        b.qp.post_recv(&[RecvWr::new(0, &[b.mr.sge(0, 8).unwrap()])]).unwrap();
+        b.qp.post_recv(&[RecvWr::new(0, &[b.mr.sge(0, 8).unwrap()])])
+            .unwrap();
         for _ in 0..total {
             wait_recv(&b);
-            b.qp.post_recv(&[RecvWr::new(0, &[b.mr.sge(0, 8).unwrap()])]).unwrap();
+            b.qp.post_recv(&[RecvWr::new(0, &[b.mr.sge(0, 8).unwrap()])])
+                .unwrap();
             let s = [b.mr.sge(0, 8).unwrap()];
             b.qp.post_send(&[SendWr::new(1, &s, WrOpcode::Send).with_flags(SendFlags::empty())])
                 .unwrap();
@@ -114,7 +121,8 @@ fn verbs(progress: &str, iters: usize) -> Vec<Duration> {
     });
     let mut out = Vec::with_capacity(iters);
     for i in 0..total {
-        a.qp.post_recv(&[RecvWr::new(0, &[a.mr.sge(64, 8).unwrap()])]).unwrap();
+        a.qp.post_recv(&[RecvWr::new(0, &[a.mr.sge(64, 8).unwrap()])])
+            .unwrap();
         let s = [a.mr.sge(0, 8).unwrap()];
         let t = Instant::now();
         a.qp.post_send(&[SendWr::new(1, &s, WrOpcode::Send).with_flags(SendFlags::empty())])
@@ -126,6 +134,46 @@ fn verbs(progress: &str, iters: usize) -> Vec<Duration> {
     }
     echo.join().unwrap();
     out
+}
+
+/// One-directional bandwidth of 1 MiB RDMA WRITEs, 8 in flight.
+fn write_bandwidth(progress: &str, total_mib: usize) -> f64 {
+    let a = end(progress);
+    let b = end(progress);
+    let (ea, eb) = (a.qp.endpoint(), b.qp.endpoint());
+    a.qp.connect(&eb, AccessFlags::ALL).unwrap();
+    b.qp.connect(&ea, AccessFlags::ALL).unwrap();
+    const CHUNK: usize = 1 << 20;
+    let pd_a = &a._pd;
+    let src = pd_a.alloc_mr(CHUNK, AccessFlags::ALL).unwrap();
+    let dst = b._pd.alloc_mr(8 * CHUNK, AccessFlags::ALL).unwrap();
+    let sge = [src.sge(0, CHUNK as u32).unwrap()];
+    let t = Instant::now();
+    let mut posted = 0;
+    let mut done = 0;
+    let mut wc = [WorkCompletion::EMPTY; 16];
+    while done < total_mib {
+        while posted < total_mib && posted - done < 8 {
+            let wr = SendWr::new(
+                posted as u64,
+                &sge,
+                WrOpcode::Write {
+                    remote: dst.remote((posted % 8) * CHUNK),
+                },
+            );
+            a.qp.post_send(&[wr]).unwrap();
+            posted += 1;
+        }
+        let n = a.cq.poll(&mut wc).unwrap();
+        for w in &wc[..n] {
+            assert!(w.status.is_success(), "{w:?}");
+        }
+        done += n;
+        if n == 0 {
+            std::thread::yield_now();
+        }
+    }
+    (total_mib as f64) / t.elapsed().as_secs_f64()
 }
 
 fn main() {
@@ -141,6 +189,12 @@ fn main() {
         println!(
             "tcp0 {mode:<9} rtt_us p50 {p50:7.2} p99 {p99:7.2}  ratio {:.2}",
             p50 / base
+        );
+    }
+    for mode in ["busy", "thread"] {
+        println!(
+            "tcp0 {mode:<9} write 1 MiB x 8 in flight: {:.0} MiB/s",
+            write_bandwidth(mode, 512)
         );
     }
 }

@@ -1,9 +1,9 @@
 //! Reliable-connected queue pairs (`ibv_qp`, type RC): the state machine, creation and modify
 //! attributes, the out-of-band endpoint description, and posting.
 //!
-//! State machine (InfiniBand spec, §10.3): RESET → INIT → RTR → RTS, RTS ⇄ SQD, SQE → RTS, any →
-//! RESET, any → ERROR. Every transition goes through [`QpState::check_transition`]; a provider
-//! never invents its own rules. Moving to ERROR flushes every outstanding work request with
+//! State machine (InfiniBand spec, §10.3, as the kernel enforces it): RESET → INIT → RTR → RTS,
+//! RTS ⇄ SQD, SQE → RTS, any → RESET, any but RESET → ERROR. Every transition goes through
+//! [`QpState::check_transition`]; a provider never invents its own rules. Moving to ERROR flushes every outstanding work request with
 //! [`crate::WcStatus::WrFlushed`]; every posted request ends in exactly one completion (unsignaled
 //! successful sends excepted, as in verbs).
 
@@ -49,10 +49,12 @@ impl QpState {
     /// Whether the RC state machine allows `self → to`.
     pub fn can_transition_to(self, to: QpState) -> bool {
         use QpState::*;
+        // The kernel's table (ib_modify_qp_is_ok): every state may go to RESET; every state but
+        // RESET may go to ERROR.
         matches!(
             (self, to),
             (_, Reset)
-                | (_, Error)
+                | (Init | Rtr | Rts | Sqd | Sqe | Error, Error)
                 | (Reset, Init)
                 | (Init, Init)
                 | (Init, Rtr)

@@ -27,6 +27,8 @@ pub mod rdma_core;
 pub mod shm;
 #[cfg(feature = "tcp")]
 pub mod tcp;
+#[cfg(feature = "udp")]
+pub mod udp;
 
 /// A transport family: discovers and opens its devices.
 pub trait Provider: Send + Sync + 'static {
@@ -50,6 +52,8 @@ pub fn providers() -> &'static [&'static dyn Provider] {
         &shm::ShmProvider,
         #[cfg(feature = "tcp")]
         &tcp::TcpProvider,
+        #[cfg(feature = "udp")]
+        &udp::UdpProvider,
     ]
 }
 

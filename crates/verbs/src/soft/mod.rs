@@ -8,7 +8,8 @@
 //! - [`wire`]: the request/response frame format and its never-panicking decoder;
 //! - [`responder`]: executes incoming requests against local memory;
 //! - [`requester`]: the ordered send queue, timers and retries;
-//! - [`qp`]: the QP state machine tying them together ([`qp::QpCore`]).
+//! - [`qp`]: the QP state machine tying them together ([`qp::QpCore`]);
+//! - [`tx`]: a connection's ordered output, sharing request frames instead of copying them.
 //!
 //! Everything here is sans-IO: no sockets, no threads, no clock. A provider wraps these in
 //! its locks, feeds them frames and `Instant`s, and moves the bytes they produce. See
@@ -20,4 +21,5 @@ pub mod qp;
 pub mod requester;
 pub mod responder;
 pub mod rq;
+pub mod tx;
 pub mod wire;

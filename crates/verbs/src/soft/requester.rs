@@ -1,6 +1,7 @@
 //! The requester half of a software RC QP: the ordered send queue.
 //!
-//! Owns: posted send requests with their encoded frames (payload copied at post time), PSN
+//! Owns: posted send requests with their encoded frames (payload gathered at first
+//! transmission, inline payload at post time), PSN
 //! assignment, what may be transmitted now (FENCE, the READ/atomic limit, the RNR pause),
 //! in-order completion (responses acknowledge cumulatively), the ACK timer with its retry
 //! counter, the RNR retry counter (7 = forever), and go-back-N resends. Sans-IO: frames go out
@@ -8,10 +9,12 @@
 //! a caller's vector. Memory is touched only through [`MrTable`] (READ and atomic results).
 
 use std::collections::VecDeque;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::mr::MrTable;
 use super::responder::psn_before;
+use super::tx::FrameSink;
 use super::wire::{NakCode, Response, ResponseKind};
 use crate::{QpNum, Sge, WcOpcode, WcStatus, WorkCompletion};
 
@@ -54,7 +57,7 @@ pub struct SqEntry {
     /// Sequence number (from [`Requester::alloc_psn`]).
     pub psn: u32,
     /// The encoded request frame, resent as is.
-    pub frame: Vec<u8>,
+    pub frame: Arc<Vec<u8>>,
     /// What completes it.
     pub kind: EntryKind,
     /// `byte_len` of the completion.
@@ -236,7 +239,12 @@ impl Requester {
     /// Append frames that may go out now; returns how many. Deferred payloads are gathered from
     /// `table` here; an entry whose SGEs fail the check is marked failed (see
     /// [`Requester::check_head_failure`]).
-    pub fn poll_transmit(&mut self, now: Instant, table: &MrTable, out: &mut Vec<u8>) -> usize {
+    pub fn poll_transmit(
+        &mut self,
+        now: Instant,
+        table: &MrTable,
+        out: &mut impl FrameSink,
+    ) -> usize {
         if let Some(t) = self.rnr_until {
             if now < t {
                 return 0;
@@ -262,13 +270,15 @@ impl Requester {
                 break;
             }
             if let Some(sges) = e.deferred_gather.take() {
-                match table.gather(&sges, &mut e.frame) {
-                    Ok(_) => {
-                        let len = u32::try_from(e.frame.len()).unwrap_or(u32::MAX);
-                        if let Some(slot) = e.frame.get_mut(..4) {
-                            slot.copy_from_slice(&len.to_be_bytes());
-                        }
-                    }
+                // Not transmitted yet, so nobody else holds the frame: no copy here.
+                let buf = Arc::make_mut(&mut e.frame);
+                let gathered = table.gather(&sges, buf);
+                let len = u32::try_from(buf.len()).unwrap_or(u32::MAX);
+                if let Some(slot) = buf.get_mut(..4) {
+                    slot.copy_from_slice(&len.to_be_bytes());
+                }
+                match gathered {
+                    Ok(_) => {}
                     Err(status) => {
                         e.failed = Some(status);
                         break;
@@ -278,7 +288,7 @@ impl Requester {
             if e.kind.is_read_or_atomic() {
                 outstanding_rd += 1;
             }
-            out.extend_from_slice(&e.frame);
+            out.push_frame(&e.frame);
             self.next_tx += 1;
             sent += 1;
         }
@@ -523,7 +533,7 @@ mod tests {
             signaled,
             fence: false,
             psn,
-            frame: psn.to_be_bytes().to_vec(),
+            frame: Arc::new(psn.to_be_bytes().to_vec()),
             kind,
             byte_len: 1,
             failed: None,

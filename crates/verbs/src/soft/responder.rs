@@ -25,10 +25,10 @@ pub enum RecvSource<'a> {
 }
 
 impl RecvSource<'_> {
-    fn has_recv(&self) -> bool {
+    fn unpop(&mut self, recv: PostedRecv) {
         match self {
-            RecvSource::Own(q) => q.has_recv(),
-            RecvSource::Shared(s) => s.has_recv(),
+            RecvSource::Own(q) => q.unpop(recv),
+            RecvSource::Shared(s) => s.unpop(recv),
         }
     }
     fn pop(&mut self) -> Option<PostedRecv> {
@@ -51,6 +51,8 @@ pub struct ResponderEnv<'a> {
     pub qp_num: QpNum,
     /// The connected peer QP (responses are addressed to it).
     pub remote_qpn: QpNum,
+    /// Largest READ served (the transport's payload limit).
+    pub max_payload: usize,
 }
 
 /// The result of one request besides the bytes appended to the output.
@@ -210,23 +212,35 @@ impl Responder {
                 imm,
                 payload,
             } => {
-                if imm.is_some() && !env.recv.has_recv() {
-                    self.rnr(env, psn, out);
-                    return outcome;
-                }
-                if !env.access.contains(AccessFlags::REMOTE_WRITE) {
-                    self.nak(env, psn, NakCode::RemoteAccess, out);
-                    return outcome;
-                }
-                if !payload.is_empty() {
-                    if let Err(e) = env.table.remote_write(rkey, addr, payload) {
-                        self.remote_error(env, psn, e, out);
-                        return outcome;
+                // WRITE_WITH_IMM takes its receive first (RNR before touching memory) and
+                // puts it back if the write is refused.
+                let recv = match imm {
+                    Some(_) => match env.recv.pop() {
+                        Some(r) => Some(r),
+                        None => {
+                            self.rnr(env, psn, out);
+                            return outcome;
+                        }
+                    },
+                    None => None,
+                };
+                let refused = if !env.access.contains(AccessFlags::REMOTE_WRITE) {
+                    Some(RemoteError::Access)
+                } else if payload.is_empty() {
+                    None
+                } else {
+                    env.table.remote_write(rkey, addr, payload).err()
+                };
+                if let Some(e) = refused {
+                    if let Some(r) = recv {
+                        env.recv.unpop(r);
                     }
+                    self.remote_error(env, psn, e, out);
+                    return outcome;
                 }
                 self.advance();
                 if let Some(imm) = imm {
-                    if let Some(recv) = env.recv.pop() {
+                    if let Some(recv) = recv {
                         outcome.recv_completion = Some((
                             WorkCompletion {
                                 wr_id: recv.wr_id,
@@ -303,6 +317,10 @@ impl Responder {
         };
         if !env.access.contains(AccessFlags::REMOTE_READ) {
             self.remote_error(env, req.psn, RemoteError::Access, out);
+            return false;
+        }
+        if len as usize > env.max_payload {
+            self.remote_error(env, req.psn, RemoteError::InvalidRequest, out);
             return false;
         }
         self.ack_pending = false;
@@ -421,6 +439,7 @@ mod tests {
                 recv: RecvSource::Own(&mut self.rq),
                 qp_num: QpNum(1),
                 remote_qpn: QpNum(2),
+                max_payload: 1 << 20,
             };
             let req = Request {
                 qpn: 1,
@@ -625,6 +644,40 @@ mod tests {
         let (r, _) = f.run(100, op);
         assert_eq!(r[0].kind, ResponseKind::AtomicResp { orig: 0 });
         assert_eq!(f.bytes(0, 8), 3u64.to_ne_bytes());
+    }
+
+    #[test]
+    fn refused_write_with_imm_keeps_its_receive() {
+        let mut f = fixture(AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE);
+        let i = f.info();
+        f.rq.post(&[RecvWr::new(3, &[])]).unwrap();
+        let (r, o) = f.run(
+            100,
+            RequestOp::Write {
+                addr: i.addr + 4095,
+                rkey: i.rkey.0,
+                imm: Some(1),
+                payload: b"xy",
+            },
+        );
+        assert_eq!(r[0].kind, nak(NakCode::RemoteAccess));
+        assert!(o.recv_completion.is_none());
+        assert_eq!(f.rq.len(), 1, "receive put back");
+    }
+
+    #[test]
+    fn read_above_the_payload_limit_is_invalid_request() {
+        let mut f = fixture(AccessFlags::ALL);
+        let i = f.info();
+        let (r, _) = f.run(
+            100,
+            RequestOp::Read {
+                addr: i.addr,
+                rkey: i.rkey.0,
+                len: (1 << 20) + 1,
+            },
+        );
+        assert_eq!(r[0].kind, nak(NakCode::InvalidRequest));
     }
 
     #[test]

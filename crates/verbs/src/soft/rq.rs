@@ -73,6 +73,12 @@ impl RecvQueue {
         self.queue.pop_front()
     }
 
+    /// Put back a receive just taken with [`RecvQueue::pop`] (the request that took it
+    /// failed before using it).
+    pub fn unpop(&mut self, recv: PostedRecv) {
+        self.queue.push_front(recv);
+    }
+
     /// True if a receive is posted.
     pub fn has_recv(&self) -> bool {
         !self.queue.is_empty()
@@ -130,6 +136,11 @@ impl SoftSrq {
     /// True if a receive is posted.
     pub fn has_recv(&self) -> bool {
         self.inner.queue.lock().has_recv()
+    }
+
+    /// Put back a receive just taken with [`SoftSrq::pop`].
+    pub fn unpop(&self, recv: PostedRecv) {
+        self.inner.queue.lock().unpop(recv)
     }
 }
 

@@ -15,6 +15,9 @@ const FAA_PER_PROCESS: u64 = 100_000;
 const FAA_BATCH: u32 = 64;
 /// Lock acquisitions per process.
 const LOCK_ITERATIONS: u32 = 500;
+/// How long a process may take for its whole loop of atomics: generous, so a slow device (an
+/// emulated soft-RoCE, say) is measured by its result and a hang still ends.
+const LONG_RUN: std::time::Duration = std::time::Duration::from_secs(300);
 
 /// Two peers of this process's region (QPs on one PD, CQ and context), connected.
 fn two_peers<P: TestProvider>(
@@ -68,7 +71,7 @@ pub fn fetch_and_add_from_two_processes_sums_exactly<P: TestProvider>(env: &Env<
     }
     let mut seen = vec![0u8; total.div_ceil(8) as usize];
     for (i, p) in peers.iter_mut().enumerate() {
-        match p.reply()? {
+        match p.reply_within(LONG_RUN)? {
             Reply::FetchAdd {
                 bitmap,
                 duplicates,
@@ -128,7 +131,7 @@ pub fn cas_spin_lock_guards_counter_across_two_processes<P: TestProvider>(
     }
     let mut contended = 0;
     for (i, p) in peers.iter_mut().enumerate() {
-        match p.reply()? {
+        match p.reply_within(LONG_RUN)? {
             Reply::CasLock { contended: c } => contended += c,
             other => return Err(fail(format!("process {i}: unexpected reply {other:?}"))),
         }

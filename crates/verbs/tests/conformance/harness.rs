@@ -120,30 +120,45 @@ fn resolve_device<P: TestProvider>() -> Option<String> {
         .map(|d| d.name)
 }
 
+/// Print a provider-wide skip once per process (the first test of that provider to run prints
+/// it for all of them), so an absent provider costs one line of output, not one per test.
+fn skip_provider(module: &str, why: &str) {
+    static SAID: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+    let mut said = SAID.lock().unwrap_or_else(|e| e.into_inner());
+    if !said.iter().any(|m| m == module) {
+        said.push(module.to_string());
+        note(&format!("SKIP {module}::* (every {module} test): {why}"));
+    }
+}
+
 /// Run one conformance body against provider `P`, or skip it (printing why) when the provider
 /// is not selected or its device is absent.
 pub fn run<P: TestProvider>(test: &str, body: fn(&Env<P>) -> TestResult) {
     let name = format!("{}::{test}", P::MODULE);
     if !selected(P::MODULE, P::PROVIDER) {
-        note(&format!(
-            "SKIP {name}: provider {} not selected by FABRIQ_CONFORMANCE_PROVIDERS",
-            P::PROVIDER
-        ));
+        skip_provider(
+            P::MODULE,
+            &format!(
+                "provider {} not selected by FABRIQ_CONFORMANCE_PROVIDERS",
+                P::PROVIDER
+            ),
+        );
         return;
     }
     let Some(device) = resolve_device::<P>() else {
-        note(&format!(
-            "SKIP {name}: provider {} lists no device on this host",
-            P::PROVIDER
-        ));
+        skip_provider(
+            P::MODULE,
+            &format!("provider {} lists no device on this host", P::PROVIDER),
+        );
         return;
     };
     let ctx = match Context::open_with(&device, &P::device_config()) {
         Ok(ctx) => ctx,
         Err(err @ (VerbsError::NoDevice(_) | VerbsError::Unsupported { .. })) => {
-            note(&format!(
-                "SKIP {name}: device {device} is not available: {err}"
-            ));
+            skip_provider(
+                P::MODULE,
+                &format!("device {device} is not available: {err}"),
+            );
             return;
         }
         Err(err) => panic!("{name}: opening device {device} failed: {err}"),

@@ -1,12 +1,13 @@
 //! The cross-provider conformance suite of fabriq-verbs.
 //!
 //! Every behaviour is written once, as a function generic over
-//! [`harness::TestProvider`], in the area module it belongs to (`ops`, `access`, `recv`,
-//! `qp_state`, `cq`, `srq`, `failure`, `atomics`, `devices`). The [`providers!`] list at the
-//! bottom stamps out one module per provider holding one `#[test]` per behaviour, so a failure
-//! reads `tcp::rc_write_outside_mr_is_remote_access_error`.
+//! [`harness::TestProvider`], in the area module it belongs to (`devices`, `ops`, `access`,
+//! `recv`, `qp_state`, `cq`, `srq`, `concurrency`, `failure`, `atomics`). The `providers!`
+//! list at the bottom stamps out one module per provider holding one `#[test]` per behaviour,
+//! so a failure reads `tcp::rc_write_outside_mr_is_remote_access_error`. The design is in
+//! `docs/arch/conformance.md`.
 //!
-//! A provider joins with one line in [`providers!`]. Select providers at run time with
+//! A provider joins with one line in `providers!`. Select providers at run time with
 //! `FABRIQ_CONFORMANCE_PROVIDERS=tcp,shm`; a provider whose device is absent (no NIC, feature
 //! off) skips every test with a message on stderr.
 //!
@@ -60,6 +61,7 @@ macro_rules! conformance_tests {
             ops::rc_sq_sig_all_signals_every_request,
             ops::rc_write_then_send_data_visible_at_receive_completion,
             ops::rc_batch_completes_in_post_order,
+            ops::rc_synchronise_write_lands_after_earlier_writes,
             ops::rc_bad_local_lkey_is_local_protection_error,
             ops::rc_access_at_the_region_edges_succeeds,
             ops::rc_partially_posted_batch_completes_the_posted_prefix,
@@ -148,5 +150,5 @@ providers! {
     shm => "shm" on "shm0",
     tcp => "tcp" on "tcp0",
     rdma_core => "rdma-core" on "*",
-    // udp => "udp" on "udp0",
+    udp => "udp" on "udp0",
 }

@@ -207,6 +207,23 @@ pub enum Request {
         /// Bytes.
         len: usize,
     },
+    /// Spin (polling the CQ meanwhile) until the 8-byte word at `flag_offset` of region
+    /// `flag_mr` reads `value`, then digest `len` bytes at `offset` of region `data_mr` at once.
+    /// Reply: [`Reply::Digest`].
+    WaitFlagThenDigest {
+        /// Region of the flag word.
+        flag_mr: u32,
+        /// Offset of the 8-byte aligned flag word.
+        flag_offset: usize,
+        /// Value to wait for.
+        value: u64,
+        /// Region to digest.
+        data_mr: u32,
+        /// Offset to digest from.
+        offset: usize,
+        /// Bytes to digest.
+        len: usize,
+    },
     /// Post one receive. Reply: `Ok`, or `Error` if refused.
     PostRecv {
         /// Request id.
@@ -1002,6 +1019,34 @@ impl PeerState {
                 mr.write_at(0, &crate::harness::pattern(seed, mr.len()))
                     .map_err(|e| e.to_string())?;
                 Ok(Reply::Ok)
+            }
+            Request::WaitFlagThenDigest {
+                flag_mr,
+                flag_offset,
+                value,
+                data_mr,
+                offset,
+                len,
+            } => {
+                let mut backoff = Backoff::new(TIMEOUT);
+                loop {
+                    let flag = self
+                        .live_mr(flag_mr)?
+                        .atomic_u64(flag_offset)
+                        .map_err(|e| e.to_string())?
+                        .load(std::sync::atomic::Ordering::Acquire);
+                    if flag == value {
+                        break;
+                    }
+                    if self.pump() == 0 && !backoff.snooze() {
+                        return Err(format!("flag never became {value} (last {flag})"));
+                    }
+                }
+                let mut out = vec![0u8; len];
+                self.live_mr(data_mr)?
+                    .read_at(offset, &mut out)
+                    .map_err(|e| e.to_string())?;
+                Ok(Reply::Digest(fnv1a(&out)))
             }
             Request::Digest { id, offset, len } => {
                 let mut out = vec![0u8; len];

@@ -104,6 +104,8 @@ fn fresh_at(
             Ok((a, Some(b)))
         }
         QpState::Error => {
+            // RESET → ERROR is not a legal transition; go through INIT.
+            a.modify(&QpAttr::init(ConnectOpts::default().access))?;
             a.modify(&QpAttr::error())?;
             Ok((a, None))
         }
@@ -572,11 +574,24 @@ pub fn qp_query_reports_the_attributes_in_force<P: TestProvider>(env: &Env<P>) -
             "granted caps {caps:?} are below the requested {want_caps:?}"
         )));
     }
-    a.modify(&QpAttr {
+    // The IB spec sets rnr_retry at RTR -> RTS; RTS -> RTS may refuse to change it (the kernel's
+    // ib_modify_qp_is_ok does). Either it is refused and unchanged, or applied and reported.
+    match a.modify(&QpAttr {
         state: Some(QpState::Rts),
         rnr_retry: Some(2),
         ..QpAttr::default()
-    })?;
+    }) {
+        Err(VerbsError::InvalidArgument(_)) => {
+            if a.query().rnr_retry != oa.rnr_retry || a.state() != QpState::Rts {
+                return Err(fail(format!(
+                    "a refused RTS -> RTS modify changed the QP: {:?}",
+                    a.query()
+                )));
+            }
+            return Ok(());
+        }
+        r => r?,
+    }
     if a.query().rnr_retry != 2 || a.state() != QpState::Rts {
         return Err(fail(format!(
             "RTS -> RTS with rnr_retry 2: query reports {:?}",

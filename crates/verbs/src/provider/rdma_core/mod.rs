@@ -56,6 +56,9 @@ fn rc_err(what: &str, rc: c_int) -> VerbsError {
     } else {
         std::io::Error::last_os_error()
     };
+    if err.raw_os_error() == Some(libc::EINVAL) {
+        return VerbsError::InvalidArgument(format!("{what}: refused by the device (EINVAL)"));
+    }
     VerbsError::io(what.to_string(), err)
 }
 
@@ -142,7 +145,12 @@ impl Provider for RdmaCoreProvider {
             .unwrap_or(false)
     }
 
-    fn open(&self, device: &str, _config: &DeviceConfig) -> Result<Arc<dyn ContextOps>> {
+    fn open(&self, device: &str, config: &DeviceConfig) -> Result<Arc<dyn ContextOps>> {
+        if let Some(key) = config.options.keys().next() {
+            return Err(VerbsError::InvalidArgument(format!(
+                "rdma-core takes no device options (got {key:?}; use FABRIQ_GID_INDEX to pick a GID)"
+            )));
+        }
         let v = ffi::verbs().map_err(|e| VerbsError::NoDevice(format!("{device}: {e}")))?;
         Ok(Ctx::open(v, device)?)
     }
@@ -167,6 +175,62 @@ struct CtxInner {
     async_thread: Mutex<Option<JoinHandle<()>>>,
     srq_of_qp: Mutex<HashMap<u32, Arc<AtomicI64>>>,
     has_srq: AtomicBool,
+    /// Per-QP shadow of the work queues, by QP number (see [`Shadow`]).
+    shadows: Mutex<HashMap<u32, Arc<Shadow>>>,
+}
+
+/// What fabriq posted to one QP and has not yet seen complete, in posting order.
+///
+/// Verbs leaves `opcode` undefined in error completions and lets a device round queue depths
+/// up; the shadow restores both contracts of the object model: every completion carries the
+/// opcode of the request it ends, and a queue holds exactly the depth the QP reports. Devices
+/// complete each queue in order, so a successful send completion retires every entry up to the
+/// oldest signaled one (unsignaled sends free their slots then, as in the device), and an error
+/// completion retires exactly the oldest entry (after an error every request completes).
+struct Shadow {
+    sq: Mutex<std::collections::VecDeque<SqShadow>>,
+    rq: Mutex<std::collections::VecDeque<u64>>,
+    send_cq: usize,
+    recv_cq: usize,
+}
+
+#[derive(Clone, Copy)]
+struct SqShadow {
+    opcode: WcOpcode,
+    signaled: bool,
+}
+
+impl Shadow {
+    /// Retire the entries a completion polled from CQ `cq` ends; return the opcode to report.
+    fn complete(&self, cq: usize, wc: &IbvWc, device_opcode: WcOpcode) -> WcOpcode {
+        let device_says_recv = matches!(device_opcode, WcOpcode::Recv | WcOpcode::RecvRdmaWithImm);
+        let is_recv = if self.send_cq != self.recv_cq {
+            cq == self.recv_cq
+        } else if wc.status == 0 {
+            device_says_recv
+        } else {
+            // One CQ for both queues and an error completion: the device's opcode is not to be
+            // trusted; a flushed receive names the oldest posted receive.
+            let rq = self.rq.lock().unwrap_or_else(|e| e.into_inner());
+            let sq = self.sq.lock().unwrap_or_else(|e| e.into_inner());
+            rq.front() == Some(&wc.wr_id) && (sq.is_empty() || device_says_recv)
+                || sq.is_empty() && !rq.is_empty()
+        };
+        if is_recv {
+            self.rq.lock().unwrap_or_else(|e| e.into_inner()).pop_front();
+            return if wc.status == 0 { device_opcode } else { WcOpcode::Recv };
+        }
+        let mut sq = self.sq.lock().unwrap_or_else(|e| e.into_inner());
+        if wc.status != 0 {
+            return sq.pop_front().map(|e| e.opcode).unwrap_or(device_opcode);
+        }
+        while let Some(e) = sq.pop_front() {
+            if e.signaled {
+                return e.opcode;
+            }
+        }
+        device_opcode
+    }
 }
 
 // SAFETY: libibverbs contexts and their objects are thread-safe (the library serialises what
@@ -296,6 +360,7 @@ impl Ctx {
             async_thread: Mutex::new(None),
             srq_of_qp: Mutex::new(HashMap::new()),
             has_srq: AtomicBool::new(false),
+            shadows: Mutex::new(HashMap::new()),
         });
         // SAFETY: live context; async_fd is a plain field.
         let async_fd = unsafe { (*raw).async_fd };
@@ -539,6 +604,8 @@ impl ContextOps for Ctx {
             overflowed,
             poll_fn,
             notify_fn,
+            flushed: Mutex::new(std::collections::VecDeque::new()),
+            has_flushed: AtomicBool::new(false),
         }))
     }
 
@@ -730,6 +797,17 @@ impl PdOps for Pd {
         }
         // SAFETY: live context; ops filled by the driver.
         let (ps, pr) = unsafe { ((*self.ctx.raw).ops.post_send, (*self.ctx.raw).ops.post_recv) };
+        let shadow = Arc::new(Shadow {
+            sq: Mutex::new(std::collections::VecDeque::new()),
+            rq: Mutex::new(std::collections::VecDeque::new()),
+            send_cq: scq as usize,
+            recv_cq: rcq as usize,
+        });
+        self.ctx
+            .shadows
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(qpn, shadow.clone());
         let caps = QpCaps {
             max_send_wr: ia.cap.max_send_wr,
             max_recv_wr: ia.cap.max_recv_wr,
@@ -756,6 +834,8 @@ impl PdOps for Pd {
                 retry_cnt: 7,
                 remote: None,
             }),
+            shadow,
+            sq_sig_all: init.sq_sig_all,
         }))
     }
 
@@ -798,6 +878,20 @@ struct Cq {
     overflowed: Arc<AtomicBool>,
     poll_fn: PollCqFn,
     notify_fn: ReqNotifyFn,
+    /// Completions made by the provider itself: requests posted to a QP already in ERROR, which
+    /// devices differ on flushing.
+    flushed: Mutex<std::collections::VecDeque<WorkCompletion>>,
+    has_flushed: AtomicBool,
+}
+
+impl Cq {
+    fn push_flushed(&self, wc: WorkCompletion) {
+        self.flushed
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push_back(wc);
+        self.has_flushed.store(true, Ordering::Release);
+    }
 }
 
 // SAFETY: see `CtxInner`.
@@ -868,10 +962,23 @@ impl CqOps for Cq {
                 capacity: self.capacity,
             });
         }
+        let mut done = 0;
+        if self.has_flushed.load(Ordering::Acquire) {
+            let mut q = self.flushed.lock().unwrap_or_else(|e| e.into_inner());
+            while done < wc.len() {
+                let Some(w) = q.pop_front() else { break };
+                wc[done] = w;
+                done += 1;
+            }
+            if q.is_empty() {
+                self.has_flushed.store(false, Ordering::Release);
+            }
+        }
+        let wc = &mut wc[done..];
         let mut buf = [IbvWc::default(); 16];
         let want = wc.len().min(buf.len());
         if want == 0 {
-            return Ok(0);
+            return Ok(done);
         }
         // SAFETY: live CQ; `buf` holds `want` entries.
         let n = unsafe { (self.poll_fn)(self.raw, want as c_int, buf.as_mut_ptr()) };
@@ -880,8 +987,13 @@ impl CqOps for Cq {
         }
         let n = n as usize;
         let track_srq = self.ctx.has_srq.load(Ordering::Acquire);
+        let shadows = self.ctx.shadows.lock().unwrap_or_else(|e| e.into_inner());
         for (out, w) in wc.iter_mut().zip(&buf[..n]) {
-            let opcode = wc_opcode(w.opcode);
+            let device_opcode = wc_opcode(w.opcode);
+            let opcode = match shadows.get(&w.qp_num) {
+                Some(sh) => sh.complete(self.raw as usize, w, device_opcode),
+                None => device_opcode,
+            };
             *out = WorkCompletion {
                 wr_id: w.wr_id,
                 status: wc_status(w.status),
@@ -899,7 +1011,7 @@ impl CqOps for Cq {
                 }
             }
         }
-        Ok(n)
+        Ok(done + n)
     }
 
     fn req_notify(&self, solicited_only: bool) -> Result<()> {
@@ -1049,6 +1161,8 @@ struct Qp {
     post_send_fn: PostSendFn,
     post_recv_fn: PostRecvFn,
     attrs: Mutex<QpLocal>,
+    shadow: Arc<Shadow>,
+    sq_sig_all: bool,
 }
 
 // SAFETY: see `CtxInner`.
@@ -1061,6 +1175,12 @@ impl Drop for Qp {
         self.pd
             .ctx
             .srq_of_qp
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&self.qpn);
+        self.pd
+            .ctx
+            .shadows
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .remove(&self.qpn);
@@ -1117,6 +1237,21 @@ impl Qp {
     fn cached_state(&self) -> QpState {
         // SAFETY: live QP; plain field read.
         state_from(unsafe { std::ptr::read_volatile(&(*self.raw).state) })
+    }
+}
+
+impl Qp {
+    fn flushed_wc(&self, wr_id: u64, opcode: WcOpcode) -> WorkCompletion {
+        WorkCompletion {
+            wr_id,
+            status: WcStatus::WrFlushed,
+            opcode,
+            byte_len: 0,
+            imm_data: None,
+            qp_num: QpNum(self.qpn),
+            src_qp: QpNum(0),
+            vendor_err: 0,
+        }
     }
 }
 
@@ -1236,14 +1371,30 @@ impl QpOps for Qp {
                 _ => {}
             }
         }
-        if attr.state.is_none() || attr.state == Some(QpState::Rts) {
-            // Attribute-only changes allowed in RTS (SQD→RTS, RTS→RTS).
-            if mask & IBV_QP_RNR_RETRY == 0 {
-                if let Some(n) = attr.min_rnr_timer {
-                    a.min_rnr_timer = n;
-                    mask |= IBV_QP_MIN_RNR_TIMER;
-                    l.min_rnr_timer = n;
-                }
+        let in_rts = self.cached_state() == QpState::Rts;
+        if in_rts && matches!(attr.state, None | Some(QpState::Rts)) {
+            // RTS → RTS may change only the access flags and the min RNR timer (IB spec and
+            // ib_modify_qp_is_ok); the send-side timers are set once, at RTR → RTS.
+            let changes = |new: Option<u8>, cur: u8| new.is_some_and(|n| n != cur);
+            if changes(attr.rnr_retry, l.rnr_retry)
+                || changes(attr.timeout, l.timeout)
+                || changes(attr.retry_cnt, l.retry_cnt)
+            {
+                return Err(VerbsError::InvalidArgument(
+                    "rnr_retry, timeout and retry_cnt are set at RTR -> RTS; RTS -> RTS changes \
+                     only access and min_rnr_timer"
+                        .into(),
+                ));
+            }
+            if let Some(n) = attr.min_rnr_timer {
+                a.min_rnr_timer = n;
+                mask |= IBV_QP_MIN_RNR_TIMER;
+                l.min_rnr_timer = n;
+            }
+            if let Some(acc) = attr.access {
+                a.qp_access_flags = acc.bits();
+                mask |= IBV_QP_ACCESS_FLAGS;
+                l.access = acc;
             }
         }
         if mask == 0 {
@@ -1265,9 +1416,24 @@ impl QpOps for Qp {
                 source: VerbsError::WrongState { state: st, what: "send" },
             });
         }
-        let max_sge = self.lock().caps.max_send_sge;
+        if st == QpState::Error {
+            let cq = self._send_cq.as_any().downcast_ref::<Cq>();
+            for wr in wrs {
+                if let Some(cq) = cq {
+                    cq.push_flushed(self.flushed_wc(wr.wr_id, wr.opcode.wc_opcode()));
+                }
+            }
+            return Ok(());
+        }
+        let (max_sge, depth) = {
+            let l = self.lock();
+            (l.caps.max_send_sge, l.caps.max_send_wr as usize)
+        };
         for (index, wr) in wrs.iter().enumerate() {
             let fail = |source| PostError { index, source };
+            if self.shadow.sq.lock().unwrap_or_else(|e| e.into_inner()).len() >= depth {
+                return Err(fail(VerbsError::QueueFull));
+            }
             let mut sges = [IbvSge::default(); MAX_SGE_STACK];
             let n = to_sges(wr.sg_list, max_sge, &mut sges).map_err(fail)?;
             let mut flags = 0;
@@ -1330,6 +1496,7 @@ impl QpOps for Qp {
                 }
             }
             let mut bad = std::ptr::null_mut();
+            let mut sq = self.shadow.sq.lock().unwrap_or_else(|e| e.into_inner());
             // SAFETY: live QP; `w` and `sges` live across the call; libibverbs copies the request
             // (and inline data) into the send queue before returning.
             let rc = unsafe { (self.post_send_fn)(self.raw, &mut w, &mut bad) };
@@ -1340,6 +1507,10 @@ impl QpOps for Qp {
                     rc_err("ibv_post_send", rc)
                 }));
             }
+            sq.push_back(SqShadow {
+                opcode: wr.opcode.wc_opcode(),
+                signaled: self.sq_sig_all || wr.flags.contains(SendFlags::SIGNALED),
+            });
         }
         Ok(())
     }
@@ -1358,11 +1529,30 @@ impl QpOps for Qp {
                 source: VerbsError::InvalidArgument("QP draws receives from an SRQ".into()),
             });
         }
-        let max_sge = self.lock().caps.max_recv_sge;
+        if st == QpState::Error {
+            if let Some(cq) = self._recv_cq.as_any().downcast_ref::<Cq>() {
+                for wr in wrs {
+                    cq.push_flushed(self.flushed_wc(wr.wr_id, WcOpcode::Recv));
+                }
+            }
+            return Ok(());
+        }
+        let (max_sge, depth) = {
+            let l = self.lock();
+            (l.caps.max_recv_sge, l.caps.max_recv_wr as usize)
+        };
         post_recv_with(wrs, max_sge, |w| {
+            let mut rq = self.shadow.rq.lock().unwrap_or_else(|e| e.into_inner());
+            if rq.len() >= depth {
+                return libc::ENOMEM;
+            }
             let mut bad = std::ptr::null_mut();
             // SAFETY: live QP; `w` and its SGEs live across the call.
-            unsafe { (self.post_recv_fn)(self.raw, w, &mut bad) }
+            let rc = unsafe { (self.post_recv_fn)(self.raw, w, &mut bad) };
+            if rc == 0 {
+                rq.push_back(w.wr_id);
+            }
+            rc
         })
     }
 

@@ -102,10 +102,13 @@ impl CtxCore {
             next_pd: AtomicU32::new(1),
         });
         let for_thread = shared.clone();
+        let (tx, rx) = std::sync::mpsc::channel();
         let thread = std::thread::Builder::new()
             .name("fabriq-shm-svc".into())
-            .spawn(move || service::run(for_thread))
+            .spawn(move || service::run(for_thread, tx))
             .map_err(|e| VerbsError::io("spawn shm service thread", e))?;
+        // The context is usable by peers only once its liveness word is held.
+        let _ = rx.recv();
         Ok(Arc::new(CtxCore {
             shared,
             thread: Mutex::new(Some(thread)),

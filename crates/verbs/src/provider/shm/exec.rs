@@ -110,6 +110,7 @@ impl<'s> Pieces<'s> {
 }
 
 /// Resolve SGEs against `seg`'s MR table (entries of length 0 are skipped, as verbs does).
+#[inline]
 fn resolve<'s>(seg: &'s Segment, pd: u32, sges: &[Sge], need: AccessFlags) -> Option<Pieces<'s>> {
     let mut p = Pieces::new();
     for s in sges {
@@ -185,6 +186,7 @@ enum CopyError {
     PeerGone,
 }
 
+#[inline]
 fn copy_chunk(src: Loc, so: u64, dst: Loc, doff: u64, n: u64) -> Result<(), CopyError> {
     let n_us = usize::try_from(n).map_err(|_| CopyError::Fault)?;
     let map = |e: std::io::Error| {
@@ -222,6 +224,7 @@ fn copy_chunk(src: Loc, so: u64, dst: Loc, doff: u64, n: u64) -> Result<(), Copy
 }
 
 /// Copy `min(src total, dst total)` bytes from the `src` pieces to the `dst` pieces.
+#[inline]
 fn transfer(src: &[(Loc, u64)], dst: &[(Loc, u64)]) -> Result<(), CopyError> {
     let (mut si, mut so, mut di, mut doff) = (0usize, 0u64, 0usize, 0u64);
     while si < src.len() && di < dst.len() {
@@ -252,12 +255,33 @@ fn copy_status(e: CopyError) -> WcStatus {
     }
 }
 
-/// The target QP entry, held, if it is live, connected back to us, and accepting requests.
-fn target<'t>(ini: &Initiator<'t>) -> Option<(Guard<'t>, &'t QpSlot)> {
+/// The target QP entry if it is live, connected back to us, and accepting requests;
+/// `Err(outcome)` says how to finish instead: not ready yet, or the target process is gone.
+///
+/// With `hold`, the entry is held (its rings cannot be freed) until the guard drops: needed to
+/// consume a receive. One-sided operations only read the entry's rights; the memory they touch
+/// is protected by the MR entry's own guard.
+#[inline]
+fn target<'t>(ini: &Initiator<'t>, hold: bool) -> Result<(Option<Guard<'t>>, &'t QpSlot), Outcome> {
+    let tseg: &'t Segment = &ini.remote.seg;
+    if !tseg.owner_alive_fast() {
+        return Err(Outcome::done(WcStatus::RetryExceeded, 0));
+    }
+    target_qp(ini, hold).ok_or(Outcome::NotReady)
+}
+
+#[inline]
+fn target_qp<'t>(ini: &Initiator<'t>, hold: bool) -> Option<(Option<Guard<'t>>, &'t QpSlot)> {
     let tseg: &'t Segment = &ini.remote.seg;
     let tqpn = ini.remote.qpn;
     let slot = tseg.qp_slot(tqpn & ((1 << QP_INDEX_BITS) - 1));
-    let guard = Guard::enter(&slot.active, &slot.qpn, tqpn)?;
+    let guard = if hold {
+        Some(Guard::enter(&slot.active, &slot.qpn, tqpn)?)
+    } else if slot.qpn.load(Ordering::Acquire) == tqpn {
+        None
+    } else {
+        return None;
+    };
     let state = decode_state(slot.state.load(Ordering::Acquire));
     if !matches!(
         state,
@@ -348,8 +372,9 @@ fn write(ini: &Initiator<'_>, op: &Op<'_>, raddr: u64, rkey: u32) -> Outcome {
     let Some(src) = source(ini, op) else {
         return Outcome::done(WcStatus::LocalProtection, 0);
     };
-    let Some((_hold, tslot)) = target(ini) else {
-        return Outcome::NotReady;
+    let (_hold, tslot) = match target(ini, false) {
+        Ok(t) => t,
+        Err(outcome) => return outcome,
     };
     if src.total == 0 {
         return Outcome::done(WcStatus::Success, 0);
@@ -374,8 +399,9 @@ fn read(ini: &Initiator<'_>, op: &Op<'_>, raddr: u64, rkey: u32) -> Outcome {
     let Some(dst) = resolve(ini.seg, ini.pd, op.sges, AccessFlags::LOCAL_WRITE) else {
         return Outcome::done(WcStatus::LocalProtection, 0);
     };
-    let Some((_hold, tslot)) = target(ini) else {
-        return Outcome::NotReady;
+    let (_hold, tslot) = match target(ini, false) {
+        Ok(t) => t,
+        Err(outcome) => return outcome,
     };
     if dst.total == 0 {
         return Outcome::done(WcStatus::Success, 0);
@@ -409,8 +435,9 @@ fn atomic(ini: &Initiator<'_>, op: &Op<'_>, raddr: u64, rkey: u32, aop: AtomicOp
     let Some((Loc::Direct(result_ptr), 8)) = dst.list().first().copied() else {
         return Outcome::done(WcStatus::LocalProtection, 0);
     };
-    let Some((_hold, tslot)) = target(ini) else {
-        return Outcome::NotReady;
+    let (_hold, tslot) = match target(ini, false) {
+        Ok(t) => t,
+        Err(outcome) => return outcome,
     };
     if raddr % 8 != 0 {
         return Outcome::done(WcStatus::RemoteInvalidRequest, 0);
@@ -559,8 +586,9 @@ fn deliver(
     let Some(src) = source(ini, op) else {
         return Outcome::done(WcStatus::LocalProtection, 0);
     };
-    let Some((_hold, tslot)) = target(ini) else {
-        return Outcome::NotReady;
+    let (_hold, tslot) = match target(ini, true) {
+        Ok(t) => t,
+        Err(outcome) => return outcome,
     };
     let tseg: &Segment = &ini.remote.seg;
     let tpd = tslot.pd.load(Ordering::Relaxed);

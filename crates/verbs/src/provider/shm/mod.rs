@@ -33,7 +33,7 @@ mod service;
 mod srq;
 mod sync;
 mod sys;
-#[cfg(all(test, not(loom)))]
+#[cfg(all(test, not(loom), not(miri)))]
 mod tests;
 
 use std::any::Any;

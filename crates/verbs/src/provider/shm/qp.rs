@@ -306,6 +306,7 @@ impl QpInner {
         }
     }
 
+    #[inline]
     fn complete_send(
         &self,
         unsignaled: &mut u32,
@@ -621,10 +622,12 @@ impl QpInner {
                 );
                 continue;
             }
-            let mut inline_buf = [0u8; MAX_INLINE];
-            let inline_len = if wr.flags.contains(SendFlags::INLINE) {
-                match gather_inline(self.seg(), self.pd, wr.sg_list, &mut inline_buf) {
-                    Ok(n) => Some(n),
+            // Only INLINE requests pay for the buffer.
+            let mut inline_store: Option<[u8; MAX_INLINE]> = None;
+            let inline = if wr.flags.contains(SendFlags::INLINE) {
+                let buf = inline_store.insert([0u8; MAX_INLINE]);
+                match gather_inline(self.seg(), self.pd, wr.sg_list, buf) {
+                    Ok(n) => Some(&buf[..n]),
                     Err(status) => {
                         self.complete_send(
                             &mut st.unsignaled,
@@ -641,7 +644,7 @@ impl QpInner {
             } else {
                 None
             };
-            let inline = inline_len.map(|n| &inline_buf[..n]);
+            let inline: Option<&[u8]> = inline;
             if !st.backlog.is_empty() || state == QpState::Sqd || st.remote.is_none() {
                 st.backlog.push_back(PendingWr {
                     wr_id: wr.wr_id,

@@ -7,7 +7,7 @@
 //! ```text
 //! 0          Header (magic, version, pid, nonce, fds)
 //! 4 KiB      Mailbox: MAILBOX_SLOTS × 64 B   (atomics on non-shared memory, see `service`)
-//! 8 KiB      QP table: MAX_QP × 128 B
+//! 8 KiB      QP table: MAX_QP × 192 B
 //! ...        CQ table: MAX_CQ × 64 B
 //! ...        SRQ table: MAX_SRQ × 64 B
 //! ...        MR table: MAX_MR × 64 B
@@ -63,7 +63,9 @@ pub(crate) const MAILBOX_SLOTS: u32 = 64;
 const HEADER_OFF: u64 = 0;
 const MAILBOX_OFF: u64 = 4096;
 const QP_TABLE_OFF: u64 = MAILBOX_OFF + MAILBOX_SLOTS as u64 * 64;
-const CQ_TABLE_OFF: u64 = QP_TABLE_OFF + MAX_QP as u64 * 128;
+const CQ_TABLE_OFF: u64 = QP_TABLE_OFF + MAX_QP as u64 * QP_STRIDE;
+/// Bytes per QP table entry: read-mostly line, peer-written line, owner line.
+const QP_STRIDE: u64 = 192;
 const SRQ_TABLE_OFF: u64 = CQ_TABLE_OFF + MAX_CQ as u64 * 64;
 const MR_TABLE_OFF: u64 = SRQ_TABLE_OFF + MAX_SRQ as u64 * 64;
 /// Start of the heap, 2 MiB aligned.
@@ -81,17 +83,27 @@ pub(crate) struct Header {
     pub(crate) doorbell_fd: AtomicU32,
     /// 1 once the owning context is gone.
     pub(crate) closed: AtomicU32,
+    /// 1 when the liveness mutex's lock word holds the owner thread's id while it lives (checked
+    /// at start-up; glibc), so peers may read it.
+    pub(crate) liveness_ok: AtomicU32,
 }
 
-/// One QP table entry. Line 0 is read by peers on every operation; line 1 is the owner's.
+/// Offset of the liveness mutex: a process-shared robust `pthread_mutex_t` that the owner's
+/// service thread holds for the context's life. When the owner dies, the kernel's robust-futex
+/// exit handling rewrites its lock word (owner id cleared, `FUTEX_OWNER_DIED` set) before the
+/// process can be reaped — so a peer learns of the death with one load, no system call.
+const LIVENESS_OFF: u64 = 256;
+/// Thread-id bits of a futex word.
+const FUTEX_TID_MASK: u32 = 0x3fff_ffff;
+
+/// One QP table entry. Line 0 is read by peers on every operation, line 1 written by them,
+/// line 2 is the owner's.
 #[repr(C, align(64))]
 pub(crate) struct QpSlot {
     /// The QP number while the entry is live, 0 when free.
     pub(crate) qpn: AtomicU32,
     /// `QpState` as `state_code`.
     pub(crate) state: AtomicU32,
-    /// Peer operations in flight on this QP (see `mrtable::Guard`).
-    pub(crate) active: AtomicU32,
     /// Remote access rights (`AccessFlags` bits).
     pub(crate) access: AtomicU32,
     pub(crate) pd: AtomicU32,
@@ -109,9 +121,14 @@ pub(crate) struct QpSlot {
     pub(crate) remote_nonce: AtomicU64,
     /// 1 when a peer moved this QP to ERROR and the owner still has to flush it.
     pub(crate) needs_flush: AtomicU32,
-    _pad0: [u32; 3],
+    _pad0: [u32; 1],
+    /// Peer operations in flight on this QP (see `mrtable::Guard`); on its own line, the
+    /// only word of the entry peers write on the fast path.
+    pub(crate) active: AtomicU32,
+    _pad1: [u32; 15],
     /// Send-queue slots released by polled completions (owner only).
     pub(crate) sq_polled: AtomicU64,
+    _pad2: [u64; 7],
 }
 
 /// One CQ table entry.
@@ -174,12 +191,15 @@ pub(crate) struct MailboxSlot {
 }
 
 const _: () = {
-    assert!(std::mem::size_of::<QpSlot>() == 128);
+    assert!(std::mem::size_of::<QpSlot>() == QP_STRIDE as usize);
+    assert!(std::mem::offset_of!(QpSlot, active) == 64);
+    assert!(std::mem::offset_of!(QpSlot, sq_polled) == 128);
     assert!(std::mem::size_of::<CqSlot>() == 64);
     assert!(std::mem::size_of::<SrqSlot>() == 64);
     assert!(std::mem::size_of::<MrSlot>() == 64);
     assert!(std::mem::size_of::<MailboxSlot>() == 64);
-    assert!(std::mem::size_of::<Header>() <= 4096);
+    assert!(std::mem::size_of::<Header>() <= LIVENESS_OFF as usize);
+    assert!(LIVENESS_OFF as usize + std::mem::size_of::<libc::pthread_mutex_t>() <= 4096);
 };
 
 /// A mapped context segment, ours or a peer's.
@@ -250,6 +270,10 @@ impl Segment {
             pidfd: None,
             local: true,
         };
+        // SAFETY: the liveness area lies in the header page of our fresh mapping, 64-byte
+        // aligned, and nothing uses it yet.
+        unsafe { sys::robust_mutex_init(seg.liveness_mutex()) }
+            .map_err(|e| VerbsError::io("init liveness mutex", e))?;
         let h = seg.header();
         h.version.store(VERSION, Ordering::Relaxed);
         h.pid.store(seg.pid as u32, Ordering::Relaxed);
@@ -266,7 +290,9 @@ impl Segment {
     /// Map the segment of context `nonce` owned by `pid`, whose memfd is its fd `seg_fd`;
     /// reuses this process's mapping if it has one.
     pub(crate) fn attach(pid: i32, seg_fd: i32, nonce: u64) -> Result<Arc<Segment>> {
-        if let Some(seg) = registry().lock().get(&nonce).and_then(Weak::upgrade) {
+        // Bind first: the registry lock must be released before `existing` may drop.
+        let existing = registry().lock().get(&nonce).and_then(Weak::upgrade);
+        if let Some(seg) = existing {
             if seg.pid != pid {
                 return Err(VerbsError::Connect(format!(
                     "segment {nonce:#x} belongs to pid {}, not {pid}",
@@ -353,14 +379,62 @@ impl Segment {
         self.doorbell.as_fd()
     }
 
-    /// True while the owner can still act: it runs and has not closed the context.
-    pub(crate) fn owner_alive(&self) -> bool {
-        if self.header().closed.load(Ordering::Relaxed) != 0 {
+    /// The liveness mutex (see [`LIVENESS_OFF`]).
+    pub(crate) fn liveness_mutex(&self) -> *mut libc::pthread_mutex_t {
+        self.base
+            .as_ptr()
+            .wrapping_add(LIVENESS_OFF as usize)
+            .cast()
+    }
+
+    fn liveness_word(&self) -> &AtomicU32 {
+        self.table(LIVENESS_OFF, 0, 0)
+    }
+
+    /// Hold the liveness mutex on the calling (service) thread; true when peers can rely on
+    /// its lock word.
+    pub(crate) fn hold_liveness(&self) -> bool {
+        // SAFETY: the mutex was initialised in `create` and lives in our mapping, which
+        // outlives the service thread that holds it (the thread holds an Arc to us).
+        if unsafe { sys::robust_mutex_lock(self.liveness_mutex()) }.is_err() {
             return false;
         }
-        self.pidfd
-            .as_ref()
-            .map_or(true, |p| sys::pidfd_alive(p.as_fd()))
+        let ok = self.liveness_word().load(Ordering::SeqCst) & FUTEX_TID_MASK == sys::gettid();
+        self.header()
+            .liveness_ok
+            .store(u32::from(ok), Ordering::SeqCst);
+        ok
+    }
+
+    /// Release the liveness mutex (service thread, at context close).
+    pub(crate) fn release_liveness(&self) {
+        self.header().liveness_ok.store(0, Ordering::SeqCst);
+        self.header().closed.store(1, Ordering::SeqCst);
+        // SAFETY: held by this thread since `hold_liveness`.
+        unsafe { sys::robust_mutex_unlock(self.liveness_mutex()) };
+    }
+
+    /// Cheap liveness test for the data path: false once the owner died or closed the context.
+    /// One or two loads; no system call.
+    #[inline]
+    pub(crate) fn owner_alive_fast(&self) -> bool {
+        let h = self.header();
+        if h.closed.load(Ordering::Acquire) != 0 {
+            return false;
+        }
+        if self.local || h.liveness_ok.load(Ordering::Relaxed) == 0 {
+            return true;
+        }
+        self.liveness_word().load(Ordering::Acquire) & FUTEX_TID_MASK != 0
+    }
+
+    /// True while the owner can still act: it runs and has not closed the context.
+    pub(crate) fn owner_alive(&self) -> bool {
+        self.owner_alive_fast()
+            && self
+                .pidfd
+                .as_ref()
+                .map_or(true, |p| sys::pidfd_alive(p.as_fd()))
     }
 
     /// Wake the owner's service thread.
@@ -412,7 +486,7 @@ impl Segment {
     /// QP table entry `index` (masked).
     #[inline]
     pub(crate) fn qp_slot(&self, index: u32) -> &QpSlot {
-        self.table(QP_TABLE_OFF, index & (MAX_QP - 1), 128)
+        self.table(QP_TABLE_OFF, index & (MAX_QP - 1), QP_STRIDE)
     }
 
     /// CQ table entry `index` (masked).

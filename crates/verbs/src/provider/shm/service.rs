@@ -28,11 +28,21 @@ use super::segment::MAILBOX_SLOTS;
 use super::sys;
 use crate::AccessFlags;
 
-/// The thread body.
-pub(crate) fn run(sh: Arc<CtxShared>) {
+/// The thread body. `started` is told once the thread holds the liveness mutex.
+pub(crate) fn run(sh: Arc<CtxShared>, started: std::sync::mpsc::Sender<()>) {
+    if !sh.seg.hold_liveness() {
+        tracing::debug!("shm: liveness word unusable; peers detect our death by pidfd only");
+    }
+    let _ = started.send(());
+    serve(&sh);
+    sh.seg.release_liveness();
+}
+
+fn serve(sh: &Arc<CtxShared>) {
+    let sh = &**sh;
     let mut ready = Vec::with_capacity(16);
     loop {
-        let timeout_ms = next_timeout_ms(&sh);
+        let timeout_ms = next_timeout_ms(sh);
         if let Err(err) = sys::epoll_wait(sh.epoll.as_fd(), timeout_ms, &mut ready) {
             tracing::warn!(%err, "shm: service epoll_wait failed");
             std::thread::sleep(Duration::from_millis(10));
@@ -44,11 +54,11 @@ pub(crate) fn run(sh: Arc<CtxShared>) {
             if tag == DOORBELL_TAG {
                 let _ = sys::eventfd_drain(sh.seg.doorbell());
             } else {
-                peer_died(&sh, tag as i32);
+                peer_died(sh, tag as i32);
             }
         }
-        serve_doorbell(&sh);
-        run_timers(&sh);
+        serve_doorbell(sh);
+        run_timers(sh);
     }
 }
 

@@ -303,3 +303,63 @@ pub(crate) fn boot_id() -> String {
         .map(|s| s.trim().to_string())
         .unwrap_or_else(|_| "unknown-boot".to_string())
 }
+
+/// This thread's id.
+pub(crate) fn gettid() -> u32 {
+    // SAFETY: plain syscall without arguments.
+    unsafe { libc::gettid() as u32 }
+}
+
+/// Initialise a process-shared robust mutex in place.
+///
+/// # Safety
+/// `m` must point to writable, suitably aligned memory for a `pthread_mutex_t` that no thread
+/// uses yet.
+pub(crate) unsafe fn robust_mutex_init(m: *mut libc::pthread_mutex_t) -> io::Result<()> {
+    // SAFETY: `attr` is initialised by pthread_mutexattr_init before any other use; `m` is
+    // valid per the contract.
+    unsafe {
+        let mut attr: libc::pthread_mutexattr_t = std::mem::zeroed();
+        let r = libc::pthread_mutexattr_init(&mut attr);
+        if r != 0 {
+            return Err(io::Error::from_raw_os_error(r));
+        }
+        libc::pthread_mutexattr_setpshared(&mut attr, libc::PTHREAD_PROCESS_SHARED);
+        libc::pthread_mutexattr_setrobust(&mut attr, libc::PTHREAD_MUTEX_ROBUST);
+        let r = libc::pthread_mutex_init(m, &attr);
+        libc::pthread_mutexattr_destroy(&mut attr);
+        if r != 0 {
+            return Err(io::Error::from_raw_os_error(r));
+        }
+    }
+    Ok(())
+}
+
+/// Lock a robust mutex (recovering it if a previous owner died).
+///
+/// # Safety
+/// `m` must be a mutex initialised by [`robust_mutex_init`] that stays mapped while locked.
+pub(crate) unsafe fn robust_mutex_lock(m: *mut libc::pthread_mutex_t) -> io::Result<()> {
+    // SAFETY: forwarded contract.
+    let r = unsafe { libc::pthread_mutex_lock(m) };
+    match r {
+        0 => Ok(()),
+        libc::EOWNERDEAD => {
+            // SAFETY: we own the mutex now; marking it consistent is the documented recovery.
+            unsafe { libc::pthread_mutex_consistent(m) };
+            Ok(())
+        }
+        e => Err(io::Error::from_raw_os_error(e)),
+    }
+}
+
+/// Unlock a robust mutex held by this thread.
+///
+/// # Safety
+/// As [`robust_mutex_lock`], and this thread must hold it.
+pub(crate) unsafe fn robust_mutex_unlock(m: *mut libc::pthread_mutex_t) {
+    // SAFETY: forwarded contract.
+    unsafe {
+        libc::pthread_mutex_unlock(m);
+    }
+}

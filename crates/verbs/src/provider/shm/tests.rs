@@ -717,7 +717,10 @@ fn rnr_retries_until_a_receive_is_posted_and_keeps_order() {
 fn send_before_peer_reaches_rtr_is_delivered_once_it_does() {
     let a = side_in(&Context::open("shm0").unwrap(), QpCaps::default(), 64);
     let b = side_in(&Context::open("shm0").unwrap(), QpCaps::default(), 64);
-    a.qp.connect(&b.qp.endpoint(), AccessFlags::ALL).unwrap();
+    // timeout 0: wait for the peer as long as it takes (no wall-clock assumption).
+    a.qp.modify(&QpAttr::init(AccessFlags::ALL)).unwrap();
+    a.qp.modify(&QpAttr::rtr(b.qp.endpoint())).unwrap();
+    a.qp.modify(&QpAttr::rts().with_timeout(0, 7)).unwrap();
     let src = mr(&a.pd, 64);
     let dst = mr(&b.pd, 64);
     a.qp.post_send(&[SendWr::new(
@@ -1092,7 +1095,11 @@ fn separate_processes_one_sided_two_sided_and_peer_death() {
     stream.set_nonblocking(false).unwrap();
     stream.set_read_timeout(Some(WAIT)).unwrap();
     let remote = oob::exchange(&mut stream, &s.qp.endpoint()).unwrap();
-    s.qp.connect(&remote, AccessFlags::ALL).unwrap();
+    // A generous transport timeout (code 20 ≈ 4.3 s, 7 retries): the child may still be on its
+    // way to RTR when the first request runs.
+    s.qp.modify(&QpAttr::init(AccessFlags::ALL)).unwrap();
+    s.qp.modify(&QpAttr::rtr(remote.clone())).unwrap();
+    s.qp.modify(&QpAttr::rts().with_timeout(20, 7)).unwrap();
     let seg = parse_remote(&remote, "seg");
     let private = parse_remote(&remote, "priv");
 

@@ -41,9 +41,11 @@ const TOKEN_QP: u64 = 1 << 61;
 const MAX_SLEEP: Duration = Duration::from_secs(1);
 /// Busy mode: a poller that drove progress this recently is active, and the thread leaves
 /// the sockets to it (re-checking at this period).
-const BUSY_GRACE: Duration = Duration::from_millis(1);
+pub(crate) const BUSY_GRACE: Duration = Duration::from_millis(1);
 /// Accepted connections that have not sent their HELLO yet, at most.
 const MAX_PENDING: usize = 1024;
+/// An accepted connection must send its HELLO within this time.
+const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 const HELLO_LEN: usize = wire::HEADER_LEN + 8;
 
 /// The fds the progress thread waits on; shared with the engine.
@@ -63,6 +65,7 @@ impl Poller {
 }
 
 struct PendingConn {
+    accepted_at: Instant,
     stream: TcpStream,
     buf: [u8; HELLO_LEN],
     got: usize,
@@ -230,13 +233,18 @@ impl Engine {
         last != 0 && self.now_us(now).saturating_sub(last) < BUSY_GRACE.as_micros() as u64
     }
 
-    /// Busy mode, thread side: hand deferred sockets back to the thread once no poller runs.
+    /// Busy mode, thread side: once no poller runs, send held ACKs and take deferred sockets
+    /// back. Returns true while a poller is active (the thread then re-checks every
+    /// [`BUSY_GRACE`]).
     fn resume_deferred(&self, now: Instant) -> bool {
         if self.mode != ProgressMode::Busy {
             return false;
         }
         if self.poller_active(now) {
-            return !self.deferred.lock().is_empty();
+            return true;
+        }
+        for qp in self.all_qps() {
+            qp.flush_held_ack(now, true);
         }
         let qpns = std::mem::take(&mut *self.deferred.lock());
         for qpn in qpns {
@@ -267,7 +275,23 @@ impl Engine {
         next.saturating_duration_since(now)
     }
 
+    fn prune_pending(&self, now: Instant) {
+        let mut pending = self.pending.lock();
+        if pending.is_empty() {
+            return;
+        }
+        pending.retain(|_, p| {
+            let keep = now.saturating_duration_since(p.accepted_at) < HELLO_TIMEOUT;
+            if !keep {
+                tracing::warn!(peer = ?p.stream.peer_addr().ok(), "tcp0: no HELLO in time; closed");
+                let _ = epoll::delete(&self.poller.epoll, &p.stream);
+            }
+            keep
+        });
+    }
+
     fn run_timers(&self, now: Instant) {
+        self.prune_pending(now);
         for qp in self.all_qps() {
             if qp.poll_timeout().is_some_and(|t| t <= now) {
                 qp.on_timer(now);
@@ -337,6 +361,7 @@ impl Engine {
                     pending.insert(
                         id,
                         PendingConn {
+                            accepted_at: Instant::now(),
                             stream,
                             buf: [0; HELLO_LEN],
                             got: 0,
@@ -346,7 +371,10 @@ impl Engine {
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
                 Err(e) => {
+                    // Out of fds or memory: the connection stays in the backlog and the
+                    // listener stays readable; back off briefly instead of spinning.
                     tracing::warn!(%e, "tcp0: accept failed");
+                    std::thread::sleep(Duration::from_millis(10));
                     return;
                 }
             }
@@ -408,7 +436,8 @@ impl Engine {
 impl ProgressHook for Engine {
     fn drive(&self) {
         thread_local! {
-            static SCRATCH: std::cell::RefCell<Vec<Arc<TcpQp>>> = const { std::cell::RefCell::new(Vec::new()) };
+            static SCRATCH: std::cell::RefCell<Vec<Arc<TcpQp>>> =
+                const { std::cell::RefCell::new(Vec::new()) };
         }
         SCRATCH.with(|scratch| {
             let Ok(mut qps) = scratch.try_borrow_mut() else {
@@ -422,6 +451,7 @@ impl ProgressHook for Engine {
                 .store(self.now_us(now).max(1), Ordering::Relaxed);
             for qp in qps.iter() {
                 qp.drive_rx(Lock::Try);
+                qp.flush_held_ack(now, false);
                 if qp.poll_timeout().is_some_and(|t| t <= now) {
                     qp.on_timer(now);
                 }
@@ -444,6 +474,8 @@ fn progress_thread(engine: Weak<Engine>, poller: Arc<Poller>) {
         if poller.stop.load(Ordering::Acquire) {
             return;
         }
+        // While the timeout is being computed, a new deadline must wake us (see note_deadline).
+        poller.sleep_until_us.store(u64::MAX, Ordering::Release);
         let timeout = {
             let Some(engine) = engine.upgrade() else {
                 return;

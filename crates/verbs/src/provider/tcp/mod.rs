@@ -130,7 +130,8 @@ impl Options {
                             "tcp option min_ack_timeout_ms = {v:?}"
                         ))
                     })?;
-                    opts.min_ack_timeout = Duration::from_millis(ms);
+                    // Bounded so deadlines never overflow `Instant`.
+                    opts.min_ack_timeout = Duration::from_millis(ms.min(3_600_000));
                 }
                 _ => {
                     return Err(VerbsError::InvalidArgument(format!(

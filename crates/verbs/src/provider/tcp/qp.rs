@@ -9,18 +9,20 @@
 use std::any::Any;
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use parking_lot::{Mutex, MutexGuard};
 
-use super::engine::Engine;
+use super::engine::{Engine, ProgressMode, BUSY_GRACE};
 use super::{PORT_MTU, PROVIDER};
 use crate::provider::QpOps;
 use crate::soft::cq::SoftCq;
 use crate::soft::mr::MrTable;
 use crate::soft::qp::{QpConfig, QpCore, Transition};
 use crate::soft::rq::SoftSrq;
+use crate::soft::tx::TxQueue;
 use crate::soft::wire::{self, Frame, DEFAULT_MAX_PAYLOAD};
 use crate::{
     PostError, QpAttr, QpEndpoint, QpInfo, QpInitAttr, QpNum, QpState, RecvWr, Result, SendWr,
@@ -34,6 +36,8 @@ const MAX_FRAME: usize = DEFAULT_MAX_PAYLOAD + wire::HEADER_LEN + 32;
 /// Reads per `drive_rx` call, so one busy connection cannot starve the others.
 const MAX_READS_PER_DRIVE: usize = 16;
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// Busy mode: how long a lone ACK may wait for a request to ride along with.
+const ACK_HOLD: Duration = Duration::from_micros(100);
 
 /// How `drive_rx` takes the read lock.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -49,9 +53,11 @@ struct Side {
     conn: Option<Arc<TcpStream>>,
     /// An accepted connection that arrived before this QP knew its peer: (peer QPN, stream).
     parked: Option<(u32, TcpStream)>,
-    tx: Vec<u8>,
-    tx_off: usize,
+    tx: TxQueue,
     out_armed: bool,
+    /// Busy mode: `tx` holds only a coalesced ACK, unsent since then (it leaves with the next
+    /// request, or after [`ACK_HOLD`]).
+    held_at: Option<Instant>,
 }
 
 struct Rx {
@@ -68,6 +74,8 @@ pub(crate) struct TcpQp {
     engine: Arc<Engine>,
     rx: Mutex<Rx>,
     side: Mutex<Side>,
+    /// Mirrors `Side::held_at.is_some()` so pollers can skip the lock.
+    ack_held: AtomicBool,
 }
 
 impl TcpQp {
@@ -121,10 +129,11 @@ impl TcpQp {
                 core,
                 conn: None,
                 parked: None,
-                tx: Vec::new(),
-                tx_off: 0,
+                tx: TxQueue::new(),
                 out_armed: false,
+                held_at: None,
             }),
+            ack_held: AtomicBool::new(false),
         });
         engine.add_qp(qpn, &qp);
         Ok(qp)
@@ -144,6 +153,9 @@ impl TcpQp {
     /// Send what the core allows and what is buffered; close the connection if the QP is in
     /// ERROR; make sure the progress thread wakes for the next deadline.
     fn transmit(&self, side: &mut Side, now: Instant) {
+        if side.held_at.take().is_some() {
+            self.ack_held.store(false, Ordering::Relaxed);
+        }
         if side.conn.is_some() {
             let Side { core, tx, .. } = side;
             core.poll_transmit(now, tx);
@@ -158,15 +170,21 @@ impl TcpQp {
     fn flush_tx(&self, side: &mut Side) {
         let Some(conn) = side.conn.clone() else {
             side.tx.clear();
-            side.tx_off = 0;
             return;
         };
-        while side.tx_off < side.tx.len() {
-            let Some(pending) = side.tx.get(side.tx_off..) else {
-                break;
+        while !side.tx.is_empty() {
+            let sent = {
+                let mut slices = Vec::with_capacity(16);
+                side.tx.io_slices(&mut slices, 64);
+                rustix::net::sendmsg(
+                    &*conn,
+                    &slices,
+                    &mut rustix::net::SendAncillaryBuffer::default(),
+                    rustix::net::SendFlags::NOSIGNAL,
+                )
             };
-            match rustix::net::send(&*conn, pending, rustix::net::SendFlags::NOSIGNAL) {
-                Ok(n) => side.tx_off += n,
+            match sent {
+                Ok(n) => side.tx.consume(n),
                 Err(rustix::io::Errno::INTR) => continue,
                 Err(rustix::io::Errno::AGAIN) => {
                     if !side.out_armed {
@@ -182,11 +200,25 @@ impl TcpQp {
                 }
             }
         }
-        side.tx.clear();
-        side.tx_off = 0;
+        side.tx.shrink();
         if side.out_armed {
             side.out_armed = false;
             self.engine.set_out_interest(self.qp_num.0, &conn, false);
+        }
+    }
+
+    /// Busy mode: send a held ACK once it waited [`ACK_HOLD`] (or now, with `force`).
+    pub fn flush_held_ack(&self, now: Instant, force: bool) {
+        if !self.ack_held.load(Ordering::Relaxed) {
+            return;
+        }
+        let mut side = self.side.lock();
+        match side.held_at {
+            Some(t) if force || now.saturating_duration_since(t) >= ACK_HOLD => {
+                self.transmit(&mut side, now)
+            }
+            Some(_) => {}
+            None => self.ack_held.store(false, Ordering::Relaxed),
         }
     }
 
@@ -194,7 +226,8 @@ impl TcpQp {
     pub fn rearm(&self) {
         let side = self.side.lock();
         if let Some(c) = &side.conn {
-            self.engine.set_out_interest(self.qp_num.0, c, side.out_armed);
+            self.engine
+                .set_out_interest(self.qp_num.0, c, side.out_armed);
         }
     }
 
@@ -269,6 +302,7 @@ impl TcpQp {
         }
         let now = Instant::now();
         let mut bad = None;
+        let tx_before = side.tx.len();
         {
             let Rx {
                 buf, start, end, ..
@@ -281,7 +315,8 @@ impl TcpQp {
                             bad = Some("HELLO inside an established connection".to_string());
                             break;
                         }
-                        side.core.handle_frame(now, &frame, &mut side.tx);
+                        let Side { core, tx, .. } = &mut *side;
+                        tx.append_with(|out| core.handle_frame(now, &frame, out));
                         *start += n;
                         if side.core.state() == QpState::Error {
                             break;
@@ -294,11 +329,32 @@ impl TcpQp {
                 }
             }
         }
+        let answered = side.tx.len() > tx_before;
         if let Some(reason) = bad {
             side.core.fail(reason);
         }
-        side.core.end_batch(&mut side.tx);
-        self.transmit(side, now);
+        {
+            let Side { core, tx, .. } = &mut *side;
+            tx.append_with(|out| core.end_batch(out));
+        }
+        let lone_ack = !answered && side.tx.len() > tx_before;
+        if self.engine.mode == ProgressMode::Busy
+            && lone_ack
+            && (tx_before == 0 || side.held_at.is_some())
+            && side.core.state() != QpState::Error
+            && !side.core.wants_transmit()
+        {
+            // Hold the ACK: the application polling this CQ is likely to post a request
+            // next, and both then leave in one write.
+            if side.held_at.is_none() {
+                side.held_at = Some(now);
+                self.ack_held.store(true, Ordering::Relaxed);
+                // If no poller comes back, the progress thread sends it.
+                self.engine.note_deadline(Some(now + BUSY_GRACE));
+            }
+        } else {
+            self.transmit(side, now);
+        }
         if side.conn.is_none() {
             rx.conn = None;
             return false;
@@ -345,7 +401,6 @@ impl TcpQp {
         rx.end = 0;
         side.conn = Some(stream);
         side.tx.clear();
-        side.tx_off = 0;
         side.out_armed = false;
         self.transmit(side, Instant::now());
     }
@@ -433,8 +488,8 @@ fn close_side(side: &mut Side) {
     }
     side.parked = None;
     side.tx.clear();
-    side.tx_off = 0;
     side.out_armed = false;
+    side.held_at = None;
 }
 
 /// Ensure the buffer has room for the next read: compact, and grow to hold the frame being

@@ -851,3 +851,51 @@ fn send_queue_full_is_back_pressure() {
     wait(&a.cq, 2);
     let _ = &b.ctx;
 }
+
+#[test]
+fn contexts_bound_to_different_addresses_connect_through_their_listeners() {
+    let open_at = |ip: &str| {
+        let cfg = DeviceConfig {
+            bind_addr: Some(format!("{ip}:0").parse().unwrap()),
+            ..DeviceConfig::default()
+        };
+        Context::open_with("tcp0", &cfg).unwrap()
+    };
+    let (ca, cb) = (open_at("127.0.0.2"), open_at("127.0.0.3"));
+    assert!(ca.query_port(1).unwrap().address.starts_with("127.0.0.2:"));
+    let (a, b) = pair_in(&ca, &cb);
+    assert!(b.qp.endpoint().address.starts_with("127.0.0.3:"));
+    b.qp.post_recv(&[RecvWr::new(1, &[b.mr.sge(0, 8).unwrap()])])
+        .unwrap();
+    a.mr.write_at(0, b"netns ok").unwrap();
+    a.qp.post_send(&[SendWr::new(1, &[a.mr.sge(0, 8).unwrap()], WrOpcode::Send)])
+        .unwrap();
+    wait(&b.cq, 1);
+    let mut got = [0u8; 8];
+    b.mr.read_at(0, &mut got).unwrap();
+    assert_eq!(&got, b"netns ok");
+    // And the other direction.
+    a.qp.post_recv(&[RecvWr::new(2, &[])]).unwrap();
+    b.qp.post_send(&[SendWr::new(2, &[], WrOpcode::Send)])
+        .unwrap();
+    wait(&a.cq, 2);
+}
+
+#[test]
+fn bad_bind_settings_are_refused() {
+    let taken = TcpListener::bind("127.0.0.1:0").unwrap();
+    let cfg = DeviceConfig {
+        bind_addr: Some(taken.local_addr().unwrap()),
+        ..DeviceConfig::default()
+    };
+    assert!(matches!(
+        Context::open_with("tcp0", &cfg),
+        Err(VerbsError::Io { .. })
+    ));
+    let mut cfg = DeviceConfig::default();
+    cfg.options.insert("progress".into(), "sometimes".into());
+    assert!(matches!(
+        Context::open_with("tcp0", &cfg),
+        Err(VerbsError::InvalidArgument(_))
+    ));
+}

@@ -1,0 +1,345 @@
+//! Provider `udp`: a multi-path software RC transport over UDP (MP-RDMA).
+//!
+//! Owns: the device `udp0`, its context (one UDP socket per virtual path, an epoll set, the
+//! progress thread), PDs, CQs, QPs. The RC semantics come from [`crate::soft`] (`QpCore`), the
+//! multi-path reliable transport from `fabriq-mpath`; this module is only a driver: it moves
+//! frames between the two, datagrams between mpath and the sockets, and drives time.
+//!
+//! - Virtual path `k` is the local socket `k`: its source port is what ECMP hashes, so packets
+//!   mpath puts on different VPs take different physical paths. A datagram leaves socket `k` for
+//!   the peer's socket `k mod n_peer` (the peer's ports travel in the endpoint, key
+//!   `udp_ports`) with a 16-byte header (destination QPN, source QPN, the VP stamped)
+//!   in front of the mpath datagram; mpath echoes the VP in its ACKs.
+//! - One mpath `Connection` per connected QP pair, created at RTR. The receiver demultiplexes by
+//!   the destination QPN in the header and accepts only the peer QP from the peer's address.
+//! - ECN: every datagram leaves ECT(0) (IP_TOS 2); CE is read back with IP_RECVTOS and passed to
+//!   mpath, whose DCTCP-style response shifts load away from marked paths.
+//! - A QP that enters ERROR or RESET, or is destroyed, drops its connection and tells the peer
+//!   (CLOSE datagram, best effort); a peer that stops answering makes mpath fail after its
+//!   retransmission budget: either way the QP goes to ERROR and its work requests flush.
+//!
+//! Options (`DeviceConfig::options`): `paths = N` (virtual paths, default 16), `mode =
+//! multi | single` (MP-RDMA or the single-path baseline), `mss` (payload bytes per datagram,
+//! default fits a 1500-byte MTU), `min_rto_ms` (mpath RTO floor, default 2),
+//! `line_rate_mbps` (single-path rate cap, default 10000), `min_ack_timeout_ms` (RC safety-net
+//! timer floor, default 1000). Bind address: `DeviceConfig::bind_addr`, else `FABRIQ_UDP_BIND`,
+//! else `127.0.0.1:0`; a non-zero port makes the VP sockets take consecutive ports from it,
+//! port 0 gives each an ephemeral port. See `docs/arch/udp.md`.
+
+mod engine;
+mod qp;
+mod sys;
+#[cfg(test)]
+mod tests;
+mod wire;
+
+use std::any::Any;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::provider::{ContextOps, CqOps, MrOps, PdOps, Provider, QpOps, SrqOps};
+use crate::soft::cq::SoftCq;
+use crate::soft::mr::{MrTable, SoftMr};
+use crate::soft::rq::SoftSrq;
+use crate::{
+    AccessFlags, AtomicCap, Capabilities, DeviceAttr, DeviceConfig, DeviceInfo, PortAttr,
+    PortState, QpInitAttr, Result, SrqInitAttr, Transport, VerbsError,
+};
+
+use engine::Engine;
+
+const PROVIDER: &str = "udp";
+const DEVICE: &str = "udp0";
+/// Env variable overriding the default bind address.
+pub const BIND_ENV: &str = "FABRIQ_UDP_BIND";
+const MAX_INLINE: u32 = 4096;
+const MAX_SGE: u32 = 16;
+const MAX_QP_WR: u32 = 16384;
+const PORT_MTU: u32 = 4096;
+/// IPv4 + UDP + our header + mpath's data header, taken from a 1500-byte MTU.
+const DEFAULT_MSS: u16 =
+    (1500 - 20 - 8 - wire::HEADER_LEN - fabriq_mpath::frame::DATA_HEADER_LEN) as u16;
+
+/// The `udp` provider.
+pub struct UdpProvider;
+
+fn device_info() -> DeviceInfo {
+    DeviceInfo {
+        name: DEVICE.to_string(),
+        provider: PROVIDER.to_string(),
+        transport: Transport::Udp,
+        guid: 0x7564_7000_0000_0000 | u64::from(std::process::id()),
+        description: "multi-path (MP-RDMA) software RC transport over UDP".to_string(),
+    }
+}
+
+impl Provider for UdpProvider {
+    fn name(&self) -> &'static str {
+        PROVIDER
+    }
+    fn devices(&self) -> Result<Vec<DeviceInfo>> {
+        Ok(vec![device_info()])
+    }
+    fn serves(&self, device: &str) -> bool {
+        device.starts_with("udp")
+    }
+    fn open(&self, device: &str, config: &DeviceConfig) -> Result<Arc<dyn ContextOps>> {
+        if device != DEVICE {
+            return Err(VerbsError::NoDevice(device.to_string()));
+        }
+        let opts = Options::parse(config)?;
+        let engine = Engine::start(device_info(), opts)?;
+        Ok(engine)
+    }
+}
+
+/// Parsed device options.
+#[derive(Debug, Clone)]
+pub(crate) struct Options {
+    pub bind: SocketAddr,
+    pub paths: u16,
+    pub min_ack_timeout: Duration,
+    /// Template of every QP's connection (the seed is drawn per connection).
+    pub mpath: fabriq_mpath::Config,
+}
+
+fn bad(k: &str, v: &str, what: &str) -> VerbsError {
+    VerbsError::InvalidArgument(format!("udp option {k} = {v:?}: {what}"))
+}
+
+fn num<T: std::str::FromStr>(k: &str, v: &str) -> Result<T> {
+    v.parse().map_err(|_| bad(k, v, "not a number"))
+}
+
+impl Options {
+    fn parse(config: &DeviceConfig) -> Result<Options> {
+        let bind = match config.bind_addr {
+            Some(a) => a,
+            None => match std::env::var(BIND_ENV) {
+                Ok(s) if !s.is_empty() => s.parse().map_err(|e| {
+                    VerbsError::InvalidArgument(format!(
+                        "{BIND_ENV}={s:?} is not a socket address: {e}"
+                    ))
+                })?,
+                _ => SocketAddr::from(([127, 0, 0, 1], 0)),
+            },
+        };
+        let mut mpath = fabriq_mpath::Config {
+            num_paths: 16,
+            mss: DEFAULT_MSS,
+            min_rto: Duration::from_millis(2),
+            initial_rtt: Duration::from_micros(200),
+            max_message_len: qp::MAX_FRAME as u64,
+            ..fabriq_mpath::Config::default()
+        };
+        mpath.dcqcn.line_rate_bps = 10e9;
+        let mut min_ack_timeout = Duration::from_millis(1000);
+        for (k, v) in &config.options {
+            match k.as_str() {
+                "paths" => {
+                    mpath.num_paths = num(k, v)?;
+                    if mpath.num_paths == 0 || mpath.num_paths > 1024 {
+                        return Err(bad(k, v, "expected 1..=1024"));
+                    }
+                }
+                "mode" => {
+                    mpath.mode = match v.as_str() {
+                        "multi" => fabriq_mpath::Mode::MultiPath,
+                        "single" => fabriq_mpath::Mode::SinglePath,
+                        _ => return Err(bad(k, v, "expected \"multi\" or \"single\"")),
+                    }
+                }
+                "mss" => mpath.mss = num(k, v)?,
+                "min_rto_ms" => mpath.min_rto = Duration::from_millis(num(k, v)?),
+                "line_rate_mbps" => mpath.dcqcn.line_rate_bps = num::<f64>(k, v)? * 1e6,
+                "min_ack_timeout_ms" => min_ack_timeout = Duration::from_millis(num(k, v)?),
+                _ => {
+                    return Err(VerbsError::InvalidArgument(format!(
+                        "unknown udp option {k:?} (known: paths, mode, mss, min_rto_ms, \
+                         line_rate_mbps, min_ack_timeout_ms)"
+                    )))
+                }
+            }
+        }
+        mpath.single_path = 0;
+        mpath
+            .validate()
+            .map_err(|e| VerbsError::InvalidArgument(format!("udp options: {e}")))?;
+        Ok(Options {
+            bind,
+            paths: mpath.num_paths,
+            min_ack_timeout,
+            mpath,
+        })
+    }
+}
+
+fn device_attr() -> DeviceAttr {
+    DeviceAttr {
+        fw_ver: env!("CARGO_PKG_VERSION").to_string(),
+        vendor_id: 0,
+        vendor_part_id: 0,
+        hw_ver: 0,
+        max_mr_size: 1 << 40,
+        page_size_cap: 4096,
+        max_qp: 1 << 16,
+        max_qp_wr: MAX_QP_WR,
+        max_sge: MAX_SGE,
+        max_cq: 1 << 16,
+        max_cqe: 1 << 20,
+        max_mr: 1 << 20,
+        max_pd: 1 << 16,
+        max_qp_init_rd_atom: 16,
+        max_qp_rd_atom: 16,
+        max_srq: 1 << 16,
+        max_srq_wr: MAX_QP_WR,
+        max_inline_data: MAX_INLINE,
+        atomic_cap: AtomicCap::Global,
+        phys_port_cnt: 1,
+        capabilities: Capabilities::SEND
+            | Capabilities::SEND_IMM
+            | Capabilities::WRITE
+            | Capabilities::WRITE_IMM
+            | Capabilities::READ
+            | Capabilities::ATOMICS
+            | Capabilities::SRQ
+            | Capabilities::INLINE
+            | Capabilities::CQ_EVENTS
+            | Capabilities::SYNCHRONISE,
+    }
+}
+
+impl ContextOps for Engine {
+    fn device(&self) -> &DeviceInfo {
+        &self.device
+    }
+    fn query_device(&self) -> DeviceAttr {
+        device_attr()
+    }
+    fn query_port(&self, port: u8) -> Result<PortAttr> {
+        if port != 1 {
+            return Err(VerbsError::InvalidArgument(format!(
+                "udp0 has port 1 only, not {port}"
+            )));
+        }
+        Ok(PortAttr {
+            port_num: 1,
+            state: PortState::Active,
+            max_mtu: PORT_MTU,
+            active_mtu: PORT_MTU,
+            link_layer: "udp".to_string(),
+            lid: 0,
+            gid: [0; 16],
+            address: self.local_addr.to_string(),
+            speed_gbps: 0,
+        })
+    }
+    fn alloc_pd(&self) -> Result<Arc<dyn PdOps>> {
+        let engine = self.self_arc()?;
+        Ok(Arc::new(UdpPd {
+            engine,
+            table: MrTable::new(),
+        }))
+    }
+    fn create_cq(&self, cqe: u32) -> Result<Arc<dyn CqOps>> {
+        Ok(Arc::new(SoftCq::new(cqe)?))
+    }
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+/// A protection domain: an MR table shared by its QPs and SRQs.
+struct UdpPd {
+    engine: Arc<Engine>,
+    table: Arc<MrTable>,
+}
+
+impl PdOps for UdpPd {
+    unsafe fn reg_mr(
+        &self,
+        addr: *mut u8,
+        len: usize,
+        access: AccessFlags,
+    ) -> Result<Box<dyn MrOps>> {
+        // SAFETY: forwarded contract of `ProtectionDomain::reg_mr`: the memory stays valid until
+        // the region is dropped.
+        let mr = unsafe {
+            self.table
+                .register(addr as usize as u64, len as u64, access, None)
+        };
+        Ok(Box::new(mr))
+    }
+
+    fn alloc_mr(&self, len: usize, access: AccessFlags) -> Result<Box<dyn MrOps>> {
+        Ok(Box::new(SoftMr::alloc(&self.table, len, access)?))
+    }
+
+    fn create_qp(&self, init: &QpInitAttr<'_>) -> Result<Arc<dyn QpOps>> {
+        let soft_cq = |cq: &crate::CompletionQueue| -> Result<SoftCq> {
+            cq.ops()
+                .as_any()
+                .downcast_ref::<SoftCq>()
+                .cloned()
+                .ok_or_else(|| VerbsError::InvalidArgument("CQ of another provider".into()))
+        };
+        let send_cq = soft_cq(init.send_cq)?;
+        let recv_cq = soft_cq(init.recv_cq)?;
+        let srq = match init.srq {
+            Some(s) => {
+                let srq =
+                    s.ops().as_any().downcast_ref::<UdpSrq>().ok_or_else(|| {
+                        VerbsError::InvalidArgument("SRQ of another provider".into())
+                    })?;
+                if !Arc::ptr_eq(srq.srq.table(), &self.table) {
+                    return Err(VerbsError::InvalidArgument("SRQ of another PD".into()));
+                }
+                Some(srq.srq.clone())
+            }
+            None => None,
+        };
+        let qp = qp::UdpQp::create(
+            &self.engine,
+            init,
+            send_cq,
+            recv_cq,
+            srq,
+            self.table.clone(),
+        )?;
+        Ok(qp)
+    }
+
+    fn create_srq(&self, init: &SrqInitAttr) -> Result<Arc<dyn SrqOps>> {
+        if init.max_sge > MAX_SGE {
+            return Err(VerbsError::LimitExceeded(format!(
+                "srq max_sge {} exceeds {MAX_SGE}",
+                init.max_sge
+            )));
+        }
+        Ok(Arc::new(UdpSrq {
+            srq: SoftSrq::new(init, self.table.clone()),
+        }))
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+/// An SRQ of this provider.
+struct UdpSrq {
+    srq: SoftSrq,
+}
+
+impl SrqOps for UdpSrq {
+    fn post_recv(&self, wrs: &[crate::RecvWr<'_>]) -> Result<(), crate::PostError> {
+        self.srq.post_recv(wrs)
+    }
+    fn outstanding(&self) -> u32 {
+        self.srq.outstanding()
+    }
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}

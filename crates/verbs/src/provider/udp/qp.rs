@@ -1,0 +1,565 @@
+//! A `udp` queue pair: a [`QpCore`] and the fabriq-mpath [`Connection`] that carries its frames,
+//! behind one lock.
+//!
+//! Every software-RC frame the core produces (request, response, ACK) becomes one mpath message
+//! (`Payload::Bytes`), which mpath splits into packets sprayed over the virtual paths and
+//! delivers to the peer reliably, exactly once and in order; each delivered message is one frame
+//! for the peer's core. The core's own retransmission timer thus only fires if mpath stalls
+//! without failing (a safety net); a peer that stops answering makes mpath fail, which moves the
+//! QP to ERROR.
+//!
+//! The driver loop, [`UdpQp::pump`]: core requests → mpath `send` (a bounded backlog absorbs
+//! mpath's `QueueFull`) → mpath `poll_transmit` → sockets; mpath events → `handle_frame` →
+//! responses back into mpath; until nothing moves.
+
+use std::any::Any;
+use std::collections::VecDeque;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use fabriq_mpath::{Connection, Event, PathId, Payload, SendError};
+use parking_lot::Mutex;
+
+use super::engine::Engine;
+use super::wire::{Header, Kind};
+use super::PROVIDER;
+use crate::provider::QpOps;
+use crate::soft::cq::SoftCq;
+use crate::soft::mr::MrTable;
+use crate::soft::qp::{QpConfig, QpCore, Transition};
+use crate::soft::rq::SoftSrq;
+use crate::soft::tx::FrameSink;
+use crate::soft::wire::{self, DEFAULT_MAX_PAYLOAD};
+use crate::{
+    PostError, QpAttr, QpEndpoint, QpInfo, QpInitAttr, QpNum, QpState, RecvWr, Result, SendFlags,
+    SendWr, VerbsError,
+};
+
+/// Largest frame (one mpath message).
+pub(crate) const MAX_FRAME: usize = DEFAULT_MAX_PAYLOAD + wire::HEADER_LEN + 32;
+/// Longest a QP in ERROR keeps its connection to deliver what it still owes the peer (a NAK,
+/// an ACK) before it closes.
+const LINGER: Duration = Duration::from_millis(200);
+/// Extra key in the endpoint: the local ports of the virtual-path sockets, comma-separated.
+pub(crate) const PORTS_KEY: &str = "udp_ports";
+
+/// A request frame shared with the send queue, handed to mpath without copying.
+struct SharedFrame(Arc<Vec<u8>>);
+
+impl AsRef<[u8]> for SharedFrame {
+    fn as_ref(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+/// Collects the request frames `QpCore::poll_transmit` releases.
+#[derive(Default)]
+struct Frames(Vec<Arc<Vec<u8>>>);
+
+impl FrameSink for Frames {
+    fn push_frame(&mut self, frame: &Arc<Vec<u8>>) {
+        self.0.push(frame.clone());
+    }
+}
+
+/// The peer, fixed at RTR.
+struct Peer {
+    qpn: u32,
+    /// Socket address of each of the peer's virtual-path sockets (at least one).
+    addrs: Vec<SocketAddr>,
+}
+
+struct Side {
+    core: QpCore,
+    conn: Option<Connection>,
+    peer: Option<Peer>,
+    /// Frames mpath refused with `QueueFull`, in order, with their synchronise flag.
+    backlog: VecDeque<(Bytes, bool)>,
+    /// SYNCHRONISE flag of each posted request whose frame has not left yet, in post order.
+    sync_flags: VecDeque<bool>,
+    /// PSN of the newest request frame handed to mpath (to tell new frames from resends).
+    last_request_psn: Option<u32>,
+    /// Scratch for core output (responses, ACKs) and for mpath datagrams.
+    out: Vec<u8>,
+    dgram: Vec<u8>,
+    /// Our connection generation (bumped at every RTR; never 0).
+    generation: u16,
+    /// Highest peer generation seen so far, and the value it had at our last RTR: only
+    /// datagrams of a later generation belong to the current connection.
+    peer_gen_seen: Option<u16>,
+    peer_gen_floor: Option<u16>,
+    /// In ERROR with the connection still open: when the linger ends.
+    closing_at: Option<Instant>,
+}
+
+/// `a` is after `b` in 16-bit serial order.
+fn gen_after(a: u16, b: u16) -> bool {
+    let d = a.wrapping_sub(b);
+    d != 0 && d < 0x8000
+}
+
+impl Side {
+    /// Whether a datagram of generation `g` from the peer belongs to the current connection;
+    /// records it if so.
+    fn accept_generation(&mut self, g: u16) -> bool {
+        if self.peer_gen_floor.is_some_and(|f| !gen_after(g, f)) {
+            return false;
+        }
+        if self.peer_gen_seen.map_or(true, |s| gen_after(g, s)) {
+            self.peer_gen_seen = Some(g);
+        }
+        true
+    }
+}
+
+/// A QP of the `udp` provider.
+pub(crate) struct UdpQp {
+    qp_num: QpNum,
+    endpoint: QpEndpoint,
+    engine: Arc<Engine>,
+    side: Mutex<Side>,
+}
+
+/// `a` is after `b` in 24-bit PSN serial order.
+fn psn_after(a: u32, b: u32) -> bool {
+    let d = a.wrapping_sub(b) & 0x00ff_ffff;
+    d != 0 && d < 0x0080_0000
+}
+
+/// Opcode and PSN of a request frame (None for responses and anything short).
+fn request_psn(frame: &[u8]) -> Option<u32> {
+    let op = *frame.get(4)?;
+    if !(0x01..=0x07).contains(&op) {
+        return None;
+    }
+    let psn: [u8; 4] = frame.get(12..16)?.try_into().ok()?;
+    Some(u32::from_be_bytes(psn) & 0x00ff_ffff)
+}
+
+impl UdpQp {
+    pub fn create(
+        engine: &Arc<Engine>,
+        init: &QpInitAttr<'_>,
+        send_cq: SoftCq,
+        recv_cq: SoftCq,
+        srq: Option<SoftSrq>,
+        table: Arc<MrTable>,
+    ) -> Result<Arc<UdpQp>> {
+        let qpn = engine.alloc_qpn();
+        let psn = rand::random::<u32>() & 0x00ff_ffff;
+        let mut caps = init.caps;
+        caps.max_recv_sge = caps.max_recv_sge.max(1);
+        caps.max_send_sge = caps.max_send_sge.max(1);
+        let core = QpCore::new(QpConfig {
+            qp_num: QpNum(qpn),
+            caps,
+            sq_sig_all: init.sq_sig_all,
+            send_cq,
+            recv_cq,
+            table,
+            srq,
+            max_payload: DEFAULT_MAX_PAYLOAD,
+            min_ack_timeout: engine.opts.min_ack_timeout,
+            initial_psn: psn,
+        });
+        let mut extra = std::collections::BTreeMap::new();
+        extra.insert(
+            PORTS_KEY.to_string(),
+            engine
+                .ports
+                .iter()
+                .map(|p| p.to_string())
+                .collect::<Vec<_>>()
+                .join(","),
+        );
+        let endpoint = QpEndpoint {
+            provider: PROVIDER.to_string(),
+            device: engine.device.name.clone(),
+            address: engine.local_addr.to_string(),
+            qp_num: QpNum(qpn),
+            psn,
+            lid: 0,
+            gid: [0; 16],
+            mtu: super::PORT_MTU,
+            extra,
+        };
+        let qp = Arc::new(UdpQp {
+            qp_num: QpNum(qpn),
+            endpoint,
+            engine: engine.clone(),
+            side: Mutex::new(Side {
+                core,
+                conn: None,
+                peer: None,
+                backlog: VecDeque::new(),
+                sync_flags: VecDeque::new(),
+                last_request_psn: None,
+                out: Vec::new(),
+                dgram: Vec::with_capacity(2048),
+                generation: 0,
+                peer_gen_seen: None,
+                peer_gen_floor: None,
+                closing_at: None,
+            }),
+        });
+        engine.add_qp(qpn, &qp);
+        Ok(qp)
+    }
+
+    pub fn qp_num_raw(&self) -> u32 {
+        self.qp_num.0
+    }
+
+    /// Earliest deadline of the core and the connection.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        let side = self.side.lock();
+        self.deadline(&side)
+    }
+
+    fn deadline(&self, side: &Side) -> Option<Instant> {
+        let a = side.core.poll_timeout();
+        let b = side
+            .conn
+            .as_ref()
+            .and_then(Connection::poll_timeout)
+            .map(|t| self.engine.std_instant(t));
+        [a, b, side.closing_at].into_iter().flatten().min()
+    }
+
+    /// Timers are due.
+    pub fn on_timer(&self, now: Instant) {
+        let mut side = self.side.lock();
+        if let Some(c) = side.conn.as_mut() {
+            c.handle_timeout(self.engine.mpath_now(now));
+        }
+        side.core.handle_timeout(now);
+        self.pump(&mut side, now);
+    }
+
+    /// A datagram for this QP arrived. Returns true if it was fed to the connection (the caller
+    /// then pumps once its batch is read).
+    pub fn handle_datagram(
+        &self,
+        now: Instant,
+        h: &Header,
+        from: SocketAddr,
+        ce: bool,
+        body: &[u8],
+    ) -> bool {
+        let mut side = self.side.lock();
+        let Some(peer) = &side.peer else {
+            // Not connected yet: mpath on the other side resends.
+            return false;
+        };
+        if peer.qpn != h.src_qpn || peer.addrs.first().map(SocketAddr::ip) != Some(from.ip()) {
+            tracing::debug!(qp = self.qp_num.0, %from, src_qpn = h.src_qpn, "udp0: datagram from a stranger dropped");
+            return false;
+        }
+        if !side.accept_generation(h.generation) {
+            return false;
+        }
+        let mnow = self.engine.mpath_now(now);
+        let Some(conn) = side.conn.as_mut() else {
+            return false;
+        };
+        if let Err(e) = conn.handle_datagram(mnow, PathId(h.path), ce, body) {
+            tracing::debug!(qp = self.qp_num.0, %e, "udp0: malformed mpath datagram ignored");
+        }
+        true
+    }
+
+    /// The peer QP said it left the connection.
+    pub fn handle_close(&self, h: &Header, from: SocketAddr) {
+        let mut side = self.side.lock();
+        let is_peer = side.peer.as_ref().is_some_and(|p| {
+            p.qpn == h.src_qpn && p.addrs.first().map(SocketAddr::ip) == Some(from.ip())
+        });
+        if is_peer && side.conn.is_some() && side.accept_generation(h.generation) {
+            side.core.fail("peer QP closed the connection");
+            self.pump(&mut side, Instant::now());
+        }
+    }
+
+    /// Pump after a batch of datagrams.
+    pub fn pump_now(&self, now: Instant) {
+        let mut side = self.side.lock();
+        self.pump(&mut side, now);
+    }
+
+    /// Move everything that can move: core → mpath → sockets, mpath events → core.
+    fn pump(&self, side: &mut Side, now: Instant) {
+        let mnow = self.engine.mpath_now(now);
+        loop {
+            let mut moved = false;
+            if side.conn.is_some() {
+                // 1. New requests (and the core's own resends).
+                let mut frames = Frames::default();
+                side.core.poll_transmit(now, &mut frames);
+                for f in frames.0 {
+                    let sync = match request_psn(&f) {
+                        Some(psn)
+                            if side
+                                .last_request_psn
+                                .map_or(true, |last| psn_after(psn, last)) =>
+                        {
+                            side.last_request_psn = Some(psn);
+                            side.sync_flags.pop_front().unwrap_or(false)
+                        }
+                        _ => false,
+                    };
+                    side.backlog
+                        .push_back((Bytes::from_owner(SharedFrame(f)), sync));
+                }
+                // 2. Backlog into mpath.
+                moved |= self.feed(side, mnow);
+                // 3. Datagrams out.
+                if let (Some(conn), Some(peer)) = (side.conn.as_mut(), side.peer.as_ref()) {
+                    while let Some(t) = conn.poll_transmit(mnow, &mut side.dgram) {
+                        let Some(body) = side.dgram.get(..t.len) else {
+                            break;
+                        };
+                        let vp = t.path.0;
+                        let to = peer.addrs[usize::from(vp) % peer.addrs.len()];
+                        let h = Header {
+                            kind: Kind::Mpath,
+                            dst_qpn: peer.qpn,
+                            src_qpn: self.qp_num.0,
+                            path: vp,
+                            generation: side.generation,
+                        };
+                        self.engine.send(vp, to, &h, body);
+                    }
+                }
+                // 4. Events in.
+                let mut got_input = false;
+                let mut failed = None;
+                while let Some(ev) = side.conn.as_mut().and_then(Connection::poll_event) {
+                    match ev {
+                        Event::MessageReceived {
+                            payload: Payload::Bytes(b),
+                            ..
+                        } => {
+                            got_input = true;
+                            moved = true;
+                            match wire::decode(&b, DEFAULT_MAX_PAYLOAD) {
+                                Ok(Some((frame, n))) if n == b.len() => {
+                                    let Side { core, out, .. } = &mut *side;
+                                    core.handle_frame(now, &frame, out);
+                                }
+                                Ok(_) => side.core.fail("mpath message is not exactly one frame"),
+                                Err(e) => side.core.fail(format!("malformed frame from peer: {e}")),
+                            }
+                        }
+                        Event::MessageReceived { .. } => {
+                            side.core.fail("mpath message without bytes");
+                        }
+                        Event::MessageAcked(_) => moved |= !side.backlog.is_empty(),
+                        Event::Failed(e) => failed = Some(e),
+                    }
+                }
+                if got_input {
+                    let Side { core, out, .. } = &mut *side;
+                    core.end_batch(out);
+                }
+                if !side.out.is_empty() {
+                    let out = std::mem::take(&mut side.out);
+                    let mut rest = &out[..];
+                    while let Some(len) = wire::peek_len(rest).filter(|&l| l > 0 && l <= rest.len())
+                    {
+                        let (frame, tail) = rest.split_at(len);
+                        side.backlog
+                            .push_back((Bytes::copy_from_slice(frame), false));
+                        rest = tail;
+                    }
+                    side.out = out;
+                    side.out.clear();
+                    moved = true;
+                }
+                if let Some(e) = failed {
+                    side.core.fail(format!("peer unreachable: {e}"));
+                }
+            }
+            if !moved {
+                break;
+            }
+        }
+        if side.core.state() == QpState::Error && side.conn.is_some() {
+            // Deliver what the core still owes the peer (a NAK that explains the error), then
+            // leave; a silent peer does not keep the connection past LINGER.
+            let closing_at = *side.closing_at.get_or_insert(now + LINGER);
+            let idle =
+                side.backlog.is_empty() && side.conn.as_ref().is_some_and(Connection::is_idle);
+            if idle || now >= closing_at {
+                self.close(side);
+            }
+        }
+        self.engine.note_deadline(self.deadline(side));
+    }
+
+    /// Hand backlog frames to mpath until it says its queue is full. True if any left.
+    fn feed(&self, side: &mut Side, mnow: fabriq_mpath::Instant) -> bool {
+        let Some(conn) = side.conn.as_mut() else {
+            side.backlog.clear();
+            return false;
+        };
+        let mut fed = false;
+        while let Some((b, sync)) = side.backlog.front() {
+            match conn.send(mnow, Payload::Bytes(b.clone()), *sync) {
+                Ok(_) => {
+                    side.backlog.pop_front();
+                    fed = true;
+                }
+                Err(SendError::QueueFull) => break,
+                Err(e) => {
+                    side.core.fail(format!("mpath refused a frame: {e}"));
+                    side.backlog.clear();
+                    break;
+                }
+            }
+        }
+        fed
+    }
+
+    /// Leave the connection: tell the peer (best effort) and drop the mpath state.
+    fn close(&self, side: &mut Side) {
+        if let (Some(_), Some(peer)) = (side.conn.take(), side.peer.as_ref()) {
+            let h = Header {
+                kind: Kind::Close,
+                dst_qpn: peer.qpn,
+                src_qpn: self.qp_num.0,
+                path: 0,
+                generation: side.generation,
+            };
+            self.engine.send(0, peer.addrs[0], &h, &[]);
+        }
+        side.backlog.clear();
+        side.sync_flags.clear();
+        side.closing_at = None;
+    }
+
+    fn modify_rtr(&self, attr: &QpAttr) -> Result<()> {
+        let remote = attr
+            .remote
+            .as_ref()
+            .ok_or_else(|| VerbsError::InvalidArgument("RTR needs the remote endpoint".into()))?;
+        if remote.provider != PROVIDER {
+            return Err(VerbsError::InvalidArgument(format!(
+                "cannot connect a udp QP to a {} QP",
+                remote.provider
+            )));
+        }
+        let base: SocketAddr = remote.address.parse().map_err(|e| {
+            VerbsError::InvalidArgument(format!("remote address {:?}: {e}", remote.address))
+        })?;
+        let mut addrs = vec![base];
+        if let Some(ports) = remote.extra.get(PORTS_KEY) {
+            addrs.clear();
+            for p in ports.split(',') {
+                let port: u16 = p.trim().parse().map_err(|_| {
+                    VerbsError::InvalidArgument(format!("remote {PORTS_KEY} {ports:?}"))
+                })?;
+                let mut a = base;
+                a.set_port(port);
+                addrs.push(a);
+            }
+            if addrs.is_empty() || addrs[0] != base {
+                return Err(VerbsError::InvalidArgument(format!(
+                    "remote {PORTS_KEY} {ports:?} does not start with the address's port"
+                )));
+            }
+        }
+        if base == self.engine.local_addr && remote.qp_num == self.qp_num {
+            return Err(VerbsError::InvalidArgument(
+                "a udp QP cannot be connected to itself".into(),
+            ));
+        }
+        let mut side = self.side.lock();
+        side.core.modify(attr)?;
+        let now = Instant::now();
+        let mut cfg = self.engine.opts.mpath.clone();
+        cfg.seed = rand::random();
+        side.conn = Some(Connection::new(cfg, self.engine.mpath_now(now)));
+        side.peer = Some(Peer {
+            qpn: remote.qp_num.0,
+            addrs,
+        });
+        side.backlog.clear();
+        side.sync_flags.clear();
+        side.last_request_psn = None;
+        side.closing_at = None;
+        side.generation = side.generation.wrapping_add(1).max(1);
+        side.peer_gen_floor = side.peer_gen_seen;
+        self.pump(&mut side, now);
+        Ok(())
+    }
+}
+
+impl Drop for UdpQp {
+    fn drop(&mut self) {
+        self.engine.remove_qp(self.qp_num.0);
+        let mut side = self.side.lock();
+        self.close(&mut side);
+    }
+}
+
+impl QpOps for UdpQp {
+    fn qp_num(&self) -> QpNum {
+        self.qp_num
+    }
+
+    fn state(&self) -> QpState {
+        self.side.lock().core.state()
+    }
+
+    fn query(&self) -> QpInfo {
+        self.side.lock().core.query()
+    }
+
+    fn endpoint(&self) -> QpEndpoint {
+        self.endpoint.clone()
+    }
+
+    fn modify(&self, attr: &QpAttr) -> Result<()> {
+        if attr.state == Some(QpState::Rtr) && self.state() == QpState::Init {
+            return self.modify_rtr(attr);
+        }
+        let mut side = self.side.lock();
+        match side.core.modify(attr)? {
+            Transition::Error => self.pump(&mut side, Instant::now()),
+            Transition::Reset => {
+                self.close(&mut side);
+                side.peer = None;
+            }
+            Transition::Rts | Transition::None | Transition::Rtr(_) => {
+                self.pump(&mut side, Instant::now())
+            }
+        }
+        Ok(())
+    }
+
+    fn post_send(&self, wrs: &[SendWr<'_>]) -> Result<(), PostError> {
+        let mut side = self.side.lock();
+        let now = Instant::now();
+        let r = side.core.post_send(now, wrs);
+        let accepted = match &r {
+            Ok(()) => wrs.len(),
+            Err(e) => e.index.min(wrs.len()),
+        };
+        for wr in wrs.iter().take(accepted) {
+            side.sync_flags
+                .push_back(wr.flags.contains(SendFlags::SYNCHRONISE));
+        }
+        self.pump(&mut side, now);
+        r
+    }
+
+    fn post_recv(&self, wrs: &[RecvWr<'_>]) -> Result<(), PostError> {
+        self.side.lock().core.post_recv(wrs)
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}

@@ -1,0 +1,220 @@
+//! In-process tests of the udp provider: two contexts talking over loopback. Every wait has a
+//! generous timeout that only catches hangs.
+
+use std::time::Duration;
+
+use crate::*;
+
+const WAIT: Duration = Duration::from_secs(20);
+
+struct Side {
+    _ctx: Context,
+    pd: ProtectionDomain,
+    cq: CompletionQueue,
+    mr: MemoryRegion,
+    qp: QueuePair,
+}
+
+fn open(opts: &[(&str, &str)]) -> Context {
+    let mut cfg = DeviceConfig::default();
+    for (k, v) in opts {
+        cfg.options.insert((*k).into(), (*v).into());
+    }
+    Context::open_with("udp0", &cfg).unwrap()
+}
+
+fn side(ctx: &Context) -> Side {
+    let pd = ctx.alloc_pd().unwrap();
+    let cq = ctx.create_cq(1024).unwrap();
+    let mr = pd.alloc_mr(1 << 16, AccessFlags::ALL).unwrap();
+    let init = QpInitAttr::new(&cq);
+    let qp = pd.create_qp(&init).unwrap();
+    Side {
+        _ctx: ctx.clone(),
+        pd,
+        cq,
+        mr,
+        qp,
+    }
+}
+
+fn pair(opts: &[(&str, &str)]) -> (Side, Side) {
+    let a = side(&open(opts));
+    let b = side(&open(opts));
+    let (ea, eb) = (a.qp.endpoint(), b.qp.endpoint());
+    for (s, remote) in [(&a, &eb), (&b, &ea)] {
+        s.qp.modify(&QpAttr::init(AccessFlags::ALL)).unwrap();
+        s.qp.modify(&QpAttr::rtr(remote.clone())).unwrap();
+        s.qp.modify(&QpAttr::rts()).unwrap();
+    }
+    (a, b)
+}
+
+fn wait(cq: &CompletionQueue, n: usize) -> Vec<WorkCompletion> {
+    let mut got = Vec::new();
+    let deadline = std::time::Instant::now() + WAIT;
+    let mut buf = [WorkCompletion::EMPTY; 16];
+    while got.len() < n {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        assert!(
+            !left.is_zero(),
+            "timed out waiting for {n} completions, got {got:?}"
+        );
+        let k = cq
+            .poll_blocking(&mut buf[..(n - got.len()).min(16)], left)
+            .unwrap();
+        got.extend_from_slice(&buf[..k]);
+    }
+    got
+}
+
+#[test]
+fn device_is_listed_and_advertises_synchronise() {
+    let devs = devices().unwrap();
+    assert!(devs.iter().any(|d| d.name == "udp0" && d.provider == "udp"));
+    let ctx = open(&[]);
+    let caps = ctx.query_device().capabilities;
+    for c in [
+        Capabilities::SEND,
+        Capabilities::WRITE,
+        Capabilities::READ,
+        Capabilities::ATOMICS,
+        Capabilities::SYNCHRONISE,
+    ] {
+        assert!(caps.contains(c), "missing {c:?}");
+    }
+}
+
+#[test]
+fn bad_options_are_refused() {
+    for (k, v) in [
+        ("paths", "0"),
+        ("mode", "zigzag"),
+        ("nope", "1"),
+        ("mss", "x"),
+    ] {
+        let mut cfg = DeviceConfig::default();
+        cfg.options.insert(k.into(), v.into());
+        assert!(
+            matches!(
+                Context::open_with("udp0", &cfg),
+                Err(VerbsError::InvalidArgument(_))
+            ),
+            "{k}={v} accepted"
+        );
+    }
+}
+
+fn exercise(opts: &[(&str, &str)]) {
+    let (a, b) = pair(opts);
+    // SEND/RECV.
+    b.qp.post_recv(&[RecvWr::new(9, &[b.mr.sge(0, 64).unwrap()])])
+        .unwrap();
+    a.mr.write_at(0, b"hello over many paths").unwrap();
+    a.qp.post_send(&[SendWr::new(1, &[a.mr.sge(0, 21).unwrap()], WrOpcode::Send)])
+        .unwrap();
+    let wc = wait(&b.cq, 1)[0];
+    assert_eq!(
+        (wc.wr_id, wc.status, wc.byte_len),
+        (9, WcStatus::Success, 21)
+    );
+    let mut got = [0u8; 21];
+    b.mr.read_at(0, &mut got).unwrap();
+    assert_eq!(&got, b"hello over many paths");
+    assert_eq!(wait(&a.cq, 1)[0].status, WcStatus::Success);
+
+    // A large WRITE (many mpath packets over many paths), then READ it back.
+    let len = 4 << 20;
+    let big_a = a.pd.alloc_mr(len, AccessFlags::ALL).unwrap();
+    let big_b = b.pd.alloc_mr(len, AccessFlags::ALL).unwrap();
+    let pattern: Vec<u8> = (0..len).map(|i| (i * 31 % 251) as u8).collect();
+    big_a.write_at(0, &pattern).unwrap();
+    let sge = [big_a.sge(0, len as u32).unwrap()];
+    a.qp.post_send(&[SendWr::new(
+        2,
+        &sge,
+        WrOpcode::Write {
+            remote: big_b.remote(0),
+        },
+    )
+    .with_flags(SendFlags::SIGNALED | SendFlags::SYNCHRONISE)])
+        .unwrap();
+    assert_eq!(wait(&a.cq, 1)[0].status, WcStatus::Success);
+    let mut back = vec![0u8; len];
+    big_b.read_at(0, &mut back).unwrap();
+    assert!(back == pattern, "WRITE corrupted data");
+    big_a.write_at(0, &vec![0u8; len]).unwrap();
+    a.qp.post_send(&[SendWr::new(
+        3,
+        &sge,
+        WrOpcode::Read {
+            remote: big_b.remote(0),
+        },
+    )])
+    .unwrap();
+    let wc = wait(&a.cq, 1)[0];
+    assert_eq!(
+        (wc.wr_id, wc.status, wc.byte_len),
+        (3, WcStatus::Success, len as u32)
+    );
+    big_a.read_at(0, &mut back).unwrap();
+    assert!(back == pattern, "READ corrupted data");
+
+    // Atomics.
+    b.mr.write_at(128, &40u64.to_ne_bytes()).unwrap();
+    a.qp.post_send(&[SendWr::new(
+        4,
+        &[a.mr.sge(256, 8).unwrap()],
+        WrOpcode::AtomicFetchAdd {
+            remote: b.mr.remote(128),
+            add: 2,
+        },
+    )])
+    .unwrap();
+    assert_eq!(wait(&a.cq, 1)[0].status, WcStatus::Success);
+    let mut v = [0u8; 8];
+    b.mr.read_at(128, &mut v).unwrap();
+    assert_eq!(u64::from_ne_bytes(v), 42);
+    a.mr.read_at(256, &mut v).unwrap();
+    assert_eq!(u64::from_ne_bytes(v), 40);
+}
+
+#[test]
+fn multipath_send_write_read_atomic() {
+    exercise(&[]);
+}
+
+#[test]
+fn single_path_send_write_read_atomic() {
+    exercise(&[("mode", "single"), ("paths", "1")]);
+}
+
+#[test]
+fn peer_error_flushes_and_moves_qp_to_error() {
+    let (a, b) = pair(&[]);
+    b.qp.modify(&QpAttr::error()).unwrap();
+    // The CLOSE datagram (or mpath's timeout) fails `a`; its receive flushes.
+    a.qp.post_recv(&[RecvWr::new(7, &[])]).unwrap();
+    let wc = wait(&a.cq, 1)[0];
+    assert_eq!((wc.wr_id, wc.status), (7, WcStatus::WrFlushed));
+    assert_eq!(a.qp.state(), QpState::Error);
+}
+
+#[test]
+fn unreachable_peer_fails_outstanding_requests() {
+    let a = side(&open(&[("min_ack_timeout_ms", "60000")]));
+    // A peer that existed once: its endpoint is valid, its sockets are gone.
+    let gone = {
+        let b = side(&open(&[]));
+        b.qp.endpoint()
+    };
+    a.qp.modify(&QpAttr::init(AccessFlags::ALL)).unwrap();
+    a.qp.modify(&QpAttr::rtr(gone)).unwrap();
+    a.qp.modify(&QpAttr::rts()).unwrap();
+    a.qp.post_send(&[SendWr::new(1, &[a.mr.sge(0, 8).unwrap()], WrOpcode::Send)])
+        .unwrap();
+    // mpath gives up after its retransmission budget: the QP fails, the request flushes.
+    let wc = wait(&a.cq, 1)[0];
+    assert_eq!((wc.wr_id, wc.status), (1, WcStatus::WrFlushed));
+    assert_eq!(a.qp.state(), QpState::Error);
+}

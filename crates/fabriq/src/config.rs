@@ -191,7 +191,11 @@ impl Config {
         var!("FABRIQ_PIN_WORKERS", self.pin_workers, parse_bool);
         var!("FABRIQ_IDLE_SPIN_US", self.idle_spin_us, parse);
         var!("FABRIQ_RPC_TIMEOUT_MS", self.rpc_timeout_ms, parse);
-        var!("FABRIQ_HANDSHAKE_TIMEOUT_MS", self.handshake_timeout_ms, parse);
+        var!(
+            "FABRIQ_HANDSHAKE_TIMEOUT_MS",
+            self.handshake_timeout_ms,
+            parse
+        );
         var!("FABRIQ_LINK_SPEED_GBPS", self.link_speed_gbps, parse);
         var!("FABRIQ_RX_SLOTS", self.rx_slots, parse);
         var!("FABRIQ_SQ_DEPTH", self.sq_depth, parse);
@@ -310,7 +314,8 @@ mod tests {
         assert_eq!(c.workers, 3);
         assert!(c.pin_workers);
         assert_eq!(c.thresholds(100).eager_max, 2048);
-        let err = Config::default().with_env_vars(|k| (k == "FABRIQ_RX_SLOTS").then(|| "lots".into()));
+        let err =
+            Config::default().with_env_vars(|k| (k == "FABRIQ_RX_SLOTS").then(|| "lots".into()));
         assert!(matches!(err, Err(ConfigError::Env { .. })));
         let err = Config::default().with_env_vars(|k| (k == "FABRIQ_WORKERS").then(|| "0".into()));
         assert!(matches!(err, Err(ConfigError::Invalid(_))));

@@ -24,7 +24,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use fabriq_verbs::{
-    oob, AccessFlags, CompletionQueue, Context, ProtectionDomain, QpCaps, QpAttr, QpEndpoint,
+    oob, AccessFlags, CompletionQueue, Context, ProtectionDomain, QpAttr, QpCaps, QpEndpoint,
     QpInitAttr,
 };
 use parking_lot::Mutex;
@@ -116,10 +116,10 @@ impl Endpoint {
         let chunk = config.thresholds(device_gbps).chunk_size as usize;
         for i in 0..config.workers {
             let cq = ctx.create_cq(cqe)?;
-            let shared = Arc::new(
-                WorkerShared::new(i)
-                    .map_err(|e| ChannelError::Verbs(fabriq_verbs::VerbsError::io("eventfd", e)))?,
-            );
+            let shared =
+                Arc::new(WorkerShared::new(i).map_err(|e| {
+                    ChannelError::Verbs(fabriq_verbs::VerbsError::io("eventfd", e))
+                })?);
             let wcfg = WorkerConfig {
                 idle_spin: config.idle_spin(),
                 pin_cpu: config.pin_workers.then_some(i),
@@ -195,7 +195,11 @@ impl Endpoint {
         &self.inner.workers[i]
     }
 
-    fn create_qp(&self, w: &WorkerRef, cfg: &ChannelConfig) -> Result<fabriq_verbs::QueuePair, ChannelError> {
+    fn create_qp(
+        &self,
+        w: &WorkerRef,
+        cfg: &ChannelConfig,
+    ) -> Result<fabriq_verbs::QueuePair, ChannelError> {
         let attr = self.inner.ctx.query_device();
         let mut init = QpInitAttr::new(&w.cq);
         init.caps = QpCaps {
@@ -218,7 +222,11 @@ impl Endpoint {
     }
 
     /// INIT → RTR → RTS towards the peer's QP.
-    fn connect_qp(&self, qp: &fabriq_verbs::QueuePair, remote: &QpEndpoint) -> Result<(), ChannelError> {
+    fn connect_qp(
+        &self,
+        qp: &fabriq_verbs::QueuePair,
+        remote: &QpEndpoint,
+    ) -> Result<(), ChannelError> {
         qp.modify(&QpAttr::rtr(remote.clone()))?;
         qp.modify(&QpAttr::rts().with_rnr_retry(self.inner.config.rnr_retry))?;
         Ok(())
@@ -325,7 +333,11 @@ impl Endpoint {
     }
 
     /// Server half of the handshake on an accepted stream.
-    fn accept_stream(&self, mut stream: TcpStream, peer: SocketAddr) -> Result<Channel, ChannelError> {
+    fn accept_stream(
+        &self,
+        mut stream: TcpStream,
+        peer: SocketAddr,
+    ) -> Result<Channel, ChannelError> {
         let timeout = self.inner.config.handshake_timeout();
         stream.set_nodelay(true).ok();
         stream.set_read_timeout(Some(timeout)).ok();
@@ -352,7 +364,8 @@ impl Endpoint {
 
     /// Listen for channels on `addr` (port 0: any free port).
     pub fn listen(&self, addr: impl ToSocketAddrs) -> Result<Listener, ChannelError> {
-        let l = TcpListener::bind(addr).map_err(|e| ChannelError::Handshake(format!("bind: {e}")))?;
+        let l =
+            TcpListener::bind(addr).map_err(|e| ChannelError::Handshake(format!("bind: {e}")))?;
         let local = l
             .local_addr()
             .map_err(|e| ChannelError::Handshake(format!("local_addr: {e}")))?;
@@ -404,7 +417,9 @@ pub struct Listener {
 
 impl std::fmt::Debug for Listener {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Listener").field("local", &self.local).finish()
+        f.debug_struct("Listener")
+            .field("local", &self.local)
+            .finish()
     }
 }
 

@@ -143,7 +143,9 @@ impl Channel {
 
     fn released(&self) {
         let s = &self.inner.shared;
-        s.worker.submit(Command::Released { chan: s.id, n: 1 });
+        if s.released.fetch_add(1, std::sync::atomic::Ordering::AcqRel) == 0 {
+            s.worker.submit(Command::Released { chan: s.id });
+        }
     }
 
     /// Receive the next message, waiting for it.

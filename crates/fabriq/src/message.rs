@@ -2,6 +2,10 @@
 //! rendezvous payload was pulled into) plus its trace header. Dropping it returns a pool buffer
 //! to the worker that owns it, from any thread.
 
+use std::sync::Arc;
+
+use crossbeam_queue::SegQueue;
+
 use crate::channel::TraceHeader;
 use crate::mempool::PoolBuf;
 
@@ -18,6 +22,19 @@ pub struct Message {
     pub(crate) payload: Payload,
     pub(crate) trace: TraceHeader,
     pub(crate) seq: u64,
+    /// Where a large buffer goes back to its worker for reuse.
+    pub(crate) recycle: Option<Arc<SegQueue<PoolBuf>>>,
+}
+
+impl Drop for Message {
+    fn drop(&mut self) {
+        if let Some(q) = self.recycle.take() {
+            if let Payload::Pool(b) = std::mem::replace(&mut self.payload, Payload::Vec(Vec::new()))
+            {
+                q.push(b);
+            }
+        }
+    }
 }
 
 impl Message {
@@ -32,9 +49,9 @@ impl Message {
     }
 
     /// Copy the payload into a `Vec` (free when it already is one).
-    pub fn into_vec(self) -> Vec<u8> {
-        match self.payload {
-            Payload::Vec(v) => v,
+    pub fn into_vec(mut self) -> Vec<u8> {
+        match &mut self.payload {
+            Payload::Vec(v) => std::mem::take(v),
             Payload::Pool(b) => b.to_vec(),
         }
     }

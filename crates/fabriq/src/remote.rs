@@ -125,7 +125,7 @@ impl RemoteRegion {
 
     fn remote(&self, offset: u64, len: u64, align: u64) -> Result<RemoteAddr, ChannelError> {
         let end = offset.checked_add(len);
-        if end.is_none_or(|e| e > self.desc.len) {
+        if end.map_or(true, |e| e > self.desc.len) {
             return Err(ChannelError::OutOfBounds {
                 offset,
                 len,
@@ -195,7 +195,12 @@ impl RemoteRegion {
 
     /// Atomic compare-and-swap of the aligned word at `offset`; returns the value found (the
     /// swap happened if it equals `compare`).
-    pub fn compare_and_swap(&self, offset: u64, compare: u64, swap: u64) -> Result<u64, ChannelError> {
+    pub fn compare_and_swap(
+        &self,
+        offset: u64,
+        compare: u64,
+        swap: u64,
+    ) -> Result<u64, ChannelError> {
         let remote = self.remote(offset, 8, 8)?;
         Self::word(Self::wait(self.submit(OneSidedOp::CompareSwap {
             remote,
@@ -207,7 +212,9 @@ impl RemoteRegion {
     /// Atomic fetch-and-add on the aligned word at `offset`; returns the value before.
     pub fn fetch_and_add(&self, offset: u64, add: u64) -> Result<u64, ChannelError> {
         let remote = self.remote(offset, 8, 8)?;
-        Self::word(Self::wait(self.submit(OneSidedOp::FetchAdd { remote, add }))?)
+        Self::word(Self::wait(
+            self.submit(OneSidedOp::FetchAdd { remote, add }),
+        )?)
     }
 
     /// [`RemoteRegion::write`] from async code.

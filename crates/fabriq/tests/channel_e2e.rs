@@ -22,15 +22,24 @@ fn pair(device: &str) -> (Endpoint, Endpoint, fabriq::Channel, fabriq::Channel) 
 }
 
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
-    (0..len).map(|i| (i as u8).wrapping_mul(13).wrapping_add(seed)).collect()
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(13).wrapping_add(seed))
+        .collect()
 }
 
 fn eager_and_rendezvous(device: &str) {
     let (_se, _ce, s, c) = pair(device);
-    for (i, len) in [0usize, 8, 4095, 4096, 4097, 65536, 1 << 20, (1 << 20) + 7].into_iter().enumerate() {
+    for (i, len) in [0usize, 8, 4095, 4096, 4097, 65536, 1 << 20, (1 << 20) + 7]
+        .into_iter()
+        .enumerate()
+    {
         c.send(&pattern(len, i as u8)).expect("send");
         let m = s.recv_timeout(HANG).expect("recv");
-        assert_eq!(&m[..], &pattern(len, i as u8)[..], "message {i} of {len} bytes");
+        assert_eq!(
+            &m[..],
+            &pattern(len, i as u8)[..],
+            "message {i} of {len} bytes"
+        );
     }
     // And back.
     s.send(b"pong").expect("send back");
@@ -78,7 +87,11 @@ fn pair_with(cfg: Config) -> (Endpoint, Endpoint, fabriq::Channel, fabriq::Chann
 
 /// Small messages, pipelined: none lost, none duplicated, order kept.
 fn million_messages(device: &str) {
-    let n: u64 = if cfg!(debug_assertions) { 100_000 } else { 1_000_000 };
+    let n: u64 = if cfg!(debug_assertions) {
+        100_000
+    } else {
+        1_000_000
+    };
     let (_se, _ce, s, c) = pair_with(Config {
         device: device.into(),
         rnr_retry: 0,
@@ -141,7 +154,8 @@ fn slow_receiver_back_pressures_without_rnr() {
         assert_eq!(m[..8], i.to_le_bytes());
     }
     // Room again, and the channel is healthy in both directions.
-    c.send_timeout(b"more", HANG).expect("room after the receiver caught up");
+    c.send_timeout(b"more", HANG)
+        .expect("room after the receiver caught up");
     assert_eq!(&s.recv_timeout(HANG).expect("recv")[..], b"more");
     s.send(b"ok").expect("reverse");
     assert_eq!(&c.recv_timeout(HANG).expect("recv")[..], b"ok");
@@ -198,20 +212,29 @@ fn json_rpc_and_async_api() {
     let (se, _ce, s, c) = pair("shm0");
     se.serve(
         "sum",
-        fabriq::json_handler(|v: Vec<u32>| Ok::<u64, String>(v.iter().map(|&x| u64::from(x)).sum())),
+        fabriq::json_handler(|v: Vec<u32>| {
+            Ok::<u64, String>(v.iter().map(|&x| u64::from(x)).sum())
+        }),
     );
     let rpc = Rpc::new(c.clone());
-    let total: u64 = rpc.call_json("sum", &vec![1u32, 2, 3], HANG).expect("json call");
+    let total: u64 = rpc
+        .call_json("sum", &vec![1u32, 2, 3], HANG)
+        .expect("json call");
     assert_eq!(total, 6);
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .expect("runtime");
     rt.block_on(async {
-        c.send_async(&pattern(100_000, 5)).await.expect("send_async");
+        c.send_async(&pattern(100_000, 5))
+            .await
+            .expect("send_async");
         let m = s.recv_async().await.expect("recv_async");
         assert_eq!(&m[..], &pattern(100_000, 5)[..]);
-        let r = rpc.call_async("sum", b"[4,5]", HANG).await.expect("call_async");
+        let r = rpc
+            .call_async("sum", b"[4,5]", HANG)
+            .await
+            .expect("call_async");
         assert_eq!(r, b"9");
     });
 }
@@ -220,8 +243,10 @@ fn json_rpc_and_async_api() {
 fn one_sided_read_write_atomics_without_owner_code() {
     let (se, _ce, s, c) = pair("shm0");
     let region = se.expose(4096).expect("expose");
-    s.send(&region.descriptor().to_bytes()).expect("send descriptor");
-    let desc = fabriq::RegionDescriptor::from_bytes(&c.recv_timeout(HANG).expect("recv")).expect("descriptor");
+    s.send(&region.descriptor().to_bytes())
+        .expect("send descriptor");
+    let desc = fabriq::RegionDescriptor::from_bytes(&c.recv_timeout(HANG).expect("recv"))
+        .expect("descriptor");
     let remote = c.remote_region(desc);
     remote.write(100, b"hello").expect("write");
     let mut buf = [0u8; 5];
@@ -232,7 +257,13 @@ fn one_sided_read_write_atomics_without_owner_code() {
     assert_eq!(remote.fetch_and_add(8, 5).expect("faa"), 0);
     assert_eq!(remote.compare_and_swap(8, 5, 42).expect("cas"), 5);
     assert_eq!(remote.compare_and_swap(8, 5, 43).expect("cas"), 42);
-    assert_eq!(region.atomic_u64(8).expect("word").load(std::sync::atomic::Ordering::SeqCst), 42);
+    assert_eq!(
+        region
+            .atomic_u64(8)
+            .expect("word")
+            .load(std::sync::atomic::Ordering::SeqCst),
+        42
+    );
     assert!(matches!(
         remote.read(4090, 10),
         Err(fabriq::ChannelError::OutOfBounds { .. })
@@ -247,10 +278,50 @@ fn one_sided_read_write_atomics_without_owner_code() {
 fn thresholds_change_on_a_live_channel() {
     let (_se, _ce, s, c) = pair("tcp0");
     c.send(&pattern(3000, 1)).expect("send");
-    assert_eq!(&s.recv_timeout(HANG).expect("recv")[..], &pattern(3000, 1)[..]);
+    assert_eq!(
+        &s.recv_timeout(HANG).expect("recv")[..],
+        &pattern(3000, 1)[..]
+    );
     c.set_thresholds(fabriq::Thresholds::for_link_speed(25));
     c.send(&pattern(3000, 2)).expect("send");
-    assert_eq!(&s.recv_timeout(HANG).expect("recv")[..], &pattern(3000, 2)[..]);
+    assert_eq!(
+        &s.recv_timeout(HANG).expect("recv")[..],
+        &pattern(3000, 2)[..]
+    );
     let st = c.stats().expect("stats");
     assert_eq!((st.eager_sent, st.rendezvous_sent), (1, 1));
+}
+
+/// Channel (eager and rendezvous), RPC and one-sided access on each device named by
+/// `FABRIQ_TEST_DEVICES` (comma-separated): the soft-RoCE lane sets `rxe0`, a host with a NIC
+/// can name its own. Without the variable it prints that it skips.
+#[test]
+fn channel_rpc_and_remote_memory_on_named_devices() {
+    let Ok(list) = std::env::var("FABRIQ_TEST_DEVICES") else {
+        eprintln!("SKIP channel_rpc_and_remote_memory_on_named_devices: FABRIQ_TEST_DEVICES unset");
+        return;
+    };
+    for device in list.split(',').map(str::trim).filter(|d| !d.is_empty()) {
+        eager_and_rendezvous(device);
+        let (se, _ce, s, c) = pair(device);
+        se.serve("echo", |req: &[u8]| Ok(req.to_vec()));
+        let rpc = Rpc::new(c.clone());
+        for i in 0..50u8 {
+            let req = pattern(64 + usize::from(i), i);
+            assert_eq!(rpc.call("echo", &req, HANG).expect("call"), req, "{device}");
+        }
+        let region = se.expose(4096).expect("expose");
+        s.send(&region.descriptor().to_bytes()).expect("descriptor");
+        let desc = fabriq::RegionDescriptor::from_bytes(&c.recv_timeout(HANG).expect("recv"))
+            .expect("descriptor");
+        let remote = c.remote_region(desc);
+        remote.write(64, b"one-sided").expect("write");
+        assert_eq!(remote.read(64, 9).expect("read"), b"one-sided", "{device}");
+        assert_eq!(remote.fetch_and_add(0, 3).expect("faa"), 0, "{device}");
+        assert_eq!(
+            remote.compare_and_swap(0, 3, 9).expect("cas"),
+            3,
+            "{device}"
+        );
+    }
 }

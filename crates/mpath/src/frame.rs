@@ -188,18 +188,43 @@ pub fn encode_data(header: &DataHeader, payload: &[u8], out: &mut Vec<u8>) {
     if header.is_virtual {
         flags |= DATA_VIRTUAL;
     }
-    out.reserve(DATA_HEADER_LEN + if header.is_virtual { 0 } else { payload.len() });
-    out.push(first_byte(KIND_DATA));
-    out.push(flags);
-    out.extend_from_slice(&header.path.0.to_be_bytes());
-    out.extend_from_slice(&header.psn.to_be_bytes());
-    out.extend_from_slice(&header.msn.to_be_bytes());
-    out.extend_from_slice(&header.ipsn.to_be_bytes());
-    out.extend_from_slice(&header.timestamp.to_be_bytes());
-    out.extend_from_slice(&header.payload_len.to_be_bytes());
-    out.extend_from_slice(&[0, 0]);
-    if !header.is_virtual {
+    let mut w = HeaderWriter::<DATA_HEADER_LEN>::new();
+    w.put(&[first_byte(KIND_DATA), flags]);
+    w.put(&header.path.0.to_be_bytes());
+    w.put(&header.psn.to_be_bytes());
+    w.put(&header.msn.to_be_bytes());
+    w.put(&header.ipsn.to_be_bytes());
+    w.put(&header.timestamp.to_be_bytes());
+    w.put(&header.payload_len.to_be_bytes());
+    // Last 2 bytes: reserved, zero.
+    if header.is_virtual {
+        out.extend_from_slice(&w.buf);
+    } else {
+        out.reserve(DATA_HEADER_LEN + payload.len());
+        out.extend_from_slice(&w.buf);
         out.extend_from_slice(payload);
+    }
+}
+
+/// Builds a fixed-size header on the stack so it is appended with one copy.
+struct HeaderWriter<const N: usize> {
+    buf: [u8; N],
+    at: usize,
+}
+
+impl<const N: usize> HeaderWriter<N> {
+    fn new() -> Self {
+        HeaderWriter { buf: [0; N], at: 0 }
+    }
+
+    /// Writes `bytes` next; the callers' layouts fit `N` by construction (a write past
+    /// the end would be dropped, never a panic).
+    fn put(&mut self, bytes: &[u8]) {
+        let end = self.at + bytes.len();
+        if let Some(dst) = self.buf.get_mut(self.at..end) {
+            dst.copy_from_slice(bytes);
+        }
+        self.at = end;
     }
 }
 
@@ -212,14 +237,14 @@ fn encode_ack_like(
     flags: u8,
     out: &mut Vec<u8>,
 ) {
-    out.reserve(ACK_HEADER_LEN);
-    out.push(first_byte(kind));
-    out.push(flags);
-    out.extend_from_slice(&path.0.to_be_bytes());
-    out.extend_from_slice(&first.to_be_bytes());
-    out.extend_from_slice(&aack.to_be_bytes());
-    out.extend_from_slice(&ts.to_be_bytes());
-    out.extend_from_slice(&[0, 0, 0, 0]);
+    let mut w = HeaderWriter::<ACK_HEADER_LEN>::new();
+    w.put(&[first_byte(kind), flags]);
+    w.put(&path.0.to_be_bytes());
+    w.put(&first.to_be_bytes());
+    w.put(&aack.to_be_bytes());
+    w.put(&ts.to_be_bytes());
+    // Last 4 bytes: reserved, zero.
+    out.extend_from_slice(&w.buf);
 }
 
 fn ack_flags(ece: bool, sync: bool, retx: bool) -> u8 {
@@ -431,6 +456,47 @@ mod tests {
         encode_data(&h, b"hello", &mut out);
         assert_eq!(out.len(), DATA_HEADER_LEN + 5);
         assert_eq!(decode(&out).unwrap(), Frame::Data(h, b"hello"));
+    }
+
+    #[test]
+    fn wire_layout_is_stable() {
+        let h = DataHeader {
+            path: PathId(0x0102),
+            psn: 0x0304_0506,
+            msn: 0x0708_090a,
+            ipsn: 0x0b0c_0d0e,
+            timestamp: 0x1112_1314_1516_1718,
+            payload_len: 2,
+            synchronise: true,
+            retransmit: true,
+            tail: false,
+            is_virtual: false,
+        };
+        let mut out = Vec::new();
+        encode_data(&h, &[0xee, 0xff], &mut out);
+        assert_eq!(
+            out,
+            [
+                0x11, 0x03, 0x01, 0x02, 0x03, 0x04, 0x05, 0x06, 0x07, 0x08, 0x09, 0x0a, 0x0b, 0x0c,
+                0x0d, 0x0e, 0x11, 0x12, 0x13, 0x14, 0x15, 0x16, 0x17, 0x18, 0x00, 0x02, 0x00, 0x00,
+                0xee, 0xff
+            ]
+        );
+        out.clear();
+        let a = AckHeader {
+            path: PathId(5),
+            sack: 6,
+            aack: 7,
+            timestamp_echo: 8,
+            ece: true,
+            synchronise: false,
+            retransmit: true,
+        };
+        encode_ack(&a, &mut out);
+        assert_eq!(
+            out,
+            [0x12, 0x05, 0, 5, 0, 0, 0, 6, 0, 0, 0, 7, 0, 0, 0, 0, 0, 0, 0, 8, 0, 0, 0, 0]
+        );
     }
 
     #[test]

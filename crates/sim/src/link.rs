@@ -10,7 +10,7 @@ use std::collections::VecDeque;
 
 use rand::Rng;
 
-use crate::clock::serialisation_nanos;
+use crate::clock::{serialisation_nanos, Time};
 use crate::event_queue::{NodeId, PacketId};
 
 /// RED/ECN marking parameters, on the instantaneous queue length (DCQCN/DCTCP style).
@@ -101,8 +101,11 @@ pub struct Link {
     pub is_up: bool,
     /// Whether the transmitter is paused by PFC from downstream.
     pub is_paused: bool,
-    /// Whether a packet is being serialised now.
-    pub is_busy: bool,
+    /// The transmitter is serialising a packet until this time.
+    pub busy_until: Time,
+    /// Whether a `TxDone` event for `busy_until` is scheduled (the engine schedules one only
+    /// when something waits for the transmitter: a queued packet or a host NIC's pull).
+    pub has_tx_done_pending: bool,
     /// Queue capacity in bytes (tail drop above it).
     pub capacity_bytes: u64,
     /// RED/ECN marking at this queue, if any.
@@ -139,7 +142,8 @@ impl Link {
             loss: 0.0,
             is_up: true,
             is_paused: false,
-            is_busy: false,
+            busy_until: Time::ZERO,
+            has_tx_done_pending: false,
             capacity_bytes,
             red,
             queue: VecDeque::new(),
@@ -188,24 +192,26 @@ impl Link {
         Enqueue::Queued { marked }
     }
 
-    /// Whether the transmitter may start serialising a packet now.
-    pub fn can_start(&self) -> bool {
-        self.is_up && !self.is_busy && !self.is_paused
+    /// Whether the transmitter may start serialising a packet at `now`.
+    pub fn can_start(&self, now: Time) -> bool {
+        self.is_up && !self.is_paused && now >= self.busy_until
     }
 
-    /// Takes the next queued packet if the transmitter may start; marks the link busy.
-    pub fn start_next(&mut self) -> Option<(PacketId, u32)> {
-        if !self.can_start() {
+    /// Takes the next queued packet if the transmitter may start at `now`; the link is busy
+    /// until the returned serialisation time has passed.
+    pub fn start_next(&mut self, now: Time) -> Option<(PacketId, u32, u64)> {
+        if !self.can_start(now) {
             return None;
         }
         let (p, bytes) = self.queue.pop_front()?;
         self.queue_bytes -= u64::from(bytes);
-        self.is_busy = true;
-        Some((p, bytes))
+        let ser = self.serialisation_ns(bytes);
+        self.busy_until = now + ser;
+        Some((p, bytes, ser))
     }
 
-    /// Records a packet of `wire_bytes` put on the wire (the engine clears `is_busy` when its
-    /// serialisation ends); returns whether random loss destroys it.
+    /// Records a packet of `wire_bytes` put on the wire; returns whether random loss
+    /// destroys it.
     pub fn record_tx<R: Rng>(&mut self, wire_bytes: u32, rng: &mut R) -> bool {
         self.counters.tx_packets += 1;
         self.counters.tx_bytes += u64::from(wire_bytes);
@@ -320,7 +326,7 @@ mod tests {
         assert_eq!(l.counters.drops_overflow, 1);
         l.is_up = false;
         assert_eq!(l.enqueue(3, 1, false, &mut rng), Enqueue::Down);
-        assert!(l.start_next().is_none());
+        assert!(l.start_next(Time(0)).is_none());
         assert_eq!(l.drain_queue().count(), 2);
         assert_eq!(l.queue_bytes, 0);
     }
@@ -331,18 +337,18 @@ mod tests {
         let mut l = link(None);
         l.enqueue(10, 100, false, &mut rng);
         l.enqueue(11, 200, false, &mut rng);
-        assert_eq!(l.start_next(), Some((10, 100)));
+        // 100 bytes at 40 Gb/s = 20 ns.
+        assert_eq!(l.start_next(Time(0)), Some((10, 100, 20)));
         assert!(
-            l.start_next().is_none(),
+            l.start_next(Time(19)).is_none(),
             "busy link started a second packet"
         );
         assert!(!l.record_tx(100, &mut rng));
-        assert!(l.start_next().is_none(), "still serialising");
-        l.is_busy = false;
+        assert!(l.start_next(Time(10)).is_none(), "still serialising");
         l.is_paused = true;
-        assert!(l.start_next().is_none(), "paused link transmitted");
+        assert!(l.start_next(Time(20)).is_none(), "paused link transmitted");
         l.is_paused = false;
-        assert_eq!(l.start_next(), Some((11, 200)));
+        assert_eq!(l.start_next(Time(20)), Some((11, 200, 40)));
         assert_eq!(l.queue_bytes, 0);
         assert_eq!(l.counters.tx_bytes, 100);
     }

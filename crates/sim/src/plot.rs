@@ -238,7 +238,7 @@ pub fn plot_variants(
             s.points.sort_by(|a, b| a.0.total_cmp(&b.0));
         }
         LineChart {
-            title: metric.replace('_', " "),
+            title: format!("{}: {}", runs[0].scenario, metric.replace('_', " ")),
             x_label: x_label.into(),
             y_label: metric.into(),
             series,
@@ -247,6 +247,35 @@ pub fn plot_variants(
         }
         .render_svg(&dir.join("summary.svg"))?;
         written.push("summary.svg".into());
+    }
+    if runs.iter().any(|r| r.conns.len() >= 4) {
+        // Per-connection goodput, sorted: spread and fairness at a glance.
+        let series = runs
+            .iter()
+            .map(|r| {
+                let mut g: Vec<f64> = r.conns.iter().map(|c| c.goodput_gbps).collect();
+                g.sort_by(f64::total_cmp);
+                let n = g.len().max(1) as f64;
+                Series {
+                    name: r.name.clone(),
+                    points: g
+                        .into_iter()
+                        .enumerate()
+                        .map(|(i, v)| ((i + 1) as f64 / n, v))
+                        .collect(),
+                }
+            })
+            .collect();
+        LineChart {
+            title: "per-connection goodput (sorted)".into(),
+            x_label: "fraction of connections".into(),
+            y_label: "goodput (Gb/s)".into(),
+            series,
+            x_categories: None,
+            has_markers: false,
+        }
+        .render_svg(&dir.join("conn_goodput.svg"))?;
+        written.push("conn_goodput.svg".into());
     }
     if runs.iter().any(|r| r.summary.flows_completed > 0) {
         let cats: Vec<String> = runs[0]

@@ -171,6 +171,8 @@ pub struct Summary {
 /// Everything a run produced.
 #[derive(Clone, Debug, Serialize, PartialEq)]
 pub struct RunResult {
+    /// Scenario (file) name.
+    pub scenario: String,
     /// Variant name.
     pub name: String,
     /// Series label for summary plots.
@@ -199,6 +201,8 @@ pub struct RunResult {
 
 /// Inputs of [`assemble`].
 pub struct RunParts<'a> {
+    /// The scenario file's name.
+    pub scenario_file: &'a str,
     /// The scenario run.
     pub scenario: &'a Scenario,
     /// Per connection.
@@ -379,6 +383,7 @@ pub fn assemble(p: RunParts<'_>) -> RunResult {
         packet_pool_high_water: p.packet_pool_high_water,
     };
     RunResult {
+        scenario: p.scenario_file.to_string(),
         name: p.scenario.name.clone(),
         series: p.scenario.series.clone(),
         x: p.scenario.x,
@@ -444,7 +449,7 @@ impl RunResult {
             let _ = writeln!(
                 s,
                 "{},{},{:.4},{},{},{},{},{},{},{},{}",
-                l.name,
+                csv_field(&l.name),
                 l.gbps,
                 l.utilisation,
                 c.tx_packets,
@@ -509,6 +514,15 @@ impl RunResult {
     }
 }
 
+/// A CSV field: quoted when it holds a comma, quote or line break.
+fn csv_field(s: &str) -> String {
+    if s.contains([',', '"', '\n']) {
+        format!("\"{}\"", s.replace('"', "\"\""))
+    } else {
+        s.to_string()
+    }
+}
+
 /// Writes `summary.csv` (one row per variant) into `dir`.
 pub fn write_summary(dir: &Path, runs: &[RunResult]) -> io::Result<()> {
     std::fs::create_dir_all(dir)?;
@@ -520,8 +534,8 @@ pub fn write_summary(dir: &Path, runs: &[RunResult]) -> io::Result<()> {
         let _ = writeln!(
             s,
             "{},{},{},{:.4},{:.4},{:.4},{:.4},{:.4},{},{},{},{},{},{},{},{:.2},{:.2},{:.2},{:.4},{},{},{},{},{},{:.3},{:.0},{:.3},{:.0}",
-            r.name,
-            r.series,
+            csv_field(&r.name),
+            csv_field(&r.series),
             r.x,
             m.mean_goodput_gbps,
             m.total_goodput_gbps,
@@ -556,6 +570,13 @@ pub fn write_summary(dir: &Path, runs: &[RunResult]) -> io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn csv_fields_are_quoted_when_needed() {
+        assert_eq!(csv_field("mp"), "mp");
+        assert_eq!(csv_field("MP, iw 64"), "\"MP, iw 64\"");
+        assert_eq!(csv_field("a\"b"), "\"a\"\"b\"");
+    }
 
     #[test]
     fn percentiles_and_jain() {

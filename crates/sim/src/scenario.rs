@@ -38,9 +38,12 @@ pub enum ScenarioError {
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Scenario {
-    /// Scenario name (file stem by convention).
+    /// Run name: the variant's name, or the scenario's for a file without variants.
     #[serde(default)]
     pub name: String,
+    /// Name of the scenario (file) the run belongs to; set when the file is expanded.
+    #[serde(skip)]
+    pub scenario: String,
     /// What the scenario shows.
     #[serde(default)]
     pub description: String,
@@ -390,9 +393,15 @@ impl ScenarioFile {
             t.entry("name")
                 .or_insert_with(|| toml::Value::String(default_name.into()));
         }
+        let base_name = base
+            .get("name")
+            .and_then(|n| n.as_str())
+            .unwrap_or(default_name)
+            .to_string();
         let mut runs = Vec::new();
         if variants.is_empty() {
-            let s: Scenario = base.clone().try_into()?;
+            let mut s: Scenario = base.clone().try_into()?;
+            s.scenario = base_name.clone();
             s.validate()?;
             runs.push(s);
         }
@@ -405,7 +414,8 @@ impl ScenarioFile {
             }
             let mut merged = base.clone();
             merge(&mut merged, v);
-            let s: Scenario = merged.try_into()?;
+            let mut s: Scenario = merged.try_into()?;
+            s.scenario = base_name.clone();
             s.validate()?;
             runs.push(s);
         }

@@ -483,8 +483,16 @@ impl<T: Transport> Simulation<T> {
     fn dispatch(&mut self, ev: Event) {
         match ev {
             Event::TxDone { link } => {
-                self.topo.links[link as usize].is_busy = false;
-                self.resume_link(link);
+                let l = &mut self.topo.links[link as usize];
+                if self.now < l.busy_until {
+                    // Another packet started at the instant this one ended (an event at the
+                    // same time ran first): wake up again when that one is done.
+                    let at = l.busy_until;
+                    self.queue.push(at, Event::TxDone { link });
+                } else {
+                    l.has_tx_done_pending = false;
+                    self.resume_link(link);
+                }
             }
             Event::Arrive { link, packet } => self.arrive(link, packet),
             Event::MessageStart { conn } => self.message_start(conn),
@@ -517,14 +525,27 @@ impl<T: Transport> Simulation<T> {
     }
 
     fn try_start(&mut self, l: LinkId) {
+        let now = self.now;
+        let is_host_nic = self.topo.links[l as usize].from < self.topo.num_hosts;
         let link = &mut self.topo.links[l as usize];
-        let Some((p, bytes)) = link.start_next() else {
+        let Some((p, bytes, ser)) = link.start_next(now) else {
+            // Still serialising: come back when the wire is free if a packet waits.
+            if link.is_up && !link.is_paused && !link.queue.is_empty() && !link.has_tx_done_pending
+            {
+                link.has_tx_done_pending = true;
+                let at = link.busy_until;
+                self.queue.push(at, Event::TxDone { link: l });
+            }
             return;
         };
-        let ser = link.serialisation_ns(bytes);
         let prop = link.propagation_ns;
         let lost = link.record_tx(bytes, &mut self.rng);
-        self.queue.push(self.now + ser, Event::TxDone { link: l });
+        // A switch port needs a wake-up only if packets wait behind this one; a host NIC
+        // always does, to pull the next packet from its transports.
+        if (is_host_nic || !link.queue.is_empty()) && !link.has_tx_done_pending {
+            link.has_tx_done_pending = true;
+            self.queue.push(now + ser, Event::TxDone { link: l });
+        }
         if let Some(in_link) = self.packets.get_mut(p).ingress.take() {
             let upstream = &mut self.topo.links[in_link as usize];
             if upstream.ingress_remove(self.pfc, bytes) {
@@ -622,7 +643,7 @@ impl<T: Transport> Simulation<T> {
     fn kick_host(&mut self, h: NodeId) {
         let uplink = self.hosts[h as usize].uplink;
         let link = &self.topo.links[uplink as usize];
-        if !link.can_start() {
+        if !link.can_start(self.now) {
             return;
         }
         if !link.queue.is_empty() {
@@ -893,6 +914,7 @@ impl<T: Transport> Simulation<T> {
             .collect();
         let events = self.queue.events_processed();
         results::assemble(results::RunParts {
+            scenario_file: &self.scenario.scenario,
             scenario: &self.scenario,
             conns,
             links,

@@ -87,7 +87,7 @@ pub trait Transport {
 
 const KIND_DATA: u8 = 0;
 const KIND_ACK: u8 = 1;
-const DATA_HEADER: usize = 1 + 8 + 8;
+const DATA_HEADER: usize = 1 + 8 + 8 + 8;
 
 /// A fixed-window, per-packet-acknowledged transport that sprays packets round-robin over
 /// `num_paths` paths. It has no loss recovery and no congestion control: it exists to test
@@ -108,8 +108,10 @@ pub struct FixedWindow {
     next_id: u64,
     // Receiver.
     received_bytes: u64,
+    /// Bytes received and length of each incomplete message, by id.
+    partial: std::collections::BTreeMap<u64, (u64, u64)>,
+    next_delivery: u64,
     pending_acks: std::collections::VecDeque<u64>,
-    recv_of_current: u64,
     events: std::collections::VecDeque<TransportEvent>,
 }
 
@@ -128,8 +130,9 @@ impl FixedWindow {
             acked_of_oldest: 0,
             next_id: 0,
             received_bytes: 0,
+            partial: Default::default(),
+            next_delivery: 0,
             pending_acks: Default::default(),
-            recv_of_current: 0,
             events: Default::default(),
         }
     }
@@ -155,13 +158,22 @@ impl Transport for FixedWindow {
                 let seg = u64::from_le_bytes(f);
                 f.copy_from_slice(&bytes[9..17]);
                 let msg_len = u64::from_le_bytes(f);
+                f.copy_from_slice(&bytes[17..25]);
+                let msg_id = u64::from_le_bytes(f);
                 self.pending_acks.push_back(seg);
                 self.received_bytes += seg;
-                self.recv_of_current += seg;
-                if self.recv_of_current >= msg_len {
-                    self.recv_of_current = 0;
-                    self.events
-                        .push_back(TransportEvent::Delivered { len: msg_len });
+                if msg_id >= self.next_delivery {
+                    let e = self.partial.entry(msg_id).or_insert((0, msg_len));
+                    e.0 += seg;
+                }
+                // Deliver complete messages in order.
+                while let Some(&(got, len)) = self.partial.get(&self.next_delivery) {
+                    if got < len {
+                        break;
+                    }
+                    self.partial.remove(&self.next_delivery);
+                    self.next_delivery += 1;
+                    self.events.push_back(TransportEvent::Delivered { len });
                 }
                 true
             }
@@ -191,6 +203,7 @@ impl Transport for FixedWindow {
             out.push(KIND_ACK);
             out.extend_from_slice(&seg.to_le_bytes());
             out.extend_from_slice(&0u64.to_le_bytes());
+            out.extend_from_slice(&0u64.to_le_bytes());
             self.next_path = (self.next_path + 1) % self.num_paths;
             return Some(TxInfo {
                 path,
@@ -202,7 +215,7 @@ impl Transport for FixedWindow {
         if self.in_flight >= self.window {
             return None;
         }
-        let &(_, len) = self.send_queue.front()?;
+        let &(id, len) = self.send_queue.front()?;
         let seg = (len - self.sent_of_head).min(u64::from(self.mss));
         self.sent_of_head += seg;
         if self.sent_of_head >= len {
@@ -213,6 +226,7 @@ impl Transport for FixedWindow {
         out.push(KIND_DATA);
         out.extend_from_slice(&seg.to_le_bytes());
         out.extend_from_slice(&len.to_le_bytes());
+        out.extend_from_slice(&id.to_le_bytes());
         self.next_path = (self.next_path + 1) % self.num_paths;
         Some(TxInfo {
             path,

@@ -147,15 +147,52 @@ fn failed_path_carries_nothing_and_is_used_again_after_recovery() {
 }
 
 /// The paper's behaviour: when one of four paths fails, traffic moves to the other three
-/// at once. The current core stalls instead until a retransmission timeout lands on a
-/// live path (see docs/MPRDMA.md, "Known core issues").
+/// at once (ACK clocking stops using the dead path; its losses are recovered once).
 #[test]
-#[ignore = "fabriq-mpath stalls after losing a quarter of its window to a failed path"]
 fn traffic_moves_to_the_live_paths_within_a_millisecond_of_a_failure() {
     let r = failure_run(1.0, 4.0, 4.0);
     let (_, total) = window_gbps(&r, 2.0, 4.0);
     assert!(
         total > 25.0,
         "live paths carry {total} Gb/s after the failure"
+    );
+}
+
+#[test]
+fn incast_senders_share_the_receiver_fairly() {
+    let toml = r#"
+        duration_ms = 3.0
+        warmup_ms = 1.0
+        [topology]
+        spines = 2
+        leaves = 2
+        hosts_per_leaf = 4
+        host_link_gbps = 40
+        fabric_link_gbps = 40
+        link_delay_ns = 1000
+        [switch]
+        ecn = { kmin_kb = 40, kmax_kb = 200, pmax = 0.2 }
+        [transport]
+        num_paths = 64
+        [traffic]
+        kind = "incast"
+        receiver = 0
+        senders = 6
+    "#;
+    let r = run_scenario(&Scenario::from_toml(toml).expect("valid"), &mut |_| {});
+    let line = 40.0 * 1024.0 / (1024.0 + 28.0 + 66.0);
+    assert!(
+        r.summary.total_goodput_gbps > 0.9 * line,
+        "{}",
+        r.summary.total_goodput_gbps
+    );
+    assert!(
+        r.summary.jain_index > 0.9,
+        "Jain index {}",
+        r.summary.jain_index
+    );
+    assert!(
+        r.summary.ecn_marks > 0,
+        "the receiver's port is the bottleneck and marks"
     );
 }

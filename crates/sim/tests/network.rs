@@ -40,9 +40,10 @@ fn window_of_one_packet_runs_at_one_packet_per_rtt() {
     let r = run(&format!(
         "{PARALLEL_4}\n[transport]\nkind = \"fixed_window\"\nwindow = 1\nmss = 1024\n"
     ));
-    // Data frame: 17 header + 1024 payload + 66 framing = 1107 bytes -> 222 ns at 40 Gb/s;
-    // ACK: 17 + 66 = 83 bytes -> 17 ns. Four hops each way, 1 us propagation per hop.
-    let rtt_ns = 4.0 * (222.0 + 1000.0) + 4.0 * (17.0 + 1000.0);
+    // Data frame: 25 header + 1024 payload + 66 framing = 1115 bytes -> 223 ns at 40 Gb/s;
+    // ACK: 25 + 66 = 91 bytes -> 19 ns (rounded up). Four hops each way, 1 us propagation
+    // per hop.
+    let rtt_ns = 4.0 * (223.0 + 1000.0) + 4.0 * (19.0 + 1000.0);
     let expected_gbps = 1024.0 * 8.0 / rtt_ns;
     let got = r.conns[0].goodput_gbps;
     assert!(
@@ -56,8 +57,8 @@ fn large_window_fills_the_host_link_and_ecmp_spreads_paths() {
     let r = run(&format!(
         "{PARALLEL_4}\n[transport]\nkind = \"fixed_window\"\nwindow = 64\nmss = 1024\nnum_paths = 64\n"
     ));
-    // Line rate times payload efficiency 1024/1107.
-    let line = 40.0 * 1024.0 / 1107.0;
+    // Line rate times payload efficiency 1024/1115.
+    let line = 40.0 * 1024.0 / 1115.0;
     let got = r.conns[0].goodput_gbps;
     assert!(
         got > 0.97 * line && got <= line * 1.001,
@@ -185,4 +186,47 @@ fn every_shipped_scenario_parses_and_validates() {
         }
     }
     assert!(n >= 6, "found {n} scenarios");
+}
+
+#[test]
+fn workload_flows_complete_no_faster_than_the_wire_allows() {
+    let r = run(r#"
+        duration_ms = 3.0
+        [topology]
+        spines = 2
+        leaves = 2
+        hosts_per_leaf = 4
+        host_link_gbps = 40
+        fabric_link_gbps = 40
+        link_delay_ns = 1000
+        [transport]
+        kind = "fixed_window"
+        window = 64
+        num_paths = 8
+        [traffic]
+        kind = "workload"
+        connections = 6
+        load = 0.3
+        stop_ms = 2.0
+    "#);
+    assert!(
+        r.summary.flows_completed >= 5,
+        "{} flows",
+        r.summary.flows_completed
+    );
+    assert_eq!(r.summary.drops_overflow, 0);
+    for f in &r.fcts {
+        // Payload at 40 Gb/s plus one-way propagation over at least 2 hops of 1 us (hosts
+        // under the same leaf).
+        let floor_ns = f.size as f64 * 8.0 / 40.0 + 2_000.0;
+        assert!(
+            f.fct_ns as f64 >= floor_ns,
+            "flow of {} B in {} ns",
+            f.size,
+            f.fct_ns
+        );
+    }
+    let bucketed: usize = r.fct_buckets.iter().map(|b| b.count).sum();
+    assert_eq!(bucketed, r.fcts.len());
+    assert!(r.summary.fct_p99_us >= r.summary.fct_p50_us);
 }

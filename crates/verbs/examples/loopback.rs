@@ -26,7 +26,11 @@ fn wait(cq: &CompletionQueue, what: &str) -> Result<WorkCompletion, String> {
 fn run(dev: &str) -> Result<(), String> {
     let e = |e: VerbsError| e.to_string();
     let ctx = Context::open(dev).map_err(e)?;
-    println!("device {} ({:?})", ctx.device().name, ctx.device().transport);
+    println!(
+        "device {} ({:?})",
+        ctx.device().name,
+        ctx.device().transport
+    );
     println!("port {:?}", ctx.query_port(1).map_err(e)?);
     let pd = ctx.alloc_pd().map_err(e)?;
     let cq_a = ctx.create_cq(64).map_err(e)?;
@@ -44,8 +48,12 @@ fn run(dev: &str) -> Result<(), String> {
     qb.post_recv(&[RecvWr::new(7, &[mb.sge(0, 64).map_err(e)?])])
         .map_err(|x| x.to_string())?;
     ma.write_at(0, b"hello rdma").map_err(e)?;
-    qa.post_send(&[SendWr::new(1, &[ma.sge(0, 10).map_err(e)?], WrOpcode::SendWithImm { imm: 42 })])
-        .map_err(|x| x.to_string())?;
+    qa.post_send(&[SendWr::new(
+        1,
+        &[ma.sge(0, 10).map_err(e)?],
+        WrOpcode::SendWithImm { imm: 42 },
+    )])
+    .map_err(|x| x.to_string())?;
     wait(&cq_a, "send")?;
     let r = wait(&cq_b, "recv")?;
     let mut buf = [0u8; 10];
@@ -56,8 +64,14 @@ fn run(dev: &str) -> Result<(), String> {
     println!("SEND_WITH_IMM ok");
 
     ma.write_at(100, b"written").map_err(e)?;
-    qa.post_send(&[SendWr::new(2, &[ma.sge(100, 7).map_err(e)?], WrOpcode::Write { remote: mb.remote(200) })])
-        .map_err(|x| x.to_string())?;
+    qa.post_send(&[SendWr::new(
+        2,
+        &[ma.sge(100, 7).map_err(e)?],
+        WrOpcode::Write {
+            remote: mb.remote(200),
+        },
+    )])
+    .map_err(|x| x.to_string())?;
     wait(&cq_a, "write")?;
     let mut w = [0u8; 7];
     mb.read_at(200, &mut w).map_err(e)?;
@@ -66,8 +80,14 @@ fn run(dev: &str) -> Result<(), String> {
     }
     println!("WRITE ok");
 
-    qa.post_send(&[SendWr::new(3, &[ma.sge(300, 7).map_err(e)?], WrOpcode::Read { remote: mb.remote(200) })])
-        .map_err(|x| x.to_string())?;
+    qa.post_send(&[SendWr::new(
+        3,
+        &[ma.sge(300, 7).map_err(e)?],
+        WrOpcode::Read {
+            remote: mb.remote(200),
+        },
+    )])
+    .map_err(|x| x.to_string())?;
     wait(&cq_a, "read")?;
     ma.read_at(300, &mut w).map_err(e)?;
     if &w != b"written" {
@@ -75,27 +95,64 @@ fn run(dev: &str) -> Result<(), String> {
     }
     println!("READ ok");
 
-    mb.atomic_u64(512).map_err(e)?.store(5, std::sync::atomic::Ordering::SeqCst);
-    qa.post_send(&[SendWr::new(4, &[ma.sge(520, 8).map_err(e)?], WrOpcode::AtomicFetchAdd { remote: mb.remote(512), add: 3 })])
-        .map_err(|x| x.to_string())?;
+    mb.atomic_u64(512)
+        .map_err(e)?
+        .store(5, std::sync::atomic::Ordering::SeqCst);
+    qa.post_send(&[SendWr::new(
+        4,
+        &[ma.sge(520, 8).map_err(e)?],
+        WrOpcode::AtomicFetchAdd {
+            remote: mb.remote(512),
+            add: 3,
+        },
+    )])
+    .map_err(|x| x.to_string())?;
     wait(&cq_a, "faa")?;
-    qa.post_send(&[SendWr::new(5, &[ma.sge(528, 8).map_err(e)?], WrOpcode::AtomicCmpSwp { remote: mb.remote(512), compare: 8, swap: 100 })])
-        .map_err(|x| x.to_string())?;
+    qa.post_send(&[SendWr::new(
+        5,
+        &[ma.sge(528, 8).map_err(e)?],
+        WrOpcode::AtomicCmpSwp {
+            remote: mb.remote(512),
+            compare: 8,
+            swap: 100,
+        },
+    )])
+    .map_err(|x| x.to_string())?;
     wait(&cq_a, "cas")?;
-    let v = mb.atomic_u64(512).map_err(e)?.load(std::sync::atomic::Ordering::SeqCst);
-    let old_faa = ma.atomic_u64(520).map_err(e)?.load(std::sync::atomic::Ordering::SeqCst);
-    let old_cas = ma.atomic_u64(528).map_err(e)?.load(std::sync::atomic::Ordering::SeqCst);
+    let v = mb
+        .atomic_u64(512)
+        .map_err(e)?
+        .load(std::sync::atomic::Ordering::SeqCst);
+    let old_faa = ma
+        .atomic_u64(520)
+        .map_err(e)?
+        .load(std::sync::atomic::Ordering::SeqCst);
+    let old_cas = ma
+        .atomic_u64(528)
+        .map_err(e)?
+        .load(std::sync::atomic::Ordering::SeqCst);
     if v != 100 || old_faa != 5 || old_cas != 8 {
-        return Err(format!("atomics mismatch: word {v}, faa old {old_faa}, cas old {old_cas}"));
+        return Err(format!(
+            "atomics mismatch: word {v}, faa old {old_faa}, cas old {old_cas}"
+        ));
     }
     println!("ATOMICS ok");
 
     // Wrong rkey → remote access error, memory untouched.
-    let bad = RemoteAddr { addr: mb.addr() + 200, rkey: Rkey(mb.rkey().0 ^ 0x5a5a_0000) };
-    qa.post_send(&[SendWr::new(6, &[ma.sge(0, 7).map_err(e)?], WrOpcode::Write { remote: bad })])
-        .map_err(|x| x.to_string())?;
+    let bad = RemoteAddr {
+        addr: mb.addr() + 200,
+        rkey: Rkey(mb.rkey().0 ^ 0x5a5a_0000),
+    };
+    qa.post_send(&[SendWr::new(
+        6,
+        &[ma.sge(0, 7).map_err(e)?],
+        WrOpcode::Write { remote: bad },
+    )])
+    .map_err(|x| x.to_string())?;
     let mut wc = [WorkCompletion::default(); 1];
-    let n = cq_a.poll_blocking(&mut wc, Duration::from_secs(10)).map_err(e)?;
+    let n = cq_a
+        .poll_blocking(&mut wc, Duration::from_secs(10))
+        .map_err(e)?;
     println!("bad rkey → {:?} (n={n})", wc[0].status);
     if n == 0 || wc[0].status != WcStatus::RemoteAccess {
         return Err("bad rkey did not give RemoteAccess".into());
@@ -110,7 +167,10 @@ fn run(dev: &str) -> Result<(), String> {
 
 fn main() {
     let dev = std::env::args().nth(1).unwrap_or_else(|| "shm0".into());
-    println!("devices: {:?}", devices().map(|d| d.into_iter().map(|d| d.name).collect::<Vec<_>>()));
+    println!(
+        "devices: {:?}",
+        devices().map(|d| d.into_iter().map(|d| d.name).collect::<Vec<_>>())
+    );
     match run(&dev) {
         Ok(()) => println!("loopback on {dev}: all ok"),
         Err(e) => {

@@ -13,7 +13,7 @@
 use std::sync::atomic::AtomicU64;
 
 use crate::provider::MrOps;
-use crate::{Result, RemoteAddr, Sge, VerbsError};
+use crate::{RemoteAddr, Result, Sge, VerbsError};
 
 bitflags::bitflags! {
     /// Access rights of a memory region or QP (`IBV_ACCESS_*`).
@@ -48,11 +48,15 @@ impl AccessFlags {
 }
 
 /// Local key of a memory region: names it in local SGEs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
+)]
 pub struct Lkey(pub u32);
 
 /// Remote key of a memory region: names it in a peer's one-sided operations.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
+)]
 pub struct Rkey(pub u32);
 
 /// The identity and bounds of a registered region, as the provider's MR table keeps it.

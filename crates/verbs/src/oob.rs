@@ -83,7 +83,8 @@ pub fn connect_exchange(
         if std::time::Instant::now() >= deadline {
             return Err(VerbsError::Connect(format!(
                 "endpoint exchange with {addrs:?}: {}",
-                last.map(|e| e.to_string()).unwrap_or_else(|| "no address".into())
+                last.map(|e| e.to_string())
+                    .unwrap_or_else(|| "no address".into())
             )));
         }
         std::thread::sleep(Duration::from_millis(20));

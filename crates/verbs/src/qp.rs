@@ -13,12 +13,13 @@ use std::time::Duration;
 
 use crate::provider::QpOps;
 use crate::{
-    AccessFlags, CompletionQueue, PostError, RecvWr, Result, SendWr, SharedReceiveQueue,
-    VerbsError,
+    AccessFlags, CompletionQueue, PostError, RecvWr, Result, SendWr, SharedReceiveQueue, VerbsError,
 };
 
 /// A queue pair number.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
+)]
 pub struct QpNum(pub u32);
 
 /// QP states (`ibv_qp_state`).

@@ -31,6 +31,7 @@ macro_rules! commands {
 }
 
 commands! {
+    demo => Demo,
     info => Info,
     perf => Perf,
 }

@@ -8,8 +8,8 @@
 //! each completion to the driver of the QP it names.
 
 use fabriq_verbs::{
-    AccessFlags, MemoryRegion, ProtectionDomain, QueuePair, RecvWr, RemoteAddr, SendFlags,
-    SendWr, Sge, WorkCompletion, WrOpcode,
+    AccessFlags, MemoryRegion, ProtectionDomain, QueuePair, RecvWr, RemoteAddr, SendFlags, SendWr,
+    Sge, WorkCompletion, WrOpcode,
 };
 
 use super::proto::{
@@ -18,7 +18,7 @@ use super::proto::{
 };
 use super::wire::MAX_HEAD_LEN;
 use super::ChannelError;
-use crate::mempool::{MemPool, PoolBuf};
+use crate::mempool::{MemPool, PoolBuf, PoolError};
 
 /// Bytes per send-header slot.
 const TX_SLOT: usize = 64;
@@ -49,6 +49,18 @@ impl InPayload for PoolBuf {
             length: len,
             lkey: self.lkey(),
         })
+    }
+}
+
+/// Where the driver takes buffers for rendezvous pulls.
+pub trait BufferSource {
+    /// A registered buffer of length `len`.
+    fn alloc_any(&mut self, len: usize) -> Result<PoolBuf, PoolError>;
+}
+
+impl BufferSource for MemPool {
+    fn alloc_any(&mut self, len: usize) -> Result<PoolBuf, PoolError> {
+        MemPool::alloc_any(self, len)
     }
 }
 
@@ -90,10 +102,7 @@ impl ChannelDriver {
             slot_size * config.rx_slots as usize,
             AccessFlags::LOCAL_WRITE,
         )?;
-        let tx_heads = pd.alloc_mr(
-            TX_SLOT * config.sq_depth as usize,
-            AccessFlags::LOCAL_WRITE,
-        )?;
+        let tx_heads = pd.alloc_mr(TX_SLOT * config.sq_depth as usize, AccessFlags::LOCAL_WRITE)?;
         let core = ChannelCore::new(config, peer)?;
         Ok(ChannelDriver {
             qp,
@@ -121,7 +130,12 @@ impl ChannelDriver {
     }
 
     /// Queue a payload.
-    pub fn send(&mut self, payload: PoolBuf, trace: TraceInfo) -> Result<u64, (ChannelError, PoolBuf)> {
+    #[allow(clippy::result_large_err)] // the payload is handed back, not boxed
+    pub fn send(
+        &mut self,
+        payload: PoolBuf,
+        trace: TraceInfo,
+    ) -> Result<u64, (ChannelError, PoolBuf)> {
         self.core.send(payload, trace).map(|id| id.0)
     }
 
@@ -149,7 +163,7 @@ impl ChannelDriver {
 
     /// Answer buffer requests from `pool`, then post every work request the core has. Returns
     /// how many work requests were posted. A post the QP refuses fails the channel.
-    pub fn pump(&mut self, now: Instant, pool: &mut MemPool) -> usize {
+    pub fn pump(&mut self, now: Instant, pool: &mut impl BufferSource) -> usize {
         while let Some(req) = self.core.poll_buffer_request() {
             let Ok(len) = usize::try_from(req.len) else {
                 self.core
@@ -218,8 +232,9 @@ impl ChannelDriver {
                     _ => std::slice::from_ref(&head_sge),
                 };
                 self.qp
-                    .post_send(&[SendWr::new(wr_id, list, WrOpcode::Send)
-                        .with_flags(SendFlags::SIGNALED)])
+                    .post_send(&[
+                        SendWr::new(wr_id, list, WrOpcode::Send).with_flags(SendFlags::SIGNALED)
+                    ])
                     .map_err(|e| ChannelError::Verbs(e.source))
             }
             WorkRequest::Read {

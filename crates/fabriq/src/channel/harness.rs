@@ -29,7 +29,9 @@ const ADDR_SHIFT: u32 = 40;
 pub enum Region {
     Bytes(Vec<u8>),
     /// Read-only source of `len` bytes whose content is position-dependent.
-    Pattern { len: u64 },
+    Pattern {
+        len: u64,
+    },
     /// Write-only destination that accepts only same-offset copies from a pattern.
     Sink {
         len: u64,
@@ -493,7 +495,8 @@ impl Pair {
                 let peer = 1 - side;
                 let len = u64::from(local.length);
                 let status = status.unwrap_or_else(|| {
-                    let Some(src_off) = self.sides[peer].mem.locate(remote.addr, remote.rkey.0, len)
+                    let Some(src_off) =
+                        self.sides[peer].mem.locate(remote.addr, remote.rkey.0, len)
                     else {
                         return WcStatus::RemoteAccess;
                     };
@@ -614,7 +617,11 @@ impl Pair {
                 }
             } else {
                 for s in 0..2 {
-                    if self.sides[s].core.poll_timeout().is_some_and(|t| t <= self.now) {
+                    if self.sides[s]
+                        .core
+                        .poll_timeout()
+                        .is_some_and(|t| t <= self.now)
+                    {
                         self.sides[s].core.handle_timeout(self.now);
                     }
                 }

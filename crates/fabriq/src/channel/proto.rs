@@ -628,7 +628,9 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
             return;
         };
         if let Incoming::Pulling {
-            rts, buf: slot @ None, ..
+            rts,
+            buf: slot @ None,
+            ..
         } = &mut a.state
         {
             if buf.len() >= rts.total_len {
@@ -858,7 +860,12 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
         }
     }
 
-    fn accept_seq(&mut self, wire_seq: u32, trace: TraceHeader, make: impl FnOnce() -> Incoming<I>) {
+    fn accept_seq(
+        &mut self,
+        wire_seq: u32,
+        trace: TraceHeader,
+        make: impl FnOnce() -> Incoming<I>,
+    ) {
         let seq = wire::expand_seq(wire_seq, self.last_arrived + 1);
         if seq <= self.last_arrived {
             // A replayed message we already have: drop it, return its slot at once.
@@ -973,10 +980,7 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
     fn schedule_pulls(&mut self) {
         let mut active = 0;
         for a in self.arrived.iter_mut() {
-            if let Incoming::Pulling {
-                rts, requested, ..
-            } = &mut a.state
-            {
+            if let Incoming::Pulling { rts, requested, .. } = &mut a.state {
                 if active >= self.config.max_pulls {
                     break;
                 }
@@ -1058,12 +1062,8 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
             if !self.may_send_frame(self.owed) {
                 break;
             }
-            let (kind, len, sge, remote) = (
-                q.kind,
-                q.payload.len(),
-                q.payload.sge(),
-                q.payload.remote(),
-            );
+            let (kind, len, sge, remote) =
+                (q.kind, q.payload.len(), q.payload.sge(), q.payload.remote());
             let Some(q) = self.queued.pop_front() else {
                 break;
             };
@@ -1119,9 +1119,8 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
             self.owed >= 2 && (peer_view <= 1 || self.owed >= self.config.rx_slots / 2);
         let unacked = self.delivered - self.ack_sent;
         let ack_every = u64::from((self.config.rx_slots / 4).max(1));
-        let ack_due = unacked > 0
-            && (unacked >= ack_every
-                || self.ack_deadline.is_some_and(|d| now >= d));
+        let ack_due =
+            unacked > 0 && (unacked >= ack_every || self.ack_deadline.is_some_and(|d| now >= d));
         if (credit_due || ack_due) && self.may_send_frame(self.owed) {
             self.stats.updates_sent += 1;
             let head = self.frame(

@@ -1,5 +1,6 @@
 //! Behaviour of the channel core, driven through the fake queue-pair harness in virtual time.
 //! Grouped by what the channel starts with: an open channel, a slow receiver, a failing QP.
+#![allow(clippy::needless_range_loop, clippy::field_reassign_with_default)]
 
 use fabriq_verbs::{RemoteAddr, Rkey, WcOpcode, WcStatus};
 use proptest::prelude::*;
@@ -79,7 +80,19 @@ mod open_channel {
         let cfg = ChannelConfig::default();
         let e = cfg.thresholds.eager_max as usize;
         let c = cfg.thresholds.chunk_size as usize;
-        let sizes = [0, 1, e - 1, e, e + 1, c - 1, c, c + 1, 4 * c, 4 * c + 1, 9 * c - 1];
+        let sizes = [
+            0,
+            1,
+            e - 1,
+            e,
+            e + 1,
+            c - 1,
+            c,
+            c + 1,
+            4 * c,
+            4 * c + 1,
+            9 * c - 1,
+        ];
         let mut p = Pair::symmetric(cfg);
         for (i, &n) in sizes.iter().enumerate() {
             p.send(0, data(n, i as u8)).expect("accepted");
@@ -108,10 +121,7 @@ mod open_channel {
             vec![(1, Got::Pattern(len)), (2, Got::Bytes(data(10, 3)))]
         );
         let chunk = u64::from(ChannelConfig::default().thresholds.chunk_size);
-        assert_eq!(
-            p.sides[1].core.stats().reads_posted,
-            len.div_ceil(chunk)
-        );
+        assert_eq!(p.sides[1].core.stats().reads_posted, len.div_ceil(chunk));
         assert_clean(&p);
     }
 
@@ -173,7 +183,10 @@ mod open_channel {
         for s in 0..2 {
             let r = &p.sides[1 - s].received;
             assert_eq!(r.len() as u64, n);
-            assert!(r.iter().enumerate().all(|(i, (seq, _))| *seq == i as u64 + 1));
+            assert!(r
+                .iter()
+                .enumerate()
+                .all(|(i, (seq, _))| *seq == i as u64 + 1));
             assert_eq!(p.sides[s].completed.len() as u64, n);
         }
         assert_clean(&p);
@@ -296,7 +309,11 @@ mod peer_input {
     #[test]
     fn gap_in_sequence_closes_the_channel() {
         let mut p = Pair::symmetric(ChannelConfig::default());
-        deliver_raw(&mut p, 1, &frame(MsgKind::Data, 5, FrameBody::Data(&[]), b"x"));
+        deliver_raw(
+            &mut p,
+            1,
+            &frame(MsgKind::Data, 5, FrameBody::Data(&[]), b"x"),
+        );
         p.drive();
         assert!(matches!(p.sides[1].errors[..], [ChannelError::Protocol(_)]));
         assert!(p.sides[1].core.is_failed());
@@ -366,10 +383,7 @@ mod failing_qp {
                 ..
             }]
         ));
-        assert!(matches!(
-            p.send(0, data(1, 0)),
-            Err(ChannelError::Closed)
-        ));
+        assert!(matches!(p.send(0, data(1, 0)), Err(ChannelError::Closed)));
     }
 
     #[test]

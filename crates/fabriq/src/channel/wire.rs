@@ -366,6 +366,7 @@ pub fn wire_seq(seq: u64) -> u32 {
 }
 
 #[cfg(test)]
+#[allow(clippy::indexing_slicing)]
 mod tests {
     use super::*;
     use proptest::prelude::*;

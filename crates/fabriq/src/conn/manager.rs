@@ -292,6 +292,10 @@ impl ConnManager {
     /// Listen for peers on `addr` (port 0: an ephemeral port, see [`Listener::local_addr`]).
     pub fn listen(&self, addr: impl ToSocketAddrs) -> Result<Listener, ConnError> {
         let tcp = TcpListener::bind(addr).map_err(|e| ConnError::io("bind listener", e))?;
+        // Non-blocking, so a connection that vanishes between poll and accept cannot block the
+        // accepting thread. Accepted streams are blocking (Linux does not inherit O_NONBLOCK).
+        tcp.set_nonblocking(true)
+            .map_err(|e| ConnError::io("listener non-blocking", e))?;
         let local = tcp
             .local_addr()
             .map_err(|e| ConnError::io("listener address", e))?;
@@ -829,6 +833,12 @@ impl Listener {
                 return Err(ConnError::Closed);
             }
             idle.append(&mut self.home.returned.lock());
+            let max_kept = self.mgr.inner.cfg.max_kept_streams;
+            if idle.len() > max_kept {
+                // Close the oldest; their clients reconnect transparently on next use.
+                let excess = idle.len() - max_kept;
+                idle.drain(..excess);
+            }
             let left = match deadline {
                 Some(d) => {
                     let left = d.saturating_duration_since(Instant::now());
@@ -865,7 +875,7 @@ impl Listener {
             }
             // A kept stream with a new hello (or closed by its peer).
             if let Some(i) = ready.iter().skip(2).position(|&r| r) {
-                let (mut stream, peer) = idle.swap_remove(i);
+                let (mut stream, peer) = idle.remove(i);
                 match self.read_hello(&mut stream, peer, true) {
                     Ok(Some(hello)) => return Ok(self.incoming(stream, peer, hello)),
                     Ok(None) => continue, // the peer let the stream go
@@ -875,9 +885,16 @@ impl Listener {
             if ready.first().copied().unwrap_or(false) {
                 let (mut stream, peer) = match self.tcp.accept() {
                     Ok(v) => v,
-                    Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                    Err(e)
+                        if matches!(e.kind(), ErrorKind::Interrupted | ErrorKind::WouldBlock) =>
+                    {
+                        continue
+                    }
                     Err(e) => return Err(ConnError::io("accept", e)),
                 };
+                stream
+                    .set_nonblocking(false)
+                    .map_err(|e| ConnError::io("accepted stream blocking", e))?;
                 stream.set_nodelay(true).ok();
                 return match self.read_hello(&mut stream, peer, false)? {
                     Some(hello) => Ok(self.incoming(stream, peer, hello)),

@@ -200,6 +200,9 @@ pub struct ConnConfig {
     pub reuse_control_streams: bool,
     /// Most idle control streams kept per peer address (client side). Default 4.
     pub max_idle_streams_per_peer: usize,
+    /// Most control streams a [`Listener`] keeps open for further handshakes (server side);
+    /// beyond it the oldest is closed. Default 1024.
+    pub max_kept_streams: usize,
     /// This side's worker id.
     pub worker_id: u32,
     /// The receive ring this side posts on each connection.
@@ -227,6 +230,7 @@ impl Default for ConnConfig {
             qp_cache_capacity: 64,
             reuse_control_streams: true,
             max_idle_streams_per_peer: 4,
+            max_kept_streams: 1024,
             worker_id: 0,
             ring: RingGeometry {
                 slots: 64,

@@ -640,3 +640,95 @@ fn configuration_is_checked() {
         ));
     }
 }
+
+#[test]
+fn an_incoming_peer_can_be_finished_by_another_workers_manager() {
+    // One listener (control thread) routes each hello to the worker it asks for.
+    let (w0, _) = manager(ConnConfig {
+        worker_id: 0,
+        ..ConnConfig::default()
+    });
+    let (w1, w1_counters) = manager(ConnConfig {
+        worker_id: 1,
+        ..ConnConfig::default()
+    });
+    let listener = w0.listen("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr();
+    let workers = [w0.clone(), w1.clone()];
+    let server = std::thread::spawn(move || {
+        let incoming = listener.next_incoming(Some(LONG)).unwrap();
+        let target = incoming.peer().target_worker.unwrap_or(0) as usize;
+        // Hand it to the worker's thread, which creates the QP on its own CQ and finishes.
+        let mgr = workers[target].clone();
+        std::thread::spawn(move || mgr.accept_incoming(incoming)?.finish())
+            .join()
+            .unwrap()
+    });
+    let (cli, _) = manager(ConnConfig::default());
+    let est = cli
+        .connect_pending(addr, Some(1), LONG)
+        .unwrap()
+        .finish()
+        .unwrap();
+    let srv_est = server.join().unwrap().unwrap();
+    assert_eq!(est.peer.worker_id, 1);
+    assert_eq!(srv_est.local.worker_id, 1);
+    assert_eq!(w1_counters.qps_created.load(Ordering::SeqCst), 1);
+    assert_eq!((w0.stats().accepts, w1.stats().accepts), (0, 1));
+}
+
+#[test]
+fn handles_cross_threads_where_the_design_says_so() {
+    fn send_sync<T: Send + Sync>() {}
+    fn send<T: Send>() {}
+    send_sync::<ConnManager>();
+    send_sync::<Listener>();
+    send_sync::<ListenerCloser>();
+    send_sync::<ConnPool<u32>>();
+    send_sync::<QpCache>();
+    send_sync::<ConnError>();
+    send::<PendingConn>();
+    send::<Incoming>();
+    send::<Established>();
+    send_sync::<crate::mempool::PoolBuf>();
+    send_sync::<crate::mempool::RegCache>();
+}
+
+#[test]
+fn tcp_connect_times_out_against_a_full_accept_queue() {
+    use rustix::net::{AddressFamily, SocketType};
+    let fd = rustix::net::socket(AddressFamily::INET, SocketType::STREAM, None).unwrap();
+    rustix::net::bind(&fd, &SocketAddr::from(([127, 0, 0, 1], 0))).unwrap();
+    rustix::net::listen(&fd, 0).unwrap();
+    let listener = TcpListener::from(fd);
+    let addr = listener.local_addr().unwrap();
+    // Fill the accept queue (never accepted) until the kernel drops further SYNs.
+    let mut fillers = Vec::new();
+    let mut saturated = false;
+    for _ in 0..16 {
+        match TcpStream::connect_timeout(&addr, Duration::from_millis(200)) {
+            Ok(s) => fillers.push(s),
+            Err(_) => {
+                saturated = true;
+                break;
+            }
+        }
+    }
+    if !saturated {
+        eprintln!("accept queue never filled on this kernel; nothing to check");
+        return;
+    }
+    let (cli, _) = manager(ConnConfig::default());
+    let err = cli.connect(addr, SHORT).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            ConnError::Timeout {
+                phase: "tcp connect",
+                ..
+            }
+        ),
+        "{err}"
+    );
+    drop((fillers, listener));
+}

@@ -411,3 +411,93 @@ fn pool_stats_include_the_registration_cache() {
     p.reg_cache().clear();
     drop(buf);
 }
+
+mod model {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Alloc(usize),
+        Free(usize),
+        FreeRemote(usize),
+        Reclaim,
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            5 => (0usize..=70_000).prop_map(Op::Alloc),
+            3 => any::<usize>().prop_map(Op::Free),
+            1 => any::<usize>().prop_map(Op::FreeRemote),
+            1 => Just(Op::Reclaim),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 16, ..ProptestConfig::default() })]
+
+        /// Live buffers never overlap, keep their contents, and the counters match a model.
+        #[test]
+        fn random_alloc_free_sequences_keep_the_pool_consistent(
+            ops in proptest::collection::vec(op(), 1..300)
+        ) {
+            let (mut p, counters) = pool_with(PoolConfig {
+                max_idle_bytes: SLAB,
+                ..PoolConfig::default()
+            });
+            let mut live: Vec<(PoolBuf, u8)> = Vec::new();
+            let mut tag = 0u8;
+            let mut remote = Vec::new();
+            for op in ops {
+                match op {
+                    Op::Alloc(len) => {
+                        let mut b = p.alloc_any(len).unwrap();
+                        tag = tag.wrapping_add(1);
+                        b.fill(tag);
+                        live.push((b, tag));
+                    }
+                    Op::Free(i) | Op::FreeRemote(i) if !live.is_empty() => {
+                        let (b, t) = live.swap_remove(i % live.len());
+                        prop_assert!(b.iter().all(|&x| x == t), "contents changed");
+                        if matches!(op, Op::FreeRemote(_)) {
+                            remote.push(b);
+                        }
+                    }
+                    Op::Reclaim => {
+                        std::thread::spawn({
+                            let bufs = std::mem::take(&mut remote);
+                            move || drop(bufs)
+                        })
+                        .join()
+                        .unwrap();
+                        p.reclaim();
+                        prop_assert!(p.stats().bytes_idle <= SLAB as u64);
+                    }
+                    _ => {}
+                }
+                let mut ranges: Vec<(u64, u64)> = live
+                    .iter()
+                    .map(|(b, _)| (b.addr(), b.addr() + b.capacity() as u64))
+                    .collect();
+                ranges.sort_unstable();
+                prop_assert!(ranges.windows(2).all(|w| w[0].1 <= w[1].0), "overlap");
+            }
+            drop(remote);
+            p.drain_returned();
+            let s = p.stats();
+            let in_use: u64 = live.iter().map(|(b, _)| b.capacity() as u64).sum();
+            prop_assert_eq!(s.bytes_in_use, in_use);
+            prop_assert_eq!(s.large_buffers, live.iter().filter(|(b, _)| b.is_large()).count() as u64);
+            prop_assert_eq!(
+                counters.live_bytes.load(Ordering::SeqCst),
+                s.bytes_registered,
+                "pool's count of registered bytes matches the provider's"
+            );
+            drop(live);
+            p.reclaim();
+            let s = p.stats();
+            prop_assert_eq!(s.bytes_in_use, 0);
+            prop_assert!(s.bytes_registered <= SLAB as u64);
+        }
+    }
+}

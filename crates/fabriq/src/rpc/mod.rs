@@ -101,7 +101,12 @@ impl Rpc {
 
     /// Call `method` and wait for the reply, at most `timeout`. Blocking: from async code use
     /// [`Rpc::call_async`].
-    pub fn call(&self, method: &str, request: &[u8], timeout: Duration) -> Result<Vec<u8>, RpcError> {
+    pub fn call(
+        &self,
+        method: &str,
+        request: &[u8],
+        timeout: Duration,
+    ) -> Result<Vec<u8>, RpcError> {
         let rx = self.submit(method, request, timeout)?;
         rx.blocking_recv().unwrap_or(Err(RpcError::PeerGone))
     }
@@ -140,7 +145,9 @@ impl Rpc {
 }
 
 /// Wrap a typed JSON handler as a byte handler.
-pub fn json_handler<Req, Resp, F>(f: F) -> impl Fn(&[u8]) -> Result<Vec<u8>, String> + Send + Sync + 'static
+pub fn json_handler<Req, Resp, F>(
+    f: F,
+) -> impl Fn(&[u8]) -> Result<Vec<u8>, String> + Send + Sync + 'static
 where
     Req: serde::de::DeserializeOwned,
     Resp: serde::Serialize,

@@ -16,6 +16,7 @@
 //! Not here: protocol decisions (`channel::proto`), connection set-up (`endpoint`), the
 //! application-facing handles (`handle`, `rpc`, `remote`).
 
+mod buffers;
 pub(crate) mod shared;
 
 use std::cmp::Reverse;
@@ -33,13 +34,14 @@ use parking_lot::RwLock;
 use rustix::event::epoll;
 use tokio::sync::oneshot;
 
-use crate::channel::driver::{ChannelDriver, CoreEvent};
+use crate::channel::driver::{BufferSource, ChannelDriver, CoreEvent};
 use crate::channel::proto::{Instant, Received, TraceInfo};
 use crate::channel::{ChannelError, TraceFlags};
 use crate::mempool::{MemPool, PoolBuf};
 use crate::message::{Message, Payload};
 use crate::rpc::wire as rpcwire;
 use crate::rpc::{Handler, RpcError};
+use buffers::Buffers;
 use shared::{ChannelShared, Failure, WorkerShared};
 
 /// RPC handlers shared by every worker of an endpoint, by method id.
@@ -48,10 +50,23 @@ pub(crate) type Handlers = RwLock<HashMap<u32, (String, Handler)>>;
 /// One-sided operations a worker posts for a [`crate::RemoteRegion`].
 #[derive(Debug)]
 pub(crate) enum OneSidedOp {
-    Write { remote: RemoteAddr, data: Vec<u8> },
-    Read { remote: RemoteAddr, len: u32 },
-    CompareSwap { remote: RemoteAddr, compare: u64, swap: u64 },
-    FetchAdd { remote: RemoteAddr, add: u64 },
+    Write {
+        remote: RemoteAddr,
+        data: Vec<u8>,
+    },
+    Read {
+        remote: RemoteAddr,
+        len: u32,
+    },
+    CompareSwap {
+        remote: RemoteAddr,
+        compare: u64,
+        swap: u64,
+    },
+    FetchAdd {
+        remote: RemoteAddr,
+        add: u64,
+    },
 }
 
 /// Reply of a one-sided operation: the bytes read, or the original 8-byte word of an atomic.
@@ -67,7 +82,6 @@ pub(crate) enum Command {
     },
     Released {
         chan: u32,
-        n: u64,
     },
     Call {
         chan: u32,
@@ -154,7 +168,7 @@ pub(crate) struct WorkerConfig {
 pub(crate) struct Worker {
     shared: Arc<WorkerShared>,
     cq: CompletionQueue,
-    pool: MemPool,
+    pool: Buffers,
     channels: HashMap<u32, ChanState>,
     dirty: Vec<u32>,
     timers: BinaryHeap<Reverse<(Instant, Timer)>>,
@@ -241,7 +255,7 @@ impl Worker {
         Ok(Worker {
             shared,
             cq,
-            pool,
+            pool: Buffers::new(pool),
             channels: HashMap::new(),
             dirty: Vec::new(),
             timers: BinaryHeap::new(),
@@ -403,8 +417,12 @@ impl Worker {
                 }
                 self.mark_dirty(chan);
             }
-            Command::Released { chan, n } => {
+            Command::Released { chan } => {
                 if let Some(st) = self.channels.get_mut(&chan) {
+                    let n = st
+                        .shared
+                        .released
+                        .swap(0, std::sync::atomic::Ordering::AcqRel);
                     st.driver.core_mut().handle_released(n);
                     self.mark_dirty(chan);
                 }
@@ -440,7 +458,8 @@ impl Worker {
                             },
                         ));
                         st.calls.insert(call_id, reply);
-                        self.timers.push(Reverse((deadline, Timer::Call(chan, call_id))));
+                        self.timers
+                            .push(Reverse((deadline, Timer::Call(chan, call_id))));
                     }
                     Err(e) => {
                         let _ = reply.send(Err(RpcError::Channel(ChannelError::Failed(format!(
@@ -614,20 +633,20 @@ impl Worker {
                         trace,
                         payload,
                     } => on_received(st, pool, handlers, seq, trace, payload),
-                    CoreEvent::SendComplete { .. } => st.shared.send_progress(1),
+                    CoreEvent::SendComplete { payload, .. } => {
+                        pool.recycle(payload);
+                        st.shared.send_progress(1);
+                    }
                     CoreEvent::Writable => st.shared.send_progress(0),
                     CoreEvent::Error(e) => {
                         let why = match &e {
-                            ChannelError::Completion { status, .. }
-                                if matches!(
-                                    status,
+                            ChannelError::Completion {
+                                status:
                                     fabriq_verbs::WcStatus::RetryExceeded
-                                        | fabriq_verbs::WcStatus::WrFlushed
-                                        | fabriq_verbs::WcStatus::RnrRetryExceeded
-                                ) =>
-                            {
-                                Failure::PeerGone
-                            }
+                                    | fabriq_verbs::WcStatus::WrFlushed
+                                    | fabriq_verbs::WcStatus::RnrRetryExceeded,
+                                ..
+                            } => Failure::PeerGone,
                             ChannelError::Closed => Failure::Closed,
                             other => Failure::Error(other.to_string()),
                         };
@@ -641,7 +660,7 @@ impl Worker {
         }
         // Arm the core's timer.
         if let Some(t) = st.driver.core().poll_timeout() {
-            if st.timer_at.is_none_or(|cur| t < cur) {
+            if st.timer_at.map_or(true, |cur| t < cur) {
                 st.timer_at = Some(t);
                 timers.push(Reverse((t, Timer::Channel(id))));
             }
@@ -724,7 +743,10 @@ impl Worker {
 }
 
 /// A pool buffer holding the concatenation of `parts`.
-fn alloc_filled(pool: &mut MemPool, parts: &[&[u8]]) -> Result<PoolBuf, crate::mempool::PoolError> {
+fn alloc_filled(
+    pool: &mut impl BufferSource,
+    parts: &[&[u8]],
+) -> Result<PoolBuf, crate::mempool::PoolError> {
     let len: usize = parts.iter().map(|p| p.len()).sum();
     let mut buf = pool.alloc_any(len.max(1))?;
     buf.set_len(len);
@@ -750,13 +772,17 @@ fn into_payload(payload: Received<PoolBuf>) -> Payload {
 
 fn on_received(
     st: &mut ChanState,
-    pool: &mut MemPool,
+    pool: &mut Buffers,
     handlers: &Handlers,
     seq: u64,
     trace: crate::channel::TraceHeader,
     payload: Received<PoolBuf>,
 ) {
     let payload = into_payload(payload);
+    let recycle = match &payload {
+        Payload::Pool(b) if b.is_large() => Some(Arc::clone(pool.returned())),
+        _ => None,
+    };
     let bytes: &[u8] = match &payload {
         Payload::Vec(v) => v,
         Payload::Pool(b) => b,
@@ -798,6 +824,9 @@ fn on_received(
             }
             Err(e) => tracing::warn!(%e, "no memory for an RPC reply"),
         }
+        if let (Payload::Pool(b), Some(_)) = (payload, recycle) {
+            pool.recycle(b);
+        }
     } else if trace.flags.contains(TraceFlags::RPC_RESPONSE) {
         st.driver.core_mut().handle_released(1);
         match rpcwire::decode_response(bytes) {
@@ -822,11 +851,12 @@ fn on_received(
             payload,
             trace,
             seq,
+            recycle,
         });
     }
 }
 
-fn post_one_sided(st: &mut ChanState, pool: &mut MemPool, next: &mut u64) -> usize {
+fn post_one_sided(st: &mut ChanState, pool: &mut Buffers, next: &mut u64) -> usize {
     let mut posted = 0;
     while (st.one_sided.len() as u32) < ONE_SIDED_DEPTH {
         let Some((op, reply)) = st.one_sided_queue.pop_front() else {
@@ -877,7 +907,8 @@ fn post_one_sided(st: &mut ChanState, pool: &mut MemPool, next: &mut u64) -> usi
             .post_send(&[SendWr::new(wr_id, list, opcode).with_flags(SendFlags::SIGNALED)])
         {
             Ok(()) => {
-                st.one_sided.insert(token, OneSidedPending { buf, op_len, reply });
+                st.one_sided
+                    .insert(token, OneSidedPending { buf, op_len, reply });
                 posted += 1;
             }
             Err(e) => {

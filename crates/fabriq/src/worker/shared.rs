@@ -16,6 +16,9 @@ use super::Command;
 use crate::channel::ChannelError;
 use crate::message::Message;
 
+/// How long a receiving thread polls its delivery queue before sleeping on the condvar.
+const RECV_SPIN: Duration = Duration::from_micros(20);
+
 /// The worker's side of the hand-off: inbox and wake-up.
 pub(crate) struct WorkerShared {
     pub(crate) id: usize,
@@ -123,6 +126,10 @@ pub(crate) struct ChannelShared {
     tx_cv: Condvar,
     pub(crate) tx_notify: tokio::sync::Notify,
     failed: AtomicBool,
+    /// Messages the application consumed whose credits the worker has not yet taken; a
+    /// `Released` command is sent only when this leaves zero, so a stream of receives costs
+    /// one inbox push per batch, not per message.
+    pub(crate) released: AtomicU64,
 }
 
 impl ChannelShared {
@@ -142,6 +149,7 @@ impl ChannelShared {
             tx_cv: Condvar::new(),
             tx_notify: tokio::sync::Notify::new(),
             failed: AtomicBool::new(false),
+            released: AtomicU64::new(0),
         }
     }
 
@@ -256,7 +264,22 @@ impl ChannelShared {
 
     /// Application: take a delivered message, waiting up to `timeout` (`None`: forever).
     pub(crate) fn take(&self, timeout: Option<Duration>) -> Result<Message, ChannelError> {
-        let deadline = timeout.map(|t| std::time::Instant::now() + t);
+        let start = std::time::Instant::now();
+        let deadline = timeout.map(|t| start + t);
+        // Spin briefly before sleeping: a reply usually arrives within microseconds, and a
+        // condvar wake-up costs more than that.
+        let mut spins = 0u32;
+        while start.elapsed() < RECV_SPIN {
+            if let Some(m) = self.try_take()? {
+                return Ok(m);
+            }
+            spins += 1;
+            if spins % 64 == 0 {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
+        }
         let mut rx = self.rx.lock();
         loop {
             if let Some(m) = rx.queue.pop_front() {

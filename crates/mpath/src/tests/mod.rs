@@ -5,4 +5,5 @@ mod pair;
 mod props;
 mod rules;
 mod scenarios;
+mod sim_issues;
 mod single_path;

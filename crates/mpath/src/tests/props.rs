@@ -79,8 +79,16 @@ fn base(mode: Mode, seed: u64) -> Config {
     }
 }
 
+/// 48 cases in CI; `PROPTEST_CASES=n` runs more.
+fn cases() -> u32 {
+    std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(48)
+}
+
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: cases(), ..ProptestConfig::default() })]
 
     /// Under random loss, reordering, duplication and ECN marks every message arrives
     /// exactly once, intact, in order, with its synchronise flag; every message is
@@ -287,4 +295,26 @@ fn transfer_crosses_the_psn_wrap() {
             "{mode:?}: PSNs wrapped"
         );
     }
+}
+
+#[test]
+fn same_inputs_and_seed_give_the_same_trace() {
+    let run = |seed: u64| {
+        let mut p = Pair::new(base(Mode::MultiPath, seed));
+        p.network(|n| {
+            n.loss = 0.02;
+            n.jitter = Duration::from_micros(4);
+            n.ecn = 0.05;
+            n.rate_bps = Some(40e9);
+        });
+        for i in 0..20u64 {
+            p.a.send(p.now, Payload::Virtual(5_000 * (i + 1)), i % 3 == 0)
+                .unwrap();
+        }
+        p.run(Duration::from_secs(10));
+        (p.log.clone(), p.a.stats().clone(), p.now)
+    };
+    let first = run(77);
+    assert_eq!(first, run(77));
+    assert_ne!(first.0, run(78).0, "the seed changes path choices");
 }

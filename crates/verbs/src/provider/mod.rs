@@ -79,8 +79,12 @@ pub trait PdOps: Send + Sync + 'static {
     ///
     /// # Safety
     /// As [`crate::ProtectionDomain::reg_mr`].
-    unsafe fn reg_mr(&self, addr: *mut u8, len: usize, access: AccessFlags)
-        -> Result<Box<dyn MrOps>>;
+    unsafe fn reg_mr(
+        &self,
+        addr: *mut u8,
+        len: usize,
+        access: AccessFlags,
+    ) -> Result<Box<dyn MrOps>>;
     /// Allocate and register provider memory (zeroed).
     fn alloc_mr(&self, len: usize, access: AccessFlags) -> Result<Box<dyn MrOps>>;
     /// Create an RC QP in RESET.

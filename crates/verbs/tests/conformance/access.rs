@@ -172,7 +172,10 @@ fn post_one(
         SendFlags::empty()
     };
     match node.qp.post_send(&[wr.with_flags(flags)]) {
-        Err(e) if case.post_refusal_ok && matches!(e.source, fabriq_verbs::VerbsError::InvalidArgument(_)) => {
+        Err(e)
+            if case.post_refusal_ok
+                && matches!(e.source, fabriq_verbs::VerbsError::InvalidArgument(_)) =>
+        {
             return Ok(Posted::RefusedLocally)
         }
         r => r?,

@@ -143,7 +143,9 @@ pub fn peer_destroyed_qp_makes_requests_fail<P: TestProvider>(env: &Env<P>) -> T
         SendWr::new(1, &s, WrOpcode::Write { remote: rmr.at(0) }),
         SendWr::new(2, &s, WrOpcode::Send),
     ])?;
-    let wcs = node.cq.wait(2)?;
+    // A hardware RC QP learns of a vanished peer only when its transport retries run out
+    // (timeout × retry_cnt, longer on an emulated soft-RoCE): wait generously.
+    let wcs = node.cq.wait_for(2, std::time::Duration::from_secs(120))?;
     if wcs.iter().any(|w| w.status == WcStatus::Success) || wcs[0].wr_id != 1 || wcs[1].wr_id != 2 {
         return Err(fail(format!(
             "requests to a destroyed QP must complete in error, in order: {wcs:?}"

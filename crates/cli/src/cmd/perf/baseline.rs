@@ -105,12 +105,24 @@ impl BaselineSocket {
 
     fn write_full(&mut self, buf: &[u8]) -> Result<()> {
         let mut sent = 0;
+        let mut spins = 0u32;
+        let mut since: Option<Instant> = None;
         while sent < buf.len() {
             match self.stream.write(&buf[sent..]) {
                 Ok(0) => return Err(PerfError::PeerClosed("during the TCP baseline")),
                 Ok(n) => sent += n,
-                Err(e) if matches!(e.kind(), ErrorKind::Interrupted | ErrorKind::WouldBlock) => {
-                    std::hint::spin_loop()
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                    // Socket buffer full: let the kernel (and the reader) run now and then.
+                    spins = spins.wrapping_add(1);
+                    if spins % 64 == 0 {
+                        let now = Instant::now();
+                        let start = *since.get_or_insert(now);
+                        if now.duration_since(start) > self.stall {
+                            return Err(PerfError::Stalled(self.stall, "writing the baseline"));
+                        }
+                        std::thread::yield_now();
+                    }
                 }
                 Err(e) => return Err(io("write")(e)),
             }

@@ -114,7 +114,8 @@ pub fn run(plan: &ClientPlan) -> Result<PerfReport> {
             bind_addr: None,
             options: options.clone(),
         };
-        Some(Context::open_with(&device, &config).verbs(format!("open device {device}"))?)
+        let opened = super::affinity::unpinned(|| Context::open_with(&device, &config));
+        Some(opened.verbs(format!("open device {device}"))?)
     };
     let (mut control, server_addr) = connect(&plan.server)?;
     control.send(&Msg::Hello {

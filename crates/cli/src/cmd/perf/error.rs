@@ -1,6 +1,7 @@
 //! Errors of `fabriq perf`: one enum for everything that can stop a run, so the user reads
 //! what went wrong (server unreachable, peer protocol error, failed completion, stall) instead
-//! of a panic.
+//! of a panic. Variants that wrap a cause print only their own context; the cause chain is
+//! printed by `main` (or joined by [`chain`] where the message leaves the process).
 
 use std::time::Duration;
 
@@ -14,7 +15,7 @@ pub type Result<T, E = PerfError> = std::result::Result<T, E>;
 #[non_exhaustive]
 pub enum PerfError {
     /// The control connection could not be opened.
-    #[error("cannot reach perf server at {addr}: {source}")]
+    #[error("cannot reach perf server at {addr}")]
     Unreachable {
         /// The address tried.
         addr: String,
@@ -31,7 +32,7 @@ pub enum PerfError {
         reason: String,
     },
     /// The control connection failed mid-run.
-    #[error("control connection: {context}: {source}")]
+    #[error("control connection: {context}")]
     Control {
         /// What was being done.
         context: &'static str,
@@ -49,7 +50,7 @@ pub enum PerfError {
     #[error("server: {0}")]
     Server(String),
     /// A verbs call failed.
-    #[error("{context}: {source}")]
+    #[error("{context}")]
     Verbs {
         /// What was being done.
         context: String,
@@ -71,6 +72,9 @@ pub enum PerfError {
         /// Provider detail.
         vendor_err: u32,
     },
+    /// The QP entered the error state (the peer died or the transport failed).
+    #[error("the queue pair went to the error state (peer gone or transport failure)")]
+    QpError,
     /// Nothing happened for too long: the peer stalled or died.
     #[error("no progress for {0:?} while {1}; is the peer alive?")]
     Stalled(Duration, &'static str),
@@ -89,7 +93,7 @@ pub enum PerfError {
     #[error("local server process: {0}")]
     LocalServer(String),
     /// A socket error on the plain TCP baseline's data connection.
-    #[error("tcp baseline: {context}: {source}")]
+    #[error("tcp baseline: {context}")]
     Baseline {
         /// What was being done.
         context: &'static str,
@@ -97,6 +101,18 @@ pub enum PerfError {
         #[source]
         source: std::io::Error,
     },
+}
+
+/// An error with its causes, `outer: inner: innermost` (for messages that leave the process).
+pub fn chain(err: &dyn std::error::Error) -> String {
+    let mut out = err.to_string();
+    let mut cur = err.source();
+    while let Some(e) = cur {
+        out.push_str(": ");
+        out.push_str(&e.to_string());
+        cur = e.source();
+    }
+    out
 }
 
 /// Attach a description to a verbs error.
@@ -120,5 +136,20 @@ impl<T> VerbsContext<T> for std::result::Result<T, PostError> {
             context: context.into(),
             source: e.source,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chain_joins_every_cause_once() {
+        let e = PerfError::Verbs {
+            context: "open device x".into(),
+            source: VerbsError::NoDevice("x".into()),
+        };
+        assert_eq!(e.to_string(), "open device x");
+        assert_eq!(chain(&e), "open device x: no RDMA device \"x\"");
     }
 }

@@ -14,7 +14,7 @@
 
 use std::time::Instant;
 
-use fabriq_verbs::{SendFlags, SendWr, WcOpcode, WrOpcode};
+use fabriq_verbs::{QpState, SendFlags, SendWr, WcOpcode, WrOpcode};
 use hdrhistogram::Histogram;
 
 use super::error::{PerfError, Result, VerbsContext};
@@ -109,6 +109,15 @@ fn wait_recv(
     }
     *pending_recv -= 1;
     Ok(slot)
+}
+
+/// A QP that went to ERROR (peer died, transport failure) ends the run; loops that wait on
+/// memory rather than completions call this now and then.
+fn check_qp(rig: &Rig) -> Result<()> {
+    match rig.qp.state() {
+        QpState::Error => Err(PerfError::QpError),
+        _ => Ok(()),
+    }
 }
 
 /// `send_lat`, either side. The client returns the histogram; the server returns an empty one.
@@ -212,6 +221,7 @@ pub fn write_lat(
             }
             if spins % 4096 == 0 {
                 poller.check_stall(&mut since, "waiting for the peer's write")?;
+                check_qp(rig)?;
                 std::thread::yield_now();
             } else {
                 std::hint::spin_loop();
@@ -322,6 +332,7 @@ pub fn serve_passive(rig: &Rig, mode: Mode, control: &mut Control) -> Result<()>
         poller.poll(|_| {})?;
         spins = spins.wrapping_add(1);
         if spins % 1024 == 0 {
+            check_qp(rig)?;
             match control.try_recv()? {
                 Some(Msg::End) => return Ok(()),
                 Some(other) => return Err(other.unexpected("end")),

@@ -263,6 +263,7 @@ pub struct Args {
 
 /// Entry point of `fabriq perf`.
 pub fn run(args: Args) -> anyhow::Result<()> {
+    affinity::capture_original();
     if args.server {
         let opts = server::ServerOpts {
             bind: args.bind.clone(),

@@ -8,7 +8,7 @@ use std::net::{SocketAddr, TcpListener};
 use fabriq_verbs::{Context, DeviceConfig};
 
 use super::baseline::{self, BaselineSocket};
-use super::error::{PerfError, Result, VerbsContext};
+use super::error::{chain, PerfError, Result, VerbsContext};
 use super::lat;
 use super::proto::{Control, Msg, RunParams, ServerReport, PROTOCOL_VERSION};
 use super::report::Progress;
@@ -53,11 +53,12 @@ pub fn serve(opts: &ServerOpts) -> Result<()> {
         let outcome = session(&mut control, opts);
         if let Err(e) = &outcome {
             // Tell the client when we still can; it may already be gone.
+            let message = chain(e);
             let _ = control.send(&Msg::Error {
-                message: e.to_string(),
+                message: message.clone(),
             });
             if !opts.once {
-                eprintln!("fabriq perf server: session from {peer} failed: {e}");
+                eprintln!("fabriq perf server: session from {peer} failed: {message}");
             }
         }
         if opts.once {
@@ -91,7 +92,8 @@ fn session(control: &mut Control, opts: &ServerOpts) -> Result<()> {
             bind_addr: None,
             options,
         };
-        let c = Context::open_with(&device, &config).verbs(format!("open device {device}"))?;
+        let c = affinity::unpinned(|| Context::open_with(&device, &config))
+            .verbs(format!("open device {device}"))?;
         let p = c.device().provider.clone();
         ctx = Some(c);
         p

@@ -424,10 +424,7 @@ static VERBS: OnceLock<Result<Verbs, String>> = OnceLock::new();
 
 /// The library, loaded once; `Err` says why it is unavailable.
 pub fn verbs() -> Result<&'static Verbs, &'static str> {
-    VERBS
-        .get_or_init(load)
-        .as_ref()
-        .map_err(|e| e.as_str())
+    VERBS.get_or_init(load).as_ref().map_err(|e| e.as_str())
 }
 
 fn load() -> Result<Verbs, String> {

@@ -30,10 +30,10 @@ use std::time::Duration;
 use self::ffi::*;
 use crate::provider::{ContextOps, CqOps, MrOps, PdOps, Provider, QpOps, SrqOps};
 use crate::{
-    AccessFlags, AtomicCap, Capabilities, DeviceAttr, DeviceConfig, DeviceInfo, MrInfo,
-    PortAttr, PortState, PostError, QpAttr, QpCaps, QpEndpoint, QpInfo, QpInitAttr, QpNum,
-    QpState, RecvWr, Result, SendFlags, SendWr, SrqInitAttr, Transport, VerbsError, WcOpcode,
-    WcStatus, WorkCompletion, WrOpcode,
+    AccessFlags, AtomicCap, Capabilities, DeviceAttr, DeviceConfig, DeviceInfo, MrInfo, PortAttr,
+    PortState, PostError, QpAttr, QpCaps, QpEndpoint, QpInfo, QpInitAttr, QpNum, QpState, RecvWr,
+    Result, SendFlags, SendWr, SrqInitAttr, Transport, VerbsError, WcOpcode, WcStatus,
+    WorkCompletion, WrOpcode,
 };
 
 const PROVIDER: &str = "rdma-core";
@@ -196,6 +196,7 @@ struct Shadow {
 
 #[derive(Clone, Copy)]
 struct SqShadow {
+    wr_id: u64,
     opcode: WcOpcode,
     signaled: bool,
 }
@@ -213,12 +214,25 @@ impl Shadow {
             // trusted; a flushed receive names the oldest posted receive.
             let rq = self.rq.lock().unwrap_or_else(|e| e.into_inner());
             let sq = self.sq.lock().unwrap_or_else(|e| e.into_inner());
-            rq.front() == Some(&wc.wr_id) && (sq.is_empty() || device_says_recv)
-                || sq.is_empty() && !rq.is_empty()
+            let rq_match = rq.front() == Some(&wc.wr_id);
+            let sq_match = sq.front().map(|e| e.wr_id) == Some(wc.wr_id);
+            match (rq_match, sq_match) {
+                (true, false) => true,
+                (false, true) => false,
+                (true, true) => device_says_recv,
+                (false, false) => sq.is_empty() && !rq.is_empty(),
+            }
         };
         if is_recv {
-            self.rq.lock().unwrap_or_else(|e| e.into_inner()).pop_front();
-            return if wc.status == 0 { device_opcode } else { WcOpcode::Recv };
+            self.rq
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .pop_front();
+            return if wc.status == 0 {
+                device_opcode
+            } else {
+                WcOpcode::Recv
+            };
         }
         let mut sq = self.sq.lock().unwrap_or_else(|e| e.into_inner());
         if wc.status != 0 {
@@ -591,9 +605,11 @@ impl ContextOps for Ctx {
             .unwrap_or_else(|e| e.into_inner())
             .insert(raw as usize, overflowed.clone());
         // SAFETY: live context; ops are filled by the driver at open time.
-        let (poll_fn, notify_fn) = unsafe { ((*self.raw).ops.poll_cq, (*self.raw).ops.req_notify_cq) };
+        let (poll_fn, notify_fn) =
+            unsafe { ((*self.raw).ops.poll_cq, (*self.raw).ops.req_notify_cq) };
         let poll_fn = poll_fn.ok_or_else(|| VerbsError::unsupported(PROVIDER, "poll_cq"))?;
-        let notify_fn = notify_fn.ok_or_else(|| VerbsError::unsupported(PROVIDER, "req_notify_cq"))?;
+        let notify_fn =
+            notify_fn.ok_or_else(|| VerbsError::unsupported(PROVIDER, "req_notify_cq"))?;
         // SAFETY: live CQ.
         let capacity = unsafe { (*raw).cqe }.max(0) as u32;
         Ok(Arc::new(Cq {
@@ -613,7 +629,6 @@ impl ContextOps for Ctx {
         self
     }
 }
-
 
 struct PdInner {
     ctx: Arc<CtxInner>,
@@ -641,7 +656,6 @@ impl Drop for PdInner {
         unsafe { (self.ctx.v.dealloc_pd)(self.raw) };
     }
 }
-
 
 struct Mr {
     pd: Arc<PdInner>,
@@ -685,7 +699,8 @@ impl Pd {
         owned: Option<(usize, usize)>,
     ) -> Result<Box<dyn MrOps>> {
         // SAFETY: live PD; the caller guarantees the memory (see PdOps::reg_mr).
-        let raw = unsafe { (self.ctx.v.reg_mr)(self.raw, addr.cast(), len, access.bits() as c_int) };
+        let raw =
+            unsafe { (self.ctx.v.reg_mr)(self.raw, addr.cast(), len, access.bits() as c_int) };
         if raw.is_null() {
             return Err(errno_err("ibv_reg_mr (check `ulimit -l`)"));
         }
@@ -774,7 +789,11 @@ impl PdOps for Pd {
                 max_send_wr: c.max_send_wr,
                 max_recv_wr: if srq.is_some() { 0 } else { c.max_recv_wr },
                 max_send_sge: c.max_send_sge.max(1),
-                max_recv_sge: if srq.is_some() { 0 } else { c.max_recv_sge.max(1) },
+                max_recv_sge: if srq.is_some() {
+                    0
+                } else {
+                    c.max_recv_sge.max(1)
+                },
                 max_inline_data: c.max_inline_data,
             },
             qp_type: IBV_QPT_RC,
@@ -1096,7 +1115,8 @@ fn post_recv_with(
 ) -> Result<(), PostError> {
     for (index, wr) in wrs.iter().enumerate() {
         let mut sges = [IbvSge::default(); MAX_SGE_STACK];
-        let n = to_sges(wr.sg_list, max_sge, &mut sges).map_err(|source| PostError { index, source })?;
+        let n = to_sges(wr.sg_list, max_sge, &mut sges)
+            .map_err(|source| PostError { index, source })?;
         let mut w = IbvRecvWr {
             wr_id: wr.wr_id,
             next: std::ptr::null_mut(),
@@ -1413,7 +1433,10 @@ impl QpOps for Qp {
         if !st.accepts_send() {
             return Err(PostError {
                 index: 0,
-                source: VerbsError::WrongState { state: st, what: "send" },
+                source: VerbsError::WrongState {
+                    state: st,
+                    what: "send",
+                },
             });
         }
         if st == QpState::Error {
@@ -1431,7 +1454,14 @@ impl QpOps for Qp {
         };
         for (index, wr) in wrs.iter().enumerate() {
             let fail = |source| PostError { index, source };
-            if self.shadow.sq.lock().unwrap_or_else(|e| e.into_inner()).len() >= depth {
+            if self
+                .shadow
+                .sq
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .len()
+                >= depth
+            {
                 return Err(fail(VerbsError::QueueFull));
             }
             let mut sges = [IbvSge::default(); MAX_SGE_STACK];
@@ -1508,6 +1538,7 @@ impl QpOps for Qp {
                 }));
             }
             sq.push_back(SqShadow {
+                wr_id: wr.wr_id,
                 opcode: wr.opcode.wc_opcode(),
                 signaled: self.sq_sig_all || wr.flags.contains(SendFlags::SIGNALED),
             });
@@ -1520,7 +1551,10 @@ impl QpOps for Qp {
         if !st.accepts_recv() {
             return Err(PostError {
                 index: 0,
-                source: VerbsError::WrongState { state: st, what: "recv" },
+                source: VerbsError::WrongState {
+                    state: st,
+                    what: "recv",
+                },
             });
         }
         if self._srq.is_some() {

@@ -1,11 +1,13 @@
 //! One side of an MP-RDMA connection: the sans-IO state machine.
 //!
-//! Owns the sender rules (multi-path ACK clocking, out-of-order-aware path selection,
-//! probing, burst control, use it or lose it, idle restart, synchronise delay, loss
-//! recovery, tail-loss resend, RTO) and glues them to the receiver (`crate::recv`), the
-//! message store (`crate::send`), the congestion controllers (`crate::congestion`) and
-//! the wire format (`crate::frame`). Design: MP-RDMA (NSDI 2018) §3 and §4; the
-//! single-path baseline follows RoCEv2 go-back-N with DCQCN.
+//! Owns the public API (`Connection`, `Payload`, `Event`, `Transmit`, errors), the
+//! sender's protocol state and timers, ACK/NACK processing, the synchronise delay, the
+//! single-path baseline's sender (pacing, go-back-N, DCQCN reactions), and glues them to
+//! the receiver (`crate::recv`), the message store (`crate::send`), the congestion
+//! controllers (`crate::congestion`) and the wire format (`crate::frame`). ACK clocking
+//! and path selection live in `path`, loss recovery and retransmission timing in
+//! `recovery`. Design: MP-RDMA (NSDI 2018) §3 and §4; the single-path baseline follows
+//! RoCEv2 go-back-N with DCQCN.
 //!
 //! Driving loop: input (`send`, `handle_datagram`, `handle_timeout`) → drain
 //! `poll_transmit` → drain `poll_event` → sleep until `poll_timeout`. Nothing here reads
@@ -30,6 +32,9 @@ use crate::seq;
 use crate::stats::{ProtocolStateSize, Stats};
 use crate::time::duration_nanos;
 use crate::{Instant, PathId};
+
+mod path;
+mod recovery;
 
 /// Identifies a message within one direction of a connection: 0, 1, 2, … in send order.
 /// The receiver reports the same id for the same message.
@@ -264,9 +269,39 @@ struct Timers {
     last_rate_cut: Option<Instant>,
     /// Single-path pacer: earliest time of the next data packet.
     next_send: Instant,
+    /// The paths of the latest ACKs (a ring): known to work, used by the burst timer.
+    recent_ack_paths: [PathId; RECENT_ACK_PATHS],
+    /// Next slot of `recent_ack_paths` to write; how many are filled, up to the size.
+    recent_ack_next: u8,
+    recent_ack_len: u8,
+    /// Next slot the burst timer sends on.
+    recent_ack_cursor: u8,
 }
 
+/// How many recent ACK paths the burst timer spreads its packets over.
+const RECENT_ACK_PATHS: usize = 8;
+
 impl Timers {
+    fn note_ack_path(&mut self, path: PathId) {
+        let i = usize::from(self.recent_ack_next) % RECENT_ACK_PATHS;
+        if let Some(slot) = self.recent_ack_paths.get_mut(i) {
+            *slot = path;
+        }
+        self.recent_ack_next = ((i + 1) % RECENT_ACK_PATHS) as u8;
+        self.recent_ack_len = (usize::from(self.recent_ack_len) + 1).min(RECENT_ACK_PATHS) as u8;
+    }
+
+    /// The next of the recently ACKed paths, round-robin; `None` before any ACK.
+    fn next_recent_ack_path(&mut self) -> Option<PathId> {
+        let n = usize::from(self.recent_ack_len);
+        if n == 0 {
+            return None;
+        }
+        let i = usize::from(self.recent_ack_cursor) % n;
+        self.recent_ack_cursor = ((i + 1) % n) as u8;
+        self.recent_ack_paths.get(i).copied()
+    }
+
     fn get(&self, t: Timer) -> Option<Instant> {
         self.deadline.get(t as usize).copied().flatten()
     }
@@ -453,8 +488,13 @@ impl Connection {
             return Err(SendError::TooLarge(len));
         }
         let packets = packets_for(len, self.config.mss);
+        if packets > MAX_PSN_SPAN {
+            return Err(SendError::TooLarge(len));
+        }
         let span = u64::from(seq::dist(self.s.snd_una, self.queue.end_psn()));
-        if self.queue.len() >= self.config.max_queued_messages || span + packets > MAX_PSN_SPAN {
+        if self.queue.len() >= self.config.max_queued_messages
+            || span.saturating_add(packets) > MAX_PSN_SPAN
+        {
             return Err(SendError::QueueFull);
         }
         let id = self.queue.push(payload, synchronise, packets as u32);
@@ -673,7 +713,12 @@ impl Connection {
 
     fn on_ack_multipath(&mut self, now: Instant, h: &AckHeader) {
         let (min, max) = (self.config.min_window, self.config.max_window);
+        // Congestion-window-limited check (as TCP, RFC 7661, and QUIC): the window may
+        // grow only if the packets actually sent filled it; window granted but still
+        // waiting for the NIC (or the application) says nothing about the network.
+        let window_limited = self.window_limited();
         self.timers.last_ack_path = h.path;
+        self.timers.note_ack_path(h.path);
         // A SACK at or above snd_una is a packet leaving the network: inflate by one.
         let fresh = !seq::lt(h.sack, self.s.snd_una) && !self.is_sacked(h.sack);
         if fresh {
@@ -686,7 +731,7 @@ impl Connection {
         self.advance_una(now, h.aack);
         if h.ece {
             self.s.window.on_marked_ack(min, max);
-        } else {
+        } else if window_limited {
             self.s.window.on_unmarked_ack(min, max);
         }
         // Out-of-order aware path selection: an ACK far behind the highest SACK comes
@@ -703,41 +748,6 @@ impl Connection {
         self.detect_loss(now);
         self.release_on_ack(now, h.path);
         self.kickoff(now);
-    }
-
-    /// Sender-side loss detection. Path selection keeps reordering within Δ, so when
-    /// the highest SACK is more than Δ above `snd_una`, the packet at `snd_una` (and
-    /// every unSACKed one that far behind) is lost: start recovery without waiting for
-    /// the receiver's bitmap to overflow.
-    fn detect_loss(&mut self, now: Instant) {
-        let behind = seq::diff(self.s.snd_ooh, self.s.snd_una);
-        if self.s.in_recovery || behind <= 0 || behind.unsigned_abs() <= self.config.delta {
-            return;
-        }
-        let una = self.s.snd_una;
-        self.enter_recovery(now, una, false);
-    }
-
-    /// How long a resent hole may stay missing before its resend counts as lost:
-    /// one RTT for the resend plus the usual RTO margin (`srtt + 4·rttvar`).
-    fn resend_grace(&self) -> Duration {
-        self.s.rtt.srtt() + self.s.rtt.rto(Duration::ZERO, self.config.max_rto)
-    }
-
-    /// The `Resend` timer fired: the resent hole at `snd_una` is still missing, so the
-    /// resend was lost as well; send it again (the timer re-arms when it leaves).
-    fn on_resend_timer(&mut self) {
-        let una = self.s.snd_una;
-        if self.timers.resend_watch != una || self.in_flight() == 0 {
-            return;
-        }
-        self.stats.repeated_resends += 1;
-        let path = self.timers.last_ack_path;
-        self.tokens.push_front(Token {
-            path,
-            probe: false,
-            psn: Some(una),
-        });
     }
 
     fn on_nack(&mut self, now: Instant, h: &NackHeader) -> Result<(), DecodeError> {
@@ -803,352 +813,7 @@ impl Connection {
         Ok(())
     }
 
-    /// Enters loss recovery until `snd_una` reaches the current `snd_nxt`; the sweep
-    /// of holes starts at `sweep_from`.
-    fn enter_recovery(&mut self, now: Instant, sweep_from: u32, after_timeout: bool) {
-        self.s.in_recovery = true;
-        self.s.recovery_after_timeout = after_timeout;
-        self.s.recovery = self.s.snd_nxt;
-        self.s.snd_retx = sweep_from;
-        self.timers.rewind_holdoff_until = now + self.s.rtt.srtt();
-        self.stats.recoveries += 1;
-    }
-
-    /// Moves `snd_una` to `aack` if that is progress; completes acknowledged messages.
-    fn advance_una(&mut self, now: Instant, aack: u32) {
-        if !seq::lt(self.s.snd_una, aack) {
-            return;
-        }
-        let advanced = seq::dist(self.s.snd_una, aack);
-        self.s.inflate = self.s.inflate.saturating_sub(advanced);
-        self.s.sacked = self.s.sacked.checked_shr(advanced).unwrap_or(0);
-        self.s.snd_una = aack;
-        if seq::lt(self.s.snd_nxt, aack) {
-            self.s.snd_nxt = aack; // go-back-N rewound below an ACK that then arrived
-        }
-        let events = &mut self.events;
-        let stats = &mut self.stats;
-        self.queue.pop_acked(aack, |id| {
-            stats.messages_acked += 1;
-            events.push_back(Event::MessageAcked(id));
-        });
-        if self.s.in_recovery && !seq::lt(self.s.snd_una, self.s.recovery) {
-            self.s.in_recovery = false;
-            self.s.recovery_after_timeout = false;
-            self.s.retx_in_flight = 0;
-        }
-        let in_flight = seq::dist(self.s.snd_una, self.s.snd_nxt);
-        self.s.inflate = self.s.inflate.min(in_flight);
-        if in_flight == 0 {
-            self.s.retx_in_flight = 0;
-        }
-        self.s.rto_count = 0;
-        self.rearm_rto(now, true);
-        if self.timers.get(Timer::Resend).is_some() {
-            if self.s.in_recovery
-                && !self.s.recovery_after_timeout
-                && seq::lt(self.s.snd_una, self.s.snd_retx)
-            {
-                // The new hole at snd_una was already resent by the sweep: watch it.
-                self.timers.resend_watch = self.s.snd_una;
-                self.timers
-                    .set(Timer::Resend, Some(now + self.resend_grace()));
-            } else {
-                self.timers.set(Timer::Resend, None);
-            }
-        }
-    }
-
     // ----- sender: window and send opportunities ------------------------------------------
-
-    fn is_sacked(&self, psn: u32) -> bool {
-        let off = seq::diff(psn, self.s.snd_una);
-        (0..64).contains(&off) && self.s.sacked & (1u64 << off) != 0
-    }
-
-    fn mark_sacked(&mut self, psn: u32) {
-        let off = seq::diff(psn, self.s.snd_una);
-        if (0..64).contains(&off) {
-            self.s.sacked |= 1u64 << off;
-        }
-    }
-
-    /// PSNs in `[from, until)` not known to be SACKed (`from >= snd_una`).
-    fn unsacked_between(&self, from: u32, until: u32) -> u64 {
-        if !seq::lt(from, until) {
-            return 0;
-        }
-        let total = u64::from(seq::dist(from, until));
-        let lo = seq::dist(self.s.snd_una, from).min(64);
-        let hi = seq::dist(self.s.snd_una, until).min(64);
-        let width = hi - lo;
-        let ones = if width >= 64 {
-            u64::MAX
-        } else {
-            (1u64 << width) - 1
-        };
-        let mask = ones.checked_shl(lo).unwrap_or(0);
-        total - u64::from((self.s.sacked & mask).count_ones())
-    }
-
-    /// First PSN at or after `from` and before `until` that is not SACKed.
-    fn first_unsacked(&self, mut from: u32, until: u32) -> Option<u32> {
-        while seq::lt(from, until) {
-            if !self.is_sacked(from) {
-                return Some(from);
-            }
-            from = from.wrapping_add(1);
-        }
-        None
-    }
-
-    fn in_flight(&self) -> u32 {
-        seq::dist(self.s.snd_una, self.s.snd_nxt)
-    }
-
-    /// Available window: `cwnd + inflate - (snd_nxt - snd_una) - retransmissions in
-    /// flight - opportunities already granted`, rounded down.
-    fn available_window(&self) -> i64 {
-        let awnd = self.s.window.get() + f64::from(self.s.inflate)
-            - f64::from(self.in_flight())
-            - f64::from(self.s.retx_in_flight)
-            - self.tokens.len() as f64;
-        awnd.floor() as i64
-    }
-
-    /// Packets that could be sent now: retransmissions owed, new data, tail resends.
-    fn sendable(&self) -> u64 {
-        let s = &self.s;
-        let mut n = 0u64;
-        if s.in_recovery {
-            let from = seq::max(s.snd_retx, s.snd_una);
-            n += self.unsacked_between(from, self.recovery_limit());
-        }
-        if self.new_data_blocked_by_bitmap() {
-            return n;
-        }
-        n += u64::from(seq::dist(s.snd_nxt, self.queue.end_psn()));
-        if n == 0 {
-            let from = seq::max(s.snd_tail, s.snd_una);
-            n += self.unsacked_between(from, self.tail_resend_limit());
-        }
-        n
-    }
-
-    /// In recovery the receiver's bitmap is pinned at the hole (`rcv_nxt == snd_una`):
-    /// a new packet at or beyond `snd_una + L` would be dropped on arrival, so new data
-    /// waits until the hole fills.
-    fn new_data_blocked_by_bitmap(&self) -> bool {
-        self.s.in_recovery
-            && seq::dist(self.s.snd_una, self.s.snd_nxt) >= self.config.bitmap_len
-            && seq::lt(self.s.snd_nxt, self.queue.end_psn())
-    }
-
-    /// Recovery resends unSACKed packets more than Δ below the highest SACK: path
-    /// selection keeps reordering within Δ, so such a packet is lost, while one closer
-    /// to `snd_ooh` may still be in flight on a slightly slower path.
-    fn recovery_limit(&self) -> u32 {
-        let s = &self.s;
-        let limit = s.recovery.min_serial(s.snd_nxt);
-        if s.recovery_after_timeout {
-            return limit;
-        }
-        if seq::lt(s.snd_ooh, s.snd_una) {
-            return s.snd_una;
-        }
-        let reorder_bound = s.snd_ooh.wrapping_sub(self.config.delta).wrapping_add(1);
-        limit.min_serial(seq::max(reorder_bound, s.snd_una))
-    }
-
-    /// Tail resend covers unacknowledged packets at least [`TAIL_REORDER_THRESHOLD`]
-    /// below the highest SACK: so many later packets arrived that this one is lost
-    /// or on a slow path, not merely overtaken.
-    fn tail_resend_limit(&self) -> u32 {
-        if seq::lt(self.s.snd_ooh, self.s.snd_una) {
-            return self.s.snd_una; // nothing SACKed above snd_una
-        }
-        let bound = self
-            .s
-            .snd_ooh
-            .wrapping_sub(TAIL_REORDER_THRESHOLD)
-            .wrapping_add(1);
-        seq::max(bound, self.s.snd_una).min_serial(self.s.snd_nxt)
-    }
-
-    fn random_path(&mut self) -> PathId {
-        PathId(self.rng.gen_range(0..self.config.num_paths))
-    }
-
-    /// Multi-path ACK clocking: an ACK releases up to `burst_per_ack` packets on its own
-    /// path (each may instead probe a random path); window left over waits for the burst
-    /// timer; an opportunity without data shrinks the window (use it or lose it).
-    fn release_on_ack(&mut self, now: Instant, path: PathId) {
-        let avail = self.available_window();
-        if avail <= 0 {
-            return;
-        }
-        let sendable = self.sendable().saturating_sub(self.tokens.len() as u64);
-        if sendable == 0 {
-            if self.new_data_blocked_by_bitmap() {
-                return; // data waits for the hole to fill: not an unused opportunity
-            }
-            self.stats.unused_send_opportunities += 1;
-            self.s
-                .window
-                .shrink_by_one(self.config.min_window, self.config.max_window);
-            return;
-        }
-        let avail = avail as u64;
-        let k = avail
-            .min(u64::from(self.config.burst_per_ack))
-            .min(sendable);
-        for _ in 0..k {
-            let probe = self.config.probe_probability > 0.0
-                && self.rng.gen_bool(self.config.probe_probability);
-            let token = if probe {
-                Token {
-                    path: self.random_path(),
-                    probe: true,
-                    psn: None,
-                }
-            } else {
-                Token {
-                    path,
-                    probe: false,
-                    psn: None,
-                }
-            };
-            self.tokens.push_back(token);
-        }
-        if avail > k && sendable > k && self.timers.get(Timer::Burst).is_none() {
-            self.timers
-                .set(Timer::Burst, Some(now + self.s.rtt.srtt() / 2));
-        }
-    }
-
-    /// With nothing in flight no ACK will clock the sender: send the window on random
-    /// paths (the first window, or after idle, restarting from the initial window).
-    fn kickoff(&mut self, now: Instant) {
-        if self.in_flight() != 0 || !self.tokens.is_empty() || self.error.is_some() {
-            return;
-        }
-        let sendable = self.sendable();
-        if sendable == 0 {
-            return;
-        }
-        if self.timers.idle_restart_at.is_some_and(|t| now >= t) {
-            self.stats.idle_restarts += 1;
-            self.s.window.set(
-                f64::from(self.config.initial_window),
-                self.config.min_window,
-                self.config.max_window,
-            );
-            self.timers.idle_restart_at = None;
-        }
-        let n = (self.available_window().max(1) as u64).min(sendable);
-        for _ in 0..n {
-            let path = self.random_path();
-            self.tokens.push_back(Token {
-                path,
-                probe: false,
-                psn: None,
-            });
-        }
-    }
-
-    fn on_burst_timer(&mut self, now: Instant) {
-        let avail = self.available_window();
-        if avail <= 0 {
-            return;
-        }
-        let sendable = self.sendable().saturating_sub(self.tokens.len() as u64);
-        let n = (avail as u64).min(sendable);
-        for _ in 0..n {
-            let path = self.random_path();
-            self.tokens.push_back(Token {
-                path,
-                probe: false,
-                psn: None,
-            });
-        }
-        self.kickoff(now);
-    }
-
-    /// Which PSN a send opportunity goes to, and whether it is a retransmission.
-    /// `None`: nothing to send (or a synchronise message must wait).
-    fn next_psn(&mut self, now: Instant) -> Option<(u32, bool)> {
-        let s = self.s;
-        if s.in_recovery {
-            // Loss recovery: the next packet from snd_retx that was not SACKed.
-            let from = seq::max(s.snd_retx, s.snd_una);
-            if let Some(psn) = self.first_unsacked(from, self.recovery_limit()) {
-                self.s.snd_retx = psn.wrapping_add(1);
-                return Some((psn, true));
-            }
-        }
-        if self.new_data_blocked_by_bitmap() {
-            return None;
-        }
-        if seq::lt(s.snd_nxt, self.queue.end_psn()) {
-            let p = self.queue.packet(s.snd_nxt, self.config.mss)?;
-            if p.synchronise
-                && p.ipsn == 0
-                && s.snd_una != s.snd_nxt
-                && now < self.timers.sync_not_before
-            {
-                self.timers
-                    .set(Timer::Sync, Some(self.timers.sync_not_before));
-                return None;
-            }
-            return Some((s.snd_nxt, false));
-        }
-        // Tail loss: no new data. Resend, as if new, an unacknowledged packet below the
-        // highest SACK (a later packet arrived, so this one is lost or on a slow path).
-        let from = seq::max(s.snd_tail, s.snd_una);
-        if let Some(psn) = self.first_unsacked(from, self.tail_resend_limit()) {
-            self.s.snd_tail = psn.wrapping_add(1);
-            return Some((psn, true));
-        }
-        None
-    }
-
-    fn transmit_multipath(&mut self, now: Instant, buf: &mut Vec<u8>) -> Option<Transmit> {
-        while let Some(token) = self.tokens.front().copied() {
-            let named = token
-                .psn
-                .filter(|&p| !seq::lt(p, self.s.snd_una) && seq::lt(p, self.s.snd_nxt));
-            if named.is_some() || token.psn.is_some() {
-                self.tokens.pop_front();
-                if let Some(psn) = named {
-                    if let Some(t) =
-                        self.emit_data(now, token.path, psn, true, PacketKind::Retransmit, buf)
-                    {
-                        return Some(t);
-                    }
-                }
-                continue;
-            }
-            let Some((psn, retransmit)) = self.next_psn(now) else {
-                if self.timers.get(Timer::Sync).is_some() && self.sendable() > 0 {
-                    return None; // keep the opportunities for the synchronise message
-                }
-                self.tokens.clear();
-                return None;
-            };
-            self.tokens.pop_front();
-            let kind = if retransmit {
-                PacketKind::Retransmit
-            } else if token.probe {
-                PacketKind::Probe
-            } else {
-                PacketKind::Data
-            };
-            if let Some(t) = self.emit_data(now, token.path, psn, retransmit, kind, buf) {
-                return Some(t);
-            }
-        }
-        None
-    }
 
     fn transmit_single_path(&mut self, now: Instant, buf: &mut Vec<u8>) -> Option<Transmit> {
         let s = self.s;
@@ -1256,21 +921,6 @@ impl Connection {
 
     // ----- timers -------------------------------------------------------------------------
 
-    fn rto(&self) -> Duration {
-        let base = self.s.rtt.rto(self.config.min_rto, self.config.max_rto);
-        let backoff = base.saturating_mul(1u32 << u32::from(self.s.rto_count.min(16)));
-        backoff.min(self.config.max_rto)
-    }
-
-    /// (Re)arms the retransmission timer while anything is in flight.
-    fn rearm_rto(&mut self, now: Instant, restart: bool) {
-        if self.in_flight() == 0 {
-            self.timers.set(Timer::Rto, None);
-        } else if restart || self.timers.get(Timer::Rto).is_none() {
-            self.timers.set(Timer::Rto, Some(now + self.rto()));
-        }
-    }
-
     fn on_timer(&mut self, now: Instant, t: Timer) {
         match t {
             Timer::Rto => self.on_rto(now),
@@ -1290,46 +940,6 @@ impl Connection {
                 }
             }
         }
-    }
-
-    fn on_rto(&mut self, now: Instant) {
-        if self.in_flight() == 0 {
-            return;
-        }
-        self.stats.timeouts += 1;
-        self.s.rto_count = self.s.rto_count.saturating_add(1);
-        if u32::from(self.s.rto_count) > self.config.max_rto_count {
-            self.fail(ConnectionError::TimedOut(u32::from(self.s.rto_count) - 1));
-            return;
-        }
-        match self.config.mode {
-            Mode::MultiPath => {
-                let (min, max) = (self.config.min_window, self.config.max_window);
-                let una = self.s.snd_una;
-                self.enter_recovery(now, una.wrapping_add(1), true);
-                self.s.snd_tail = una;
-                // Everything in flight is presumed gone: it no longer holds the window.
-                self.s.inflate = self.in_flight();
-                self.s.retx_in_flight = 0;
-                self.s.window.set(
-                    (self.s.window.get() / 2.0).min(f64::from(self.config.initial_window)),
-                    min,
-                    max,
-                );
-                self.tokens.clear();
-                let path = self.timers.last_ack_path;
-                self.tokens.push_back(Token {
-                    path,
-                    probe: false,
-                    psn: Some(una),
-                });
-            }
-            Mode::SinglePath => {
-                self.s.snd_nxt = self.s.snd_una;
-                self.stats.go_back_n += 1;
-            }
-        }
-        self.timers.set(Timer::Rto, Some(now + self.rto()));
     }
 
     fn on_congestion_notification(&mut self, now: Instant) {
@@ -1459,6 +1069,18 @@ mod tests {
         assert_eq!(
             c.send(Instant::ZERO, Payload::Virtual(1), false),
             Err(SendError::QueueFull)
+        );
+        // More packets than the sequence space may hold in flight at once.
+        let config = Config {
+            mss: 1,
+            max_message_len: u64::MAX,
+            ..Config::default()
+        };
+        let mut c = Connection::new(config, Instant::ZERO);
+        let huge = Payload::Virtual(1 << 31);
+        assert_eq!(
+            c.send(Instant::ZERO, huge, false),
+            Err(SendError::TooLarge(1 << 31))
         );
     }
 }

@@ -1,0 +1,222 @@
+//! `fabriq demo`: the middleware end to end in one command, with no NIC and no set-up.
+//!
+//! Starts a server as a second process (this same binary, re-executed with `--serve`), connects
+//! to it on the embedded default device (`auto`: shm on one host), and shows an eager message, a
+//! rendezvous message, RPC calls and a distributed lock by remote compare-and-swap, each with
+//! measured latencies, in a short report. The server prints its address on its first stdout line
+//! and then serves until the client's channel closes.
+
+use std::io::{BufRead, BufReader, Write as _};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context as _};
+use fabriq::{CasLock, Config, Endpoint, RegionDescriptor, Rpc};
+
+/// Run a client and a server process and show channel, RPC and one-sided operations.
+#[derive(Debug, clap::Args)]
+#[command(about = "Run a server and a client process and show channels, RPC and a CAS lock")]
+pub struct Args {
+    /// Device: auto (shm on one host), shm0, tcp0, …
+    #[arg(short = 'd', long = "device", default_value = "auto")]
+    pub device: String,
+    /// Round trips per measurement.
+    #[arg(short = 'n', long = "iterations", default_value_t = 2000)]
+    pub iterations: u32,
+    /// Internal: run the server half and print its address.
+    #[arg(long, hide = true)]
+    pub serve: bool,
+}
+
+const TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Run `fabriq demo`.
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let config = Config {
+        device: args.device.clone(),
+        ..Config::from_env().context("reading FABRIQ_* configuration")?
+    };
+    if args.serve {
+        return serve(config);
+    }
+    client(config, &args)
+}
+
+fn serve(config: Config) -> anyhow::Result<()> {
+    let ep = Endpoint::new(config).context("opening the server endpoint")?;
+    ep.serve("echo", |req| Ok(req.to_vec()));
+    let region = ep.expose(4096).context("exposing the lock region")?;
+    let listener = ep.listen("127.0.0.1:0").context("listening")?;
+    println!("LISTEN {}", listener.local_addr());
+    std::io::stdout().flush().ok();
+    let ch = listener
+        .accept_timeout(TIMEOUT)
+        .context("waiting for the client")?;
+    ch.send(&region.descriptor().to_bytes())?;
+    // Echo channel messages until the client goes away.
+    while let Ok(m) = ch.recv() {
+        ch.send(&m)?;
+    }
+    Ok(())
+}
+
+struct Lat {
+    samples: Vec<Duration>,
+}
+
+impl Lat {
+    fn new() -> Lat {
+        Lat {
+            samples: Vec::new(),
+        }
+    }
+    fn pct(&mut self, p: f64) -> Duration {
+        self.samples.sort_unstable();
+        let i = ((self.samples.len() as f64 - 1.0) * p).round() as usize;
+        self.samples.get(i).copied().unwrap_or_default()
+    }
+}
+
+fn us(d: Duration) -> String {
+    format!("{:.1} µs", d.as_secs_f64() * 1e6)
+}
+
+fn client(config: Config, args: &Args) -> anyhow::Result<()> {
+    let exe = std::env::current_exe().context("locating this binary")?;
+    let mut child = Command::new(exe)
+        .args(["demo", "--serve", "--device", &args.device])
+        .stdout(Stdio::piped())
+        .spawn()
+        .context("starting the server process")?;
+    let stdout = child.stdout.take().context("server stdout")?;
+    let mut line = String::new();
+    BufReader::new(stdout)
+        .read_line(&mut line)
+        .context("reading the server address")?;
+    let Some(addr) = line.trim().strip_prefix("LISTEN ") else {
+        let _ = child.kill();
+        bail!("server did not start: {line:?}");
+    };
+    let result = run_client(config, addr, args.iterations.max(10));
+    let _ = child.kill();
+    let _ = child.wait();
+    result
+}
+
+fn run_client(config: Config, addr: &str, n: u32) -> anyhow::Result<()> {
+    let ep = Endpoint::new(config).context("opening the client endpoint")?;
+    let t0 = Instant::now();
+    let ch = ep.connect(addr).context("connecting to the server")?;
+    let connect = t0.elapsed();
+    let desc = RegionDescriptor::from_bytes(&ch.recv_timeout(TIMEOUT)?)
+        .context("server sent a bad region descriptor")?;
+    println!("fabriq demo: two processes, device {}", ep.device());
+    println!("  connected to {addr} in {}", us(connect));
+    println!(
+        "  thresholds: eager up to {} B, rendezvous above (RDMA READ in chunks)",
+        ch.eager_max()
+    );
+
+    // Eager: 8-byte ping-pong.
+    let mut lat = Lat::new();
+    let msg = [7u8; 8];
+    for _ in 0..n {
+        let t = Instant::now();
+        ch.send(&msg)?;
+        let back = ch.recv_timeout(TIMEOUT)?;
+        lat.samples.push(t.elapsed() / 2);
+        anyhow::ensure!(back[..] == msg, "eager echo corrupted");
+    }
+    println!(
+        "  eager 8 B message:       one-way p50 {}  p99 {}  ({} round trips)",
+        us(lat.pct(0.5)),
+        us(lat.pct(0.99)),
+        n
+    );
+
+    // Rendezvous: 1 MiB ping-pong.
+    let big: Vec<u8> = (0..1 << 20).map(|i: u32| (i % 251) as u8).collect();
+    let mut lat = Lat::new();
+    let rounds = (n / 20).clamp(5, 100);
+    let start = Instant::now();
+    for _ in 0..rounds {
+        let t = Instant::now();
+        ch.send(&big)?;
+        let back = ch.recv_timeout(TIMEOUT)?;
+        lat.samples.push(t.elapsed() / 2);
+        anyhow::ensure!(back[..] == big[..], "rendezvous echo corrupted");
+    }
+    let secs = start.elapsed().as_secs_f64();
+    let gib_s = (2.0 * f64::from(rounds) * (1u64 << 20) as f64) / secs / (1u64 << 30) as f64;
+    println!(
+        "  rendezvous 1 MiB message: one-way p50 {}  ({gib_s:.2} GiB/s, {rounds} round trips)",
+        us(lat.pct(0.5)),
+    );
+    let st = ch.stats()?;
+    println!(
+        "    sent {} eager / {} rendezvous; the peer pulled the large ones with RDMA READ",
+        st.eager_sent, st.rendezvous_sent
+    );
+
+    // RPC.
+    let rpc = Rpc::new(ch.clone());
+    let mut lat = Lat::new();
+    for i in 0..n {
+        let t = Instant::now();
+        let r = rpc.call("echo", &i.to_le_bytes(), TIMEOUT)?;
+        lat.samples.push(t.elapsed());
+        anyhow::ensure!(r == i.to_le_bytes(), "RPC reply mismatch");
+    }
+    println!(
+        "  RPC echo (4 B):          p50 {}  p99 {}  ({} calls, handler runs on the server's worker)",
+        us(lat.pct(0.5)),
+        us(lat.pct(0.99)),
+        n
+    );
+    let threads = 8u32;
+    let per = (n / 2).max(10);
+    let start = Instant::now();
+    let workers: Vec<_> = (0..threads)
+        .map(|_| {
+            let rpc = rpc.clone();
+            std::thread::spawn(move || -> anyhow::Result<()> {
+                for i in 0..per {
+                    rpc.call("echo", &i.to_le_bytes(), TIMEOUT)?;
+                }
+                Ok(())
+            })
+        })
+        .collect();
+    for w in workers {
+        w.join().map_err(|_| anyhow::anyhow!("caller panicked"))??;
+    }
+    let rate = f64::from(threads * per) / start.elapsed().as_secs_f64();
+    println!("  RPC rate, {threads} callers:      {rate:.0} calls/s");
+    match rpc.call("no-such-method", b"", TIMEOUT) {
+        Err(fabriq::RpcError::UnknownMethod(_)) => {
+            println!("  RPC to an unknown method: UnknownMethod error, as expected")
+        }
+        other => bail!("unknown method answered {other:?}"),
+    }
+
+    // CAS lock on the server's memory: no server code runs per acquisition.
+    let lock = CasLock::new(ch.remote_region(desc), 0, u64::from(std::process::id()))?;
+    let mut lat = Lat::new();
+    let rounds = n.min(2000);
+    for _ in 0..rounds {
+        let t = Instant::now();
+        lock.lock()?;
+        lat.samples.push(t.elapsed());
+        let r = lock.region();
+        let v = u64::from_le_bytes(r.read(8, 8)?[..8].try_into()?);
+        r.write(8, &(v + 1).to_le_bytes())?;
+        lock.unlock()?;
+    }
+    let count = u64::from_le_bytes(lock.region().read(8, 8)?[..8].try_into()?);
+    println!(
+        "  CAS lock on server memory: acquire p50 {}  ({rounds} lock/increment/unlock, counter = {count})",
+        us(lat.pct(0.5)),
+    );
+    println!("done.");
+    Ok(())
+}

@@ -1,0 +1,45 @@
+//! An idle endpoint sleeps: over 2 s with connected channels and no traffic, the process uses a
+//! small fraction of one CPU (a busy-polling worker would use ~2 s per worker). This file holds a
+//! single test so that the process CPU time it measures is its own.
+
+use std::time::Duration;
+
+use fabriq::{Config, Endpoint};
+
+fn cpu_time() -> Duration {
+    // CPU time of every thread of this process.
+    let ts = rustix::time::clock_gettime(rustix::time::ClockId::ProcessCPUTime);
+    Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
+}
+
+#[test]
+fn idle_endpoints_use_almost_no_cpu() {
+    for device in ["shm0", "tcp0"] {
+        let cfg = Config {
+            device: device.into(),
+            workers: 2,
+            ..Config::default()
+        };
+        let server = Endpoint::new(cfg.clone()).expect("server");
+        let client = Endpoint::new(cfg).expect("client");
+        let listener = server.listen("127.0.0.1:0").expect("listen");
+        let c = client.connect(listener.local_addr()).expect("connect");
+        let s = listener
+            .accept_timeout(Duration::from_secs(30))
+            .expect("accept");
+        // Some traffic first, so the workers have been busy and must go back to sleep.
+        for i in 0..1000u32 {
+            c.send(&i.to_le_bytes()).expect("send");
+            s.recv_timeout(Duration::from_secs(30)).expect("recv");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+        let before = cpu_time();
+        std::thread::sleep(Duration::from_secs(2));
+        let used = cpu_time() - before;
+        // Four workers spinning would use ~8 s; sleeping ones use next to nothing.
+        assert!(
+            used < Duration::from_millis(300),
+            "{device}: idle endpoints used {used:?} of CPU in 2 s"
+        );
+    }
+}

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # MP-RDMA over the udp provider on a 4-spine ECMP fabric in network namespaces
-# (tests/netns/fabric.sh): the kernel-testbed experiments of docs/mprdma-kernel.md.
+# (tests/netns/fabric.sh): the kernel-testbed experiments of docs/MPRDMA.md ("On a real kernel network").
 #
 #   sudo bench/netns.sh [bandwidth|loss|failure|ecn|all]     (default all)
 #

@@ -1,12 +1,27 @@
 #!/usr/bin/env bash
 # The project's test run: what README.md tells a newcomer to run, and what .ci/run calls.
-# Installs nothing by hand: every lane that needs a package or a capability sets it up itself
-# and says loudly when it has to skip.
+# Nothing is installed by hand: every lane that needs a package or a capability sets it up
+# itself, and says loudly when it has to skip.
+#
+#   1. cargo test --workspace --release: unit tests, the verbs conformance suite on every
+#      provider (separate processes), the middleware, fabriq-mpath, fabriq-sim, the CLI, and the
+#      udp provider on a network-namespace ECMP fabric (root; prints SKIP without it).
+#   2. The soft-RoCE lane (root): the rdma-core provider and the middleware on the kernel's rxe
+#      in a QEMU guest (tests/rxe/lane.sh). FABRIQ_SKIP_RXE=1 leaves it out.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 export CARGO_TERM_COLOR=${CARGO_TERM_COLOR:-never}
 export RUST_BACKTRACE=${RUST_BACKTRACE:-1}
 
-echo "== cargo test --workspace (unit, conformance on every provider, middleware, mpath, sim)"
+echo "== cargo test --workspace --release"
 cargo test --workspace --release
+
+if [ "${FABRIQ_SKIP_RXE:-0}" = 1 ]; then
+  echo "== SKIP soft-RoCE lane: FABRIQ_SKIP_RXE=1"
+elif [ "$(id -u)" != 0 ]; then
+  echo "== SKIP soft-RoCE lane: needs root (debootstrap, QEMU, 9p); run: sudo tests/rxe/lane.sh"
+else
+  echo "== soft-RoCE lane (tests/rxe/lane.sh)"
+  tests/rxe/lane.sh
+fi

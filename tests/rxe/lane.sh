@@ -56,11 +56,7 @@ gid_index() { # the RoCE v2 GID holding ::ffff:127.0.0.1
 step "fabriq info"
 ./fabriq info || fail=1
 step "verbs conformance suite on rdma-core (rxe0)"
-# Known divergence of rxe (kernel 6.1, loopback): requests to a destroyed remote QP never time
-# out (no completion within 120 s), so that one behaviour is skipped here, by name.
-echo "SKIP rdma_core::peer_destroyed_qp_makes_requests_fail on rxe: requests to a destroyed QP never time out on rxe"
-FABRIQ_CONFORMANCE_PROVIDERS=rdma-core ./conformance --test-threads=2 \
-  --skip rdma_core::peer_destroyed_qp_makes_requests_fail || fail=1
+FABRIQ_CONFORMANCE_PROVIDERS=rdma-core ./conformance --test-threads=2 || fail=1
 step "middleware: channel, RPC and remote memory on rxe0"
 FABRIQ_TEST_DEVICES=rxe0 ./mw-channel_e2e channel_rpc_and_remote_memory_on_named_devices --nocapture || fail=1
 step "middleware: connection manager, QP cache on rxe0"

@@ -3,7 +3,7 @@
 //!
 //! ```toml
 //! # fabriq.toml — every key optional; the values shown are the defaults
-//! device = "auto"            # "auto" (shm0 on this host, else tcp0), or a device name
+//! device = "auto"            # "auto" (an active RDMA NIC, else shm0, else tcp0), or a device name
 //! workers = 1                # run-to-completion worker threads
 //! pin_workers = false        # pin worker i to CPU i
 //! idle_spin_us = 50          # busy-poll this long after the last work, then sleep

@@ -85,10 +85,27 @@ impl std::fmt::Debug for Endpoint {
     }
 }
 
-/// Resolve `auto` to a device: `shm0` (same host) when the provider opens, else `tcp0`.
+/// Resolve `auto` to a device: a real RDMA device (provider `rdma-core`) whose port is up, else
+/// `shm0` (same host) when the provider opens, else `tcp0`.
 fn open_device(name: &str) -> Result<Context, ChannelError> {
     if name != "auto" {
         return Ok(Context::open(name)?);
+    }
+    let nics = fabriq_verbs::devices()
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|d| d.provider == "rdma-core");
+    for nic in nics {
+        match Context::open(&nic.name) {
+            Ok(c)
+                if c.query_port(1)
+                    .is_ok_and(|p| p.state == fabriq_verbs::PortState::Active) =>
+            {
+                return Ok(c)
+            }
+            Ok(_) => tracing::debug!(device = %nic.name, "port not active, skipped by auto"),
+            Err(e) => tracing::debug!(device = %nic.name, %e, "cannot open, skipped by auto"),
+        }
     }
     match Context::open("shm0") {
         Ok(c) => Ok(c),

@@ -244,12 +244,15 @@ impl QpAttr {
             ..Default::default()
         }
     }
-    /// RTR → RTS with common defaults (timeout 14 ≈ 67 ms, retry 7, rnr_retry 7).
+    /// RTR → RTS with common defaults (timeout 14 ≈ 67 ms, retry 6, rnr_retry 7 = forever).
+    ///
+    /// `retry_cnt` is 6, not the spec's maximum of 7: the kernel's soft-RoCE (rxe) treats 7 as
+    /// "retry forever", which would hide a dead peer.
     pub fn rts() -> Self {
         QpAttr {
             state: Some(QpState::Rts),
             timeout: Some(14),
-            retry_cnt: Some(7),
+            retry_cnt: Some(6),
             rnr_retry: Some(7),
             max_rd_atomic: Some(16),
             ..Default::default()

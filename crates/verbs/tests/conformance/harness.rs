@@ -406,7 +406,8 @@ impl Default for ConnectOpts {
             min_rnr_timer: 1,
             rnr_retry: 7,
             timeout: 14,
-            retry_cnt: 7,
+            // Not 7: rxe treats retry_cnt 7 as "retry forever" (see QpAttr::rts).
+            retry_cnt: 6,
         }
     }
 }

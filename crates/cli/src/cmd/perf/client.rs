@@ -176,6 +176,7 @@ pub fn run(plan: &ClientPlan) -> Result<PerfReport> {
     let errors = results.iter().map(RunResult::errors).sum();
     Ok(PerfReport {
         tool: "fabriq perf",
+        layer: "verbs",
         test: test.name().to_string(),
         device: if device.is_empty() {
             "-".into()
@@ -248,6 +249,12 @@ fn run_verbs(
         }
         TestKind::TcpLat => {
             return Err(PerfError::Protocol("tcp_lat runs without a device".into()))
+        }
+        TestKind::RpcLat | TestKind::RpcRate => {
+            return Err(PerfError::Protocol(format!(
+                "{} runs at --layer rpc",
+                p.test.name()
+            )))
         }
     };
     control.send(&Msg::End)?;

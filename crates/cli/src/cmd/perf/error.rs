@@ -92,6 +92,24 @@ pub enum PerfError {
     /// The local server child process failed.
     #[error("local server process: {0}")]
     LocalServer(String),
+    /// A middleware channel call failed (`--layer channel|rpc`).
+    #[error("{context}")]
+    Channel {
+        /// What was being done.
+        context: String,
+        /// The channel error.
+        #[source]
+        source: fabriq::ChannelError,
+    },
+    /// A middleware RPC call failed (`--layer rpc`).
+    #[error("{context}")]
+    Rpc {
+        /// What was being done.
+        context: String,
+        /// The RPC error.
+        #[source]
+        source: fabriq::RpcError,
+    },
     /// A socket error on the plain TCP baseline's data connection.
     #[error("tcp baseline: {context}")]
     Baseline {

@@ -4,9 +4,10 @@
 //! TCP control connection ([`proto`]), each builds its verbs resources ([`rig`]), swaps QP
 //! endpoints and region keys, and runs one test: ping-pong latency ([`lat`]), streaming
 //! bandwidth ([`bw`]), or the plain kernel-TCP ping-pong baseline ([`baseline`]). Results are a
-//! perftest-like table or one JSON document ([`report`]).
+//! perftest-like table or one JSON document ([`report`]). `--layer channel|rpc` measures the
+//! middleware's `fabriq::Channel` / `fabriq::Rpc` instead ([`mw`]).
 //!
-//! Threads: none. Each side is one pinned thread that owns its CQ and busy-polls it or sleeps
+//! Threads (verbs layer): none. Each side is one pinned thread that owns its CQ and busy-polls it or sleeps
 //! on its event fd (`--mode`). `--local` re-executes this binary as the server, pinned to
 //! another CPU, and reads the port it listens on from its first stdout line.
 
@@ -16,6 +17,7 @@ pub mod bw;
 pub mod client;
 pub mod error;
 pub mod lat;
+pub mod mw;
 pub mod proto;
 pub mod report;
 pub mod rig;
@@ -65,6 +67,42 @@ pub enum TestKind {
     ReadBw,
     /// Plain kernel TCP ping-pong (no device), one-way latency: the baseline.
     TcpLat,
+    /// `fabriq::Rpc` call round trip (`--layer rpc`).
+    RpcLat,
+    /// `fabriq::Rpc` calls per second with `--callers` concurrent callers (`--layer rpc`).
+    RpcRate,
+}
+
+/// The software layer a run measures.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+#[value(rename_all = "snake_case")]
+pub enum Layer {
+    /// Raw verbs: QPs, CQs, registered regions (perftest's level).
+    Verbs,
+    /// The middleware's `fabriq::Channel` (send / recv of messages).
+    Channel,
+    /// The middleware's `fabriq::Rpc` (`call` of a served method).
+    Rpc,
+}
+
+impl Layer {
+    /// The name used on the command line and in reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            Layer::Verbs => "verbs",
+            Layer::Channel => "channel",
+            Layer::Rpc => "rpc",
+        }
+    }
+
+    /// The test run when `-t` is not given.
+    pub fn default_test(self) -> TestKind {
+        match self {
+            Layer::Verbs | Layer::Channel => TestKind::SendLat,
+            Layer::Rpc => TestKind::RpcLat,
+        }
+    }
 }
 
 impl TestKind {
@@ -79,6 +117,8 @@ impl TestKind {
             TestKind::WriteBw => "write_bw",
             TestKind::ReadBw => "read_bw",
             TestKind::TcpLat => "tcp_lat",
+            TestKind::RpcLat => "rpc_lat",
+            TestKind::RpcRate => "rpc_rate",
         }
     }
 
@@ -86,7 +126,7 @@ impl TestKind {
     pub fn is_bandwidth(self) -> bool {
         matches!(
             self,
-            TestKind::SendBw | TestKind::WriteBw | TestKind::ReadBw
+            TestKind::SendBw | TestKind::WriteBw | TestKind::ReadBw | TestKind::RpcRate
         )
     }
 
@@ -94,7 +134,9 @@ impl TestKind {
     pub fn latency_kind(self) -> Option<LatencyKind> {
         match self {
             TestKind::SendLat | TestKind::WriteLat | TestKind::TcpLat => Some(LatencyKind::OneWay),
-            TestKind::ReadLat | TestKind::AtomicLat => Some(LatencyKind::RoundTrip),
+            TestKind::ReadLat | TestKind::AtomicLat | TestKind::RpcLat => {
+                Some(LatencyKind::RoundTrip)
+            }
             _ => None,
         }
     }
@@ -102,7 +144,9 @@ impl TestKind {
     /// Device capabilities the test uses.
     pub fn needs(self) -> Capabilities {
         match self {
-            TestKind::SendLat | TestKind::SendBw => Capabilities::SEND,
+            TestKind::SendLat | TestKind::SendBw | TestKind::RpcLat | TestKind::RpcRate => {
+                Capabilities::SEND
+            }
             TestKind::WriteLat | TestKind::WriteBw => Capabilities::WRITE,
             TestKind::ReadLat | TestKind::ReadBw => Capabilities::READ,
             TestKind::AtomicLat => Capabilities::ATOMICS,
@@ -161,6 +205,12 @@ pub fn validate(p: &RunParams) -> Result<()> {
             )));
         }
     }
+    if matches!(p.test, TestKind::RpcLat | TestKind::RpcRate) {
+        return Err(PerfError::Unsupported(format!(
+            "{} measures the middleware: use --layer rpc",
+            p.test.name()
+        )));
+    }
     if p.test == TestKind::WriteLat && p.mode == Mode::Event {
         return Err(PerfError::Unsupported(
             "write_lat polls memory (a WRITE raises no completion at the target); use --mode busy"
@@ -185,7 +235,7 @@ fn parse_size_arg(s: &str) -> std::result::Result<MsgSize, String> {
 #[derive(Debug, clap::Args)]
 #[command(
     about = "Measure latency and bandwidth between two fabriq endpoints (like perftest)",
-    after_help = "Examples:\n  fabriq perf --server\n  fabriq perf 127.0.0.1 -d tcp0 -t send_lat -s 8\n  fabriq perf --local -d shm0 -t write_bw -a --json\n  fabriq perf --local --tcp-baseline -s 8"
+    after_help = "Examples:\n  fabriq perf --server\n  fabriq perf 127.0.0.1 -d tcp0 -t send_lat -s 8\n  fabriq perf --local -d shm0 -t write_bw -a --json\n  fabriq perf --local --tcp-baseline -s 8\n  fabriq perf --local --layer channel -d shm0 -t send_lat\n  fabriq perf --local --layer rpc -d tcp0 -t rpc_rate --callers 16"
 )]
 pub struct Args {
     /// Server to connect to: HOST or HOST:PORT (default port 18515).
@@ -223,9 +273,16 @@ pub struct Args {
     /// `-o progress=busy` for tcp0.
     #[arg(short = 'o', long = "dev-opt", value_name = "KEY=VALUE", value_parser = parse_option_arg)]
     pub dev_opts: Vec<(String, String)>,
-    /// Test to run.
-    #[arg(short = 't', long = "test", value_enum, default_value = "send_lat")]
-    pub test: TestKind,
+    /// Layer to measure: raw verbs, the middleware's fabriq::Channel, or its fabriq::Rpc.
+    #[arg(long, value_enum, default_value = "verbs")]
+    pub layer: Layer,
+    /// Test to run (default: send_lat; rpc_lat with --layer rpc). Channel layer: send_lat,
+    /// send_bw; rpc layer: rpc_lat, rpc_rate.
+    #[arg(short = 't', long = "test", value_enum)]
+    pub test: Option<TestKind>,
+    /// Concurrent callers in rpc_rate.
+    #[arg(long, default_value_t = 8, value_name = "N")]
+    pub callers: u32,
     /// Run the plain kernel-TCP ping-pong baseline instead of a device test (same as -t tcp_lat).
     #[arg(long)]
     pub tcp_baseline: bool,
@@ -264,6 +321,16 @@ pub struct Args {
 /// Entry point of `fabriq perf`.
 pub fn run(args: Args) -> anyhow::Result<()> {
     affinity::capture_original();
+    if args.server && args.layer != Layer::Verbs {
+        let opts = mw::ServerOpts {
+            bind: args.bind.clone(),
+            device: args.device.clone(),
+            once: args.once,
+            cpu: args.cpu,
+            quiet: args.quiet,
+        };
+        return mw::serve(&opts).context("perf server");
+    }
     if args.server {
         let opts = server::ServerOpts {
             bind: args.bind.clone(),
@@ -273,10 +340,13 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         };
         return server::serve(&opts).context("perf server");
     }
+    if args.layer != Layer::Verbs {
+        return run_middleware(&args);
+    }
     let test = if args.tcp_baseline {
         TestKind::TcpLat
     } else {
-        args.test
+        args.test.unwrap_or(Layer::Verbs.default_test())
     };
     let iters = args.iters.unwrap_or(test.default_iters());
     let template = RunParams {
@@ -315,18 +385,85 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             progress: !args.json,
         })?
     };
+    print_report(&args, &report)
+}
+
+fn print_report(args: &Args, report: &report::PerfReport) -> anyhow::Result<()> {
     if args.json {
         println!(
             "{}",
-            serde_json::to_string_pretty(&report).context("encode JSON")?
+            serde_json::to_string_pretty(report).context("encode JSON")?
         );
     } else {
-        print!("{}", report::render_text(&report));
+        print!("{}", report::render_text(report));
     }
     if report.errors > 0 {
         anyhow::bail!("{} data check(s) failed", report.errors);
     }
     Ok(())
+}
+
+/// `--layer channel|rpc`: the middleware measurements ([`mw`]).
+fn run_middleware(args: &Args) -> anyhow::Result<()> {
+    let layer = args.layer;
+    let test = args.test.unwrap_or(layer.default_test());
+    if args.tcp_baseline {
+        anyhow::bail!(
+            "--tcp-baseline measures kernel TCP, not --layer {}",
+            layer.name()
+        );
+    }
+    if !args.dev_opts.is_empty() {
+        anyhow::bail!(
+            "-o provider options apply to --layer verbs; the middleware opens devices itself"
+        );
+    }
+    if args.callers == 0 || args.callers > 1024 {
+        anyhow::bail!("--callers {} not in 1..=1024", args.callers);
+    }
+    let iters = args.iters.unwrap_or(test.default_iters());
+    let warmup = args.warmup.unwrap_or((iters / 10).min(1000));
+    let sizes = if args.all {
+        size::sweep()
+    } else {
+        vec![args.size.0]
+    };
+    for &s in &sizes {
+        mw::validate(layer, test, s, iters, warmup)?;
+    }
+    let plan = |server: String, local, client_cpu, server_cpu| mw::ClientPlan {
+        server,
+        layer,
+        device: args.device.clone(),
+        test,
+        sizes: sizes.clone(),
+        iters,
+        warmup,
+        callers: args.callers,
+        local,
+        client_cpu,
+        server_cpu,
+    };
+    let report = if args.local {
+        let extra = vec![
+            "--layer".to_string(),
+            layer.name().to_string(),
+            "--device".to_string(),
+            args.device.clone(),
+        ];
+        with_local_server(args, &extra, |addr, client_cpu, server_cpu| {
+            mw::run_client(&plan(addr, true, client_cpu, server_cpu))
+        })?
+    } else {
+        let Some(target) = args.target.clone() else {
+            anyhow::bail!("give a server HOST:PORT (its middleware listen address), or --local");
+        };
+        if let Some(cpu) = args.cpu {
+            affinity::pin(cpu)?;
+        }
+        mw::run_client(&plan(target, false, args.cpu, None))?
+    };
+    print_report(args, &report)
 }
 
 /// Kills and reaps the local server child unless it was waited for.
@@ -342,6 +479,27 @@ impl Drop for ChildGuard {
 }
 
 fn run_local(args: &Args, template: RunParams, sizes: Vec<u32>) -> Result<report::PerfReport> {
+    with_local_server(args, &[], |addr, client_cpu, _server_cpu| {
+        client::run(&client::ClientPlan {
+            server: addr,
+            device: args.device.clone(),
+            options: args.dev_opts.iter().cloned().collect(),
+            template,
+            sizes,
+            local: true,
+            client_cpu,
+            progress: !args.json,
+        })
+    })
+}
+
+/// Start this binary as a one-session server child (with `extra` server arguments), read its
+/// address from its first stdout line, pin this thread, and run `client` against it.
+fn with_local_server<T>(
+    args: &Args,
+    extra: &[String],
+    client: impl FnOnce(String, Option<usize>, Option<usize>) -> Result<T>,
+) -> Result<T> {
     let cpus = affinity::available();
     let (default_client, default_server) = affinity::local_defaults(&cpus);
     let client_cpu = args.cpu.or(default_client);
@@ -363,6 +521,7 @@ fn run_local(args: &Args, template: RunParams, sizes: Vec<u32>) -> Result<report
         "--once",
         "--quiet",
     ]);
+    cmd.args(extra);
     if let Some(cpu) = server_cpu {
         cmd.args(["--cpu", &cpu.to_string()]);
     }
@@ -398,16 +557,7 @@ fn run_local(args: &Args, template: RunParams, sizes: Vec<u32>) -> Result<report
     if let Some(cpu) = client_cpu {
         affinity::pin(cpu)?;
     }
-    let report = client::run(&client::ClientPlan {
-        server: addr,
-        device: args.device.clone(),
-        options: args.dev_opts.iter().cloned().collect(),
-        template,
-        sizes,
-        local: true,
-        client_cpu,
-        progress: !args.json,
-    });
+    let report = client(addr, client_cpu, server_cpu);
 
     // The child exits after the session; give it a moment, then the guard kills it.
     if let Some(child) = guard.0.as_mut() {
@@ -492,8 +642,24 @@ mod tests {
             "x", "--local", "-d", "shm0", "-t", "write_bw", "-s", "64KiB",
         ])
         .expect("parse");
-        assert_eq!(t.a.test, TestKind::WriteBw);
+        assert_eq!(t.a.test, Some(TestKind::WriteBw));
+        assert_eq!(t.a.layer, Layer::Verbs);
         assert_eq!(t.a.size, MsgSize(65536));
+        let t = T::try_parse_from([
+            "x",
+            "--local",
+            "--layer",
+            "rpc",
+            "-t",
+            "rpc_rate",
+            "--callers",
+            "4",
+        ])
+        .expect("parse");
+        assert_eq!(t.a.layer, Layer::Rpc);
+        assert_eq!(t.a.test, Some(TestKind::RpcRate));
+        assert_eq!(t.a.callers, 4);
+        assert!(T::try_parse_from(["x", "--local", "--layer", "nope"]).is_err());
         assert!(T::try_parse_from(["x", "--local", "-t", "nope"]).is_err());
         assert!(T::try_parse_from(["x", "--local", "-s", "0"]).is_err());
         assert!(T::try_parse_from(["x", "--local", "-s", "8", "-a"]).is_err());

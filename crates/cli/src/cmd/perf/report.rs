@@ -104,6 +104,12 @@ pub struct BwStats {
     pub mmsg_s: f64,
     /// Messages the server counted (send_bw), all runs included.
     pub server_messages: Option<u64>,
+    /// Concurrent callers (`rpc_rate` only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub callers: Option<u32>,
+    /// Completed calls per second (`rpc_rate` only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub calls_per_s: Option<f64>,
     /// Failed data checks.
     pub errors: u64,
 }
@@ -124,6 +130,8 @@ impl BwStats {
             gbit_s: bytes as f64 * 8.0 / secs / 1e9,
             mmsg_s: iters as f64 / secs / 1e6,
             server_messages: None,
+            callers: None,
+            calls_per_s: None,
             errors: 0,
         }
     }
@@ -154,6 +162,8 @@ impl RunResult {
 pub struct PerfReport {
     /// Always `fabriq perf`.
     pub tool: &'static str,
+    /// Layer measured: `verbs`, `channel` (fabriq::Channel) or `rpc` (fabriq::Rpc).
+    pub layer: &'static str,
     /// Test name.
     pub test: String,
     /// Device.
@@ -187,8 +197,9 @@ pub fn render_text(r: &PerfReport) -> String {
     let _ = writeln!(out, "{rule}");
     let _ = writeln!(
         out,
-        " fabriq perf: {}  device {} ({})  mode {}  server {}{}",
+        " fabriq perf: {}  layer {}  device {} ({})  mode {}  server {}{}",
         r.test,
+        r.layer,
         r.device,
         r.provider,
         r.mode,
@@ -250,7 +261,7 @@ pub fn render_text(r: &PerfReport) -> String {
                     " {:>10} {:>9} {:>7} {:>12.1} {:>10.3} {:>12.4} {:>6}",
                     human(u64::from(b.size)),
                     b.iters,
-                    b.tx_depth,
+                    b.callers.unwrap_or(b.tx_depth),
                     b.mib_s,
                     b.gbit_s,
                     b.mmsg_s,
@@ -356,6 +367,7 @@ mod tests {
         h.record(1000).expect("record");
         let r = PerfReport {
             tool: "fabriq perf",
+            layer: "verbs",
             test: "send_lat".into(),
             device: "shm0".into(),
             device_options: Default::default(),

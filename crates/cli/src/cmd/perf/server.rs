@@ -197,6 +197,12 @@ fn run_verbs(ctx: &Context, control: &mut Control, p: &RunParams) -> Result<Serv
         TestKind::TcpLat => {
             return Err(PerfError::Protocol("tcp_lat runs without a device".into()))
         }
+        TestKind::RpcLat | TestKind::RpcRate => {
+            return Err(PerfError::Protocol(format!(
+                "{} runs at --layer rpc",
+                p.test.name()
+            )))
+        }
     };
     Ok(report)
 }

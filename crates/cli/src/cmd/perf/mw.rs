@@ -1,0 +1,626 @@
+//! `fabriq perf --layer channel|rpc`: the same measurements one layer up, through the
+//! middleware's `fabriq::Channel` and `fabriq::Rpc` instead of raw verbs.
+//!
+//! There is no separate control connection: the middleware's own listen address is the
+//! rendezvous. The server (`--server --layer channel|rpc`) opens an `Endpoint` on its device,
+//! serves the `echo` RPC method, listens and prints its address on the first stdout line; the
+//! client connects one `Channel`, and every run is agreed on that channel with small JSON
+//! control messages ([`Ctl`]) between the data messages:
+//!
+//! ```text
+//! Run{test, size, iters, warmup} → Ready
+//! send_lat:  (warmup + iters) × [client data → server, same bytes back]
+//! send_bw:   warmup × data → Count{messages};  iters × data → Count{messages}  (clock: first
+//!            measured send .. the second Count)
+//! rpc_*:     calls of `echo` (served by the server's worker thread, not by this loop)
+//! End → Done{errors}
+//! Bye (server exits with --once)
+//! ```
+//!
+//! Each side knows from `Run` exactly how many data messages follow, so data and control never
+//! need to be told apart by content. Every wait is bounded by [`STALL`]; peer input (a bad
+//! `Run`, a wrong message length) becomes an error or a counted data-check failure, never a
+//! panic.
+//!
+//! Threads: the middleware's worker threads (spawned by `Endpoint::new`, outside the pinned
+//! CPU, see [`affinity::unpinned`]) move the bytes; the benchmark thread blocks in
+//! `recv_timeout` / `Rpc::call`. `rpc_rate` adds `--callers` caller threads.
+
+use std::io::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+use fabriq::{Channel, Config, Endpoint, Rpc};
+use hdrhistogram::Histogram;
+use serde::{Deserialize, Serialize};
+
+use super::affinity;
+use super::error::{PerfError, Result};
+use super::report::{BwStats, LatStats, LatencyKind, PerfReport, RunResult};
+use super::{Layer, TestKind, STALL};
+
+/// RPC method the server answers with its request.
+pub const ECHO: &str = "echo";
+
+/// Control messages on the benchmark channel.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum Ctl {
+    /// Client → server: the next run.
+    Run {
+        /// Test.
+        test: TestKind,
+        /// Message / request size, bytes.
+        size: u32,
+        /// Measured iterations.
+        iters: u64,
+        /// Warm-up iterations.
+        warmup: u64,
+    },
+    /// Server → client: ready for the data phase.
+    Ready,
+    /// Server → client (send_bw): messages received in the phase just ended.
+    Count {
+        /// Messages.
+        messages: u64,
+        /// Messages of the wrong length.
+        errors: u64,
+    },
+    /// Client → server: the run is over (latency, rpc tests).
+    End,
+    /// Server → client: its data-check failures in the run.
+    Done {
+        /// Failed checks.
+        errors: u64,
+    },
+    /// Server → client: the run was refused or failed.
+    Error {
+        /// Why.
+        message: String,
+    },
+    /// Client → server: session over.
+    Bye,
+}
+
+/// Largest control message accepted (a `Run` is well under 200 bytes).
+const MAX_CTL: usize = 4096;
+
+fn chan_err(context: impl Into<String>) -> impl FnOnce(fabriq::ChannelError) -> PerfError {
+    let context = context.into();
+    move |source| PerfError::Channel { context, source }
+}
+
+fn send_ctl(ch: &Channel, msg: &Ctl) -> Result<()> {
+    let bytes = serde_json::to_vec(msg)
+        .map_err(|e| PerfError::Protocol(format!("encode control message: {e}")))?;
+    ch.send_timeout(&bytes, STALL)
+        .map_err(chan_err("send a control message"))
+}
+
+fn recv_ctl(ch: &Channel, waiting_for: &str) -> Result<Ctl> {
+    let m = ch
+        .recv_timeout(STALL)
+        .map_err(chan_err(format!("wait for {waiting_for}")))?;
+    if m.len() > MAX_CTL {
+        return Err(PerfError::Protocol(format!(
+            "{}-byte message where a control message ({waiting_for}) was expected",
+            m.len()
+        )));
+    }
+    serde_json::from_slice(&m)
+        .map_err(|e| PerfError::Protocol(format!("bad control message ({waiting_for}): {e}")))
+}
+
+fn expect_ctl(ch: &Channel, waiting_for: &str) -> Result<Ctl> {
+    match recv_ctl(ch, waiting_for)? {
+        Ctl::Error { message } => Err(PerfError::Server(message)),
+        m => Ok(m),
+    }
+}
+
+/// Check a run's parameters for a middleware layer (command line or peer input).
+pub fn validate(layer: Layer, test: TestKind, size: u32, iters: u64, warmup: u64) -> Result<()> {
+    let ok = match layer {
+        Layer::Channel => matches!(test, TestKind::SendLat | TestKind::SendBw),
+        Layer::Rpc => matches!(test, TestKind::RpcLat | TestKind::RpcRate),
+        Layer::Verbs => false,
+    };
+    if !ok {
+        return Err(PerfError::Unsupported(format!(
+            "test {} is not available at --layer {} (channel: send_lat, send_bw; rpc: rpc_lat, rpc_rate)",
+            test.name(),
+            layer.name()
+        )));
+    }
+    if size == 0 || u64::from(size) > super::size::MAX_SIZE {
+        return Err(PerfError::Unsupported(format!(
+            "message size {size} not in 1..={}",
+            super::size::MAX_SIZE
+        )));
+    }
+    if iters == 0 {
+        return Err(PerfError::Unsupported(
+            "iterations must be at least 1".into(),
+        ));
+    }
+    if !iters.checked_add(warmup).is_some_and(|t| t <= u64::MAX / 2) {
+        return Err(PerfError::Unsupported("too many iterations".into()));
+    }
+    Ok(())
+}
+
+fn open_endpoint(device: &str) -> Result<Endpoint> {
+    let config = Config {
+        device: device.to_string(),
+        ..Config::default()
+    };
+    // Worker threads must not inherit a benchmark thread's single-CPU mask.
+    affinity::unpinned(|| Endpoint::new(config))
+        .map_err(chan_err(format!("open a middleware endpoint on {device}")))
+}
+
+/// What the middleware server needs.
+#[derive(Debug, Clone)]
+pub struct ServerOpts {
+    /// Listen address.
+    pub bind: String,
+    /// Device.
+    pub device: String,
+    /// Serve one session, then exit.
+    pub once: bool,
+    /// CPU to pin the serving thread to.
+    pub cpu: Option<usize>,
+    /// No per-session log lines.
+    pub quiet: bool,
+}
+
+/// Run the middleware-layer server: print the listen address, serve sessions.
+pub fn serve(opts: &ServerOpts) -> Result<()> {
+    let ep = open_endpoint(&opts.device)?;
+    ep.serve(ECHO, |req| Ok(req.to_vec()));
+    let listener = ep
+        .listen(opts.bind.as_str())
+        .map_err(chan_err(format!("listen on {}", opts.bind)))?;
+    if let Some(cpu) = opts.cpu {
+        affinity::pin(cpu)?;
+    }
+    println!(
+        "fabriq perf server (middleware, device {}) listening on {}",
+        opts.device,
+        listener.local_addr()
+    );
+    let _ = std::io::stdout().flush();
+    loop {
+        let ch = if opts.once {
+            listener
+                .accept_timeout(STALL)
+                .map_err(chan_err("wait for the client's channel"))?
+        } else {
+            listener.accept().map_err(chan_err("accept a channel"))?
+        };
+        let result = session(&ch);
+        if let Err(e) = &result {
+            let message = super::error::chain(e);
+            if send_ctl(
+                &ch,
+                &Ctl::Error {
+                    message: message.clone(),
+                },
+            )
+            .is_ok()
+            {
+                // Give the message time to leave before the endpoint goes; the wait ends early
+                // when the client closes.
+                let _ = ch.recv_timeout(Duration::from_secs(1));
+            }
+            if !opts.quiet {
+                eprintln!("fabriq perf server: session failed: {message}");
+            }
+        }
+        if opts.once {
+            return result;
+        }
+    }
+}
+
+fn session(ch: &Channel) -> Result<()> {
+    loop {
+        // Between runs the client may take its time (printing, the next size's set-up), but a
+        // vanished client must not hold the server forever.
+        match recv_ctl(ch, "the next run")? {
+            Ctl::Run {
+                test,
+                size,
+                iters,
+                warmup,
+            } => {
+                let layer = if matches!(test, TestKind::RpcLat | TestKind::RpcRate) {
+                    Layer::Rpc
+                } else {
+                    Layer::Channel
+                };
+                validate(layer, test, size, iters, warmup)?;
+                send_ctl(ch, &Ctl::Ready)?;
+                let errors = match test {
+                    TestKind::SendLat => serve_pingpong(ch, size, iters + warmup)?,
+                    TestKind::SendBw => {
+                        let e1 = serve_stream(ch, size, warmup)?;
+                        let e2 = serve_stream(ch, size, iters)?;
+                        e1 + e2
+                    }
+                    _ => 0,
+                };
+                match expect_ctl(ch, "the end of the run")? {
+                    Ctl::End => send_ctl(ch, &Ctl::Done { errors })?,
+                    other => {
+                        return Err(PerfError::Protocol(format!("expected End, got {other:?}")))
+                    }
+                }
+            }
+            Ctl::Bye => return Ok(()),
+            other => {
+                return Err(PerfError::Protocol(format!(
+                    "expected Run or Bye, got {other:?}"
+                )))
+            }
+        }
+    }
+}
+
+/// Echo `count` messages; count the ones of the wrong length.
+fn serve_pingpong(ch: &Channel, size: u32, count: u64) -> Result<u64> {
+    let mut errors = 0;
+    for _ in 0..count {
+        let m = ch
+            .recv_timeout(STALL)
+            .map_err(chan_err("send_lat: wait for a ping"))?;
+        if m.len() != size as usize {
+            errors += 1;
+        }
+        ch.send_timeout(&m, STALL)
+            .map_err(chan_err("send_lat: send the pong"))?;
+    }
+    Ok(errors)
+}
+
+/// Receive `count` messages and acknowledge the count.
+fn serve_stream(ch: &Channel, size: u32, count: u64) -> Result<u64> {
+    let mut errors = 0;
+    for _ in 0..count {
+        let m = ch
+            .recv_timeout(STALL)
+            .map_err(chan_err("send_bw: wait for a message"))?;
+        if m.len() != size as usize {
+            errors += 1;
+        }
+    }
+    send_ctl(
+        ch,
+        &Ctl::Count {
+            messages: count,
+            errors,
+        },
+    )?;
+    Ok(errors)
+}
+
+/// What the client side runs.
+#[derive(Debug, Clone)]
+pub struct ClientPlan {
+    /// The server's middleware listen address.
+    pub server: String,
+    /// Layer (channel or rpc).
+    pub layer: Layer,
+    /// Device.
+    pub device: String,
+    /// Test.
+    pub test: TestKind,
+    /// Sizes, one run each.
+    pub sizes: Vec<u32>,
+    /// Measured iterations per size.
+    pub iters: u64,
+    /// Warm-up iterations per size.
+    pub warmup: u64,
+    /// Concurrent callers (rpc_rate).
+    pub callers: u32,
+    /// Started the server as a local child?
+    pub local: bool,
+    /// Client CPU, if pinned.
+    pub client_cpu: Option<usize>,
+    /// Server CPU, if pinned.
+    pub server_cpu: Option<usize>,
+}
+
+fn provider_of(device: &str) -> String {
+    fabriq_verbs::devices()
+        .ok()
+        .and_then(|list| list.into_iter().find(|d| d.name == device))
+        .map(|d| d.provider)
+        .unwrap_or_else(|| "-".into())
+}
+
+fn payload(size: u32) -> Vec<u8> {
+    (0..size).map(|i| (i as u8).wrapping_mul(31)).collect()
+}
+
+/// Run a middleware-layer session against a server.
+pub fn run_client(plan: &ClientPlan) -> Result<PerfReport> {
+    let ep = open_endpoint(&plan.device)?;
+    let ch = ep
+        .connect(plan.server.as_str())
+        .map_err(chan_err(format!("connect to {}", plan.server)))?;
+    let rpc = Rpc::new(ch.clone());
+    let mut results = Vec::with_capacity(plan.sizes.len());
+    for &size in &plan.sizes {
+        validate(plan.layer, plan.test, size, plan.iters, plan.warmup)?;
+        send_ctl(
+            &ch,
+            &Ctl::Run {
+                test: plan.test,
+                size,
+                iters: plan.iters,
+                warmup: plan.warmup,
+            },
+        )?;
+        match expect_ctl(&ch, "Ready")? {
+            Ctl::Ready => {}
+            other => {
+                return Err(PerfError::Protocol(format!(
+                    "expected Ready, got {other:?}"
+                )))
+            }
+        }
+        let row = match plan.test {
+            TestKind::SendLat => send_lat(&ch, size, plan.iters, plan.warmup)?,
+            TestKind::SendBw => send_bw(&ch, size, plan.iters, plan.warmup)?,
+            TestKind::RpcLat => rpc_lat(&rpc, size, plan.iters, plan.warmup)?,
+            TestKind::RpcRate => rpc_rate(&rpc, size, plan.iters, plan.warmup, plan.callers)?,
+            other => {
+                return Err(PerfError::Unsupported(format!(
+                    "{} is a verbs-layer test",
+                    other.name()
+                )))
+            }
+        };
+        send_ctl(&ch, &Ctl::End)?;
+        let server_errors = match expect_ctl(&ch, "Done")? {
+            Ctl::Done { errors } => errors,
+            other => return Err(PerfError::Protocol(format!("expected Done, got {other:?}"))),
+        };
+        results.push(add_errors(row, server_errors));
+    }
+    send_ctl(&ch, &Ctl::Bye)?;
+    // Keep the endpoint (and its worker) until the server has the Bye and closes its side;
+    // the wait ends with the close (an error here) or after a bound.
+    let _ = ch.recv_timeout(Duration::from_secs(2));
+    let errors = results.iter().map(RunResult::errors).sum();
+    Ok(PerfReport {
+        tool: "fabriq perf",
+        layer: plan.layer.name(),
+        test: plan.test.name().to_string(),
+        device: plan.device.clone(),
+        device_options: Default::default(),
+        provider: provider_of(&plan.device),
+        mode: "worker".into(),
+        server: plan.server.clone(),
+        local: plan.local,
+        client_cpu: plan.client_cpu,
+        server_cpu: plan.server_cpu,
+        latency: plan.test.latency_kind(),
+        results,
+        errors,
+    })
+}
+
+fn add_errors(row: RunResult, more: u64) -> RunResult {
+    match row {
+        RunResult::Latency(mut l) => {
+            l.errors += more;
+            RunResult::Latency(l)
+        }
+        RunResult::Bandwidth(mut b) => {
+            b.errors += more;
+            RunResult::Bandwidth(b)
+        }
+    }
+}
+
+fn histogram() -> Result<Histogram<u64>> {
+    Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3)
+        .map_err(|e| PerfError::Protocol(format!("histogram: {e}")))
+}
+
+fn record(h: &mut Histogram<u64>, d: Duration) {
+    let ns = u64::try_from(d.as_nanos()).unwrap_or(u64::MAX).max(1);
+    h.saturating_record(ns);
+}
+
+fn send_lat(ch: &Channel, size: u32, iters: u64, warmup: u64) -> Result<RunResult> {
+    let buf = payload(size);
+    let mut h = histogram()?;
+    let mut errors = 0;
+    for i in 0..warmup + iters {
+        let t0 = Instant::now();
+        ch.send_timeout(&buf, STALL)
+            .map_err(chan_err("send_lat: send a ping"))?;
+        let m = ch
+            .recv_timeout(STALL)
+            .map_err(chan_err("send_lat: wait for the pong"))?;
+        let rtt = t0.elapsed();
+        if m[..] != buf[..] {
+            errors += 1;
+        }
+        if i >= warmup {
+            record(&mut h, rtt);
+        }
+    }
+    Ok(RunResult::Latency(LatStats::from_rtt(
+        size,
+        warmup,
+        LatencyKind::OneWay,
+        &h,
+        errors,
+    )))
+}
+
+/// Missing (or extra) messages according to the receiver's count.
+fn count_gap(ch: &Channel, expected: u64) -> Result<u64> {
+    match expect_ctl(ch, "the receiver's count")? {
+        Ctl::Count { messages, .. } => Ok(expected.abs_diff(messages)),
+        other => Err(PerfError::Protocol(format!(
+            "expected Count, got {other:?}"
+        ))),
+    }
+}
+
+fn send_bw(ch: &Channel, size: u32, iters: u64, warmup: u64) -> Result<RunResult> {
+    let buf = payload(size);
+    for _ in 0..warmup {
+        ch.send_timeout(&buf, STALL)
+            .map_err(chan_err("send_bw: send (warm-up)"))?;
+    }
+    // Wrong lengths come back in Done; the counts check completeness.
+    let warm_gap = count_gap(ch, warmup)?;
+    let t0 = Instant::now();
+    for _ in 0..iters {
+        ch.send_timeout(&buf, STALL)
+            .map_err(chan_err("send_bw: send"))?;
+    }
+    let missing = count_gap(ch, iters)?;
+    let elapsed = t0.elapsed().as_secs_f64();
+    let mut b = BwStats::new(size, iters, warmup, 0, elapsed);
+    b.server_messages = Some(iters.saturating_sub(missing));
+    b.errors = warm_gap + missing;
+    Ok(RunResult::Bandwidth(b))
+}
+
+fn rpc_err(context: &'static str) -> impl FnOnce(fabriq::RpcError) -> PerfError {
+    move |source| PerfError::Rpc {
+        context: context.into(),
+        source,
+    }
+}
+
+fn rpc_lat(rpc: &Rpc, size: u32, iters: u64, warmup: u64) -> Result<RunResult> {
+    let buf = payload(size);
+    let mut h = histogram()?;
+    let mut errors = 0;
+    for i in 0..warmup + iters {
+        let t0 = Instant::now();
+        let reply = rpc
+            .call(ECHO, &buf, STALL)
+            .map_err(rpc_err("rpc_lat: call echo"))?;
+        let rtt = t0.elapsed();
+        if reply != buf {
+            errors += 1;
+        }
+        if i >= warmup {
+            record(&mut h, rtt);
+        }
+    }
+    Ok(RunResult::Latency(LatStats::from_rtt(
+        size,
+        warmup,
+        LatencyKind::RoundTrip,
+        &h,
+        errors,
+    )))
+}
+
+fn rpc_rate(rpc: &Rpc, size: u32, iters: u64, warmup: u64, callers: u32) -> Result<RunResult> {
+    let callers = u64::from(callers.max(1));
+    let buf = Arc::new(payload(size));
+    let errors = Arc::new(AtomicU64::new(0));
+    // Callers plus this thread: everyone warmed up before the clock starts.
+    let start = Arc::new(Barrier::new(callers as usize + 1));
+    let mut threads = Vec::with_capacity(callers as usize);
+    for c in 0..callers {
+        // Spread iterations and warm-up over the callers; the first ones take the remainder.
+        let share = |total: u64| total / callers + u64::from(c < total % callers);
+        let (n, w) = (share(iters), share(warmup));
+        let (rpc, buf, errors, start) = (rpc.clone(), buf.clone(), errors.clone(), start.clone());
+        let spawned = std::thread::Builder::new()
+            .name(format!("perf-caller-{c}"))
+            .spawn(move || -> Result<()> {
+                let one = |what: &'static str| -> Result<()> {
+                    let reply = rpc.call(ECHO, &buf, STALL).map_err(rpc_err(what))?;
+                    if reply[..] != buf[..] {
+                        errors.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Ok(())
+                };
+                let warm = (0..w).try_for_each(|_| one("rpc_rate: call echo (warm-up)"));
+                start.wait();
+                warm?;
+                (0..n).try_for_each(|_| one("rpc_rate: call echo"))
+            });
+        match spawned {
+            Ok(t) => threads.push(t),
+            Err(e) => {
+                // Callers already started stay parked on the barrier; the process is about to
+                // report the error and exit, which ends them.
+                return Err(PerfError::Unsupported(format!(
+                    "cannot start caller thread {c}: {e}"
+                )));
+            }
+        }
+    }
+    start.wait();
+    let t0 = Instant::now();
+    let mut first_err = None;
+    for t in threads {
+        match t.join() {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                first_err.get_or_insert(e);
+            }
+            Err(_) => {
+                first_err.get_or_insert(PerfError::Protocol("a caller thread panicked".into()));
+            }
+        }
+    }
+    let elapsed = t0.elapsed().as_secs_f64();
+    if let Some(e) = first_err {
+        return Err(e);
+    }
+    let mut b = BwStats::new(size, iters, warmup, 0, elapsed);
+    b.callers = Some(callers as u32);
+    b.calls_per_s = Some(iters as f64 / elapsed.max(1e-9));
+    b.errors = errors.load(Ordering::Relaxed);
+    Ok(RunResult::Bandwidth(b))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn control_messages_round_trip_as_json() {
+        let m = Ctl::Run {
+            test: TestKind::RpcRate,
+            size: 8,
+            iters: 10,
+            warmup: 1,
+        };
+        let bytes = serde_json::to_vec(&m).expect("encode");
+        assert!(bytes.len() < MAX_CTL);
+        let back: Ctl = serde_json::from_slice(&bytes).expect("decode");
+        assert_eq!(back, m);
+        assert!(serde_json::from_slice::<Ctl>(b"\x00\x01garbage").is_err());
+    }
+
+    #[test]
+    fn tests_belong_to_their_layer() {
+        assert!(validate(Layer::Channel, TestKind::SendLat, 8, 10, 0).is_ok());
+        assert!(validate(Layer::Channel, TestKind::SendBw, 8, 10, 0).is_ok());
+        assert!(validate(Layer::Rpc, TestKind::RpcLat, 8, 10, 0).is_ok());
+        assert!(validate(Layer::Rpc, TestKind::RpcRate, 8, 10, 0).is_ok());
+        assert!(validate(Layer::Channel, TestKind::RpcLat, 8, 10, 0).is_err());
+        assert!(validate(Layer::Rpc, TestKind::SendLat, 8, 10, 0).is_err());
+        assert!(validate(Layer::Channel, TestKind::WriteLat, 8, 10, 0).is_err());
+        assert!(validate(Layer::Channel, TestKind::SendLat, 0, 10, 0).is_err());
+        assert!(validate(Layer::Channel, TestKind::SendLat, 8, 0, 0).is_err());
+        assert!(validate(Layer::Rpc, TestKind::RpcLat, 8, u64::MAX, 1).is_err());
+    }
+}

@@ -184,10 +184,22 @@ fn multipath_keeps_goodput_under_loss_where_single_path_does_not() {
     let mp = ["mode=multi", "paths=16"];
     let sp = ["mode=single", "paths=1", "line_rate_mbps=40"];
 
-    let mp_clean = goodput(&f, &mp, 0);
-    f.sh(&["loss", &lossy, "50"]);
-    let mp_lossy = goodput(&f, &mp, 1);
-    let sp_lossy = goodput(&f, &sp, 2);
+    // Lossless and lossy runs alternate, three of each, and their medians are compared, so a
+    // burst of load on this shared machine during one run does not decide the outcome.
+    let (mut clean, mut lossy_runs) = (Vec::new(), Vec::new());
+    for round in 0..3u16 {
+        f.sh(&["clear", &lossy]);
+        clean.push(goodput(&f, &mp, 2 * round));
+        f.sh(&["loss", &lossy, "50"]);
+        lossy_runs.push(goodput(&f, &mp, 2 * round + 1));
+    }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let mp_clean = median(&mut clean);
+    let mp_lossy = median(&mut lossy_runs);
+    let sp_lossy = goodput(&f, &sp, 6);
     eprintln!("{}", f.sh(&["counters"]));
     eprintln!(
         "goodput Mbit/s: multi-path lossless {mp_clean:.1}, multi-path 0.5% loss on spine {lossy} \

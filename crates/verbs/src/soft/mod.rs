@@ -4,6 +4,7 @@
 //! Owns the parts of a reliable-connected QP that do not depend on how bytes travel:
 //! - [`cq`]: a bounded completion queue with overflow detection and an event fd;
 //! - [`mr`]: the per-PD memory-region table and every access to registered memory;
+//! - [`pd`]: the protection domain (MR table, SRQs) with provider-specific QP creation;
 //! - [`rq`]: receive queues and shared receive queues;
 //! - [`wire`]: the request/response frame format and its never-panicking decoder;
 //! - [`responder`]: executes incoming requests against local memory;
@@ -17,6 +18,7 @@
 
 pub mod cq;
 pub mod mr;
+pub mod pd;
 pub mod qp;
 pub mod requester;
 pub mod responder;

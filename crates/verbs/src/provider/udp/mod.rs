@@ -38,13 +38,14 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::provider::{ContextOps, CqOps, MrOps, PdOps, Provider, QpOps, SrqOps};
+use crate::provider::{ContextOps, CqOps, PdOps, Provider, QpOps};
 use crate::soft::cq::SoftCq;
-use crate::soft::mr::{MrTable, SoftMr};
+use crate::soft::mr::MrTable;
+use crate::soft::pd::{QpFactory, SoftPd};
 use crate::soft::rq::SoftSrq;
 use crate::{
-    AccessFlags, AtomicCap, Capabilities, DeviceAttr, DeviceConfig, DeviceInfo, PortAttr,
-    PortState, QpInitAttr, Result, SrqInitAttr, Transport, VerbsError,
+    AtomicCap, Capabilities, DeviceAttr, DeviceConfig, DeviceInfo, PortAttr, PortState, QpInitAttr,
+    Result, Transport, VerbsError,
 };
 
 use engine::Engine;
@@ -237,10 +238,7 @@ impl ContextOps for Engine {
     }
     fn alloc_pd(&self) -> Result<Arc<dyn PdOps>> {
         let engine = self.self_arc()?;
-        Ok(Arc::new(UdpPd {
-            engine,
-            table: MrTable::new(),
-        }))
+        Ok(Arc::new(SoftPd::new(UdpQpFactory(engine), MAX_SGE)))
     }
     fn create_cq(&self, cqe: u32) -> Result<Arc<dyn CqOps>> {
         Ok(Arc::new(SoftCq::new(cqe)?))
@@ -250,96 +248,19 @@ impl ContextOps for Engine {
     }
 }
 
-/// A protection domain: an MR table shared by its QPs and SRQs.
-struct UdpPd {
-    engine: Arc<Engine>,
-    table: Arc<MrTable>,
-}
+/// QP creation for this provider's PDs (everything else is [`SoftPd`]'s).
+struct UdpQpFactory(Arc<Engine>);
 
-impl PdOps for UdpPd {
-    unsafe fn reg_mr(
+impl QpFactory for UdpQpFactory {
+    fn create_qp(
         &self,
-        addr: *mut u8,
-        len: usize,
-        access: AccessFlags,
-    ) -> Result<Box<dyn MrOps>> {
-        // SAFETY: forwarded contract of `ProtectionDomain::reg_mr`: the memory stays valid until
-        // the region is dropped.
-        let mr = unsafe {
-            self.table
-                .register(addr as usize as u64, len as u64, access, None)
-        };
-        Ok(Box::new(mr))
-    }
-
-    fn alloc_mr(&self, len: usize, access: AccessFlags) -> Result<Box<dyn MrOps>> {
-        Ok(Box::new(SoftMr::alloc(&self.table, len, access)?))
-    }
-
-    fn create_qp(&self, init: &QpInitAttr<'_>) -> Result<Arc<dyn QpOps>> {
-        let soft_cq = |cq: &crate::CompletionQueue| -> Result<SoftCq> {
-            cq.ops()
-                .as_any()
-                .downcast_ref::<SoftCq>()
-                .cloned()
-                .ok_or_else(|| VerbsError::InvalidArgument("CQ of another provider".into()))
-        };
-        let send_cq = soft_cq(init.send_cq)?;
-        let recv_cq = soft_cq(init.recv_cq)?;
-        let srq = match init.srq {
-            Some(s) => {
-                let srq =
-                    s.ops().as_any().downcast_ref::<UdpSrq>().ok_or_else(|| {
-                        VerbsError::InvalidArgument("SRQ of another provider".into())
-                    })?;
-                if !Arc::ptr_eq(srq.srq.table(), &self.table) {
-                    return Err(VerbsError::InvalidArgument("SRQ of another PD".into()));
-                }
-                Some(srq.srq.clone())
-            }
-            None => None,
-        };
-        let qp = qp::UdpQp::create(
-            &self.engine,
-            init,
-            send_cq,
-            recv_cq,
-            srq,
-            self.table.clone(),
-        )?;
+        init: &QpInitAttr<'_>,
+        send_cq: SoftCq,
+        recv_cq: SoftCq,
+        srq: Option<SoftSrq>,
+        table: Arc<MrTable>,
+    ) -> Result<Arc<dyn QpOps>> {
+        let qp = qp::UdpQp::create(&self.0, init, send_cq, recv_cq, srq, table)?;
         Ok(qp)
-    }
-
-    fn create_srq(&self, init: &SrqInitAttr) -> Result<Arc<dyn SrqOps>> {
-        if init.max_sge > MAX_SGE {
-            return Err(VerbsError::LimitExceeded(format!(
-                "srq max_sge {} exceeds {MAX_SGE}",
-                init.max_sge
-            )));
-        }
-        Ok(Arc::new(UdpSrq {
-            srq: SoftSrq::new(init, self.table.clone()),
-        }))
-    }
-
-    fn as_any(&self) -> &dyn Any {
-        self
-    }
-}
-
-/// An SRQ of this provider.
-struct UdpSrq {
-    srq: SoftSrq,
-}
-
-impl SrqOps for UdpSrq {
-    fn post_recv(&self, wrs: &[crate::RecvWr<'_>]) -> Result<(), crate::PostError> {
-        self.srq.post_recv(wrs)
-    }
-    fn outstanding(&self) -> u32 {
-        self.srq.outstanding()
-    }
-    fn as_any(&self) -> &dyn Any {
-        self
     }
 }

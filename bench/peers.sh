@@ -309,8 +309,8 @@ write_report() {
         echo "| repetitions | $R per cell, median shown |"
         echo "| pinning | client on CPU $CLIENT_CPU, server on CPU $SERVER_CPU (fabriq pins itself; peers via taskset) |"
         echo
-        echo "**Read these numbers with care.** The machine is a shared 2-core VM on which other"
-        echo "builds and tests were running at the same time; the two benchmark processes busy-poll"
+        echo "**Read these numbers with care.** The machine is a shared 2-core VM (other tenants,"
+        echo "load average \`$(cut -d' ' -f1-3 /proc/loadavg 2>/dev/null)\` when the run ended); the two benchmark processes busy-poll"
         echo "one core each and get preempted whenever anything else runs. Medians hide part of that"
         echo "noise, not all of it, and every tool suffers it alike. Treat the tables as a"
         echo "side-by-side comparison on one noisy box, not as the speed of the software."

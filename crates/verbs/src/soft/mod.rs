@@ -3,6 +3,7 @@
 //!
 //! Owns the parts of a reliable-connected QP that do not depend on how bytes travel:
 //! - [`cq`]: a bounded completion queue with overflow detection and an event fd;
+//! - [`device`]: the device and port attributes the software providers share;
 //! - [`mr`]: the per-PD memory-region table and every access to registered memory;
 //! - [`pd`]: the protection domain (MR table, SRQs) with provider-specific QP creation;
 //! - [`rq`]: receive queues and shared receive queues;
@@ -17,6 +18,7 @@
 //! `docs/arch/soft.md`.
 
 pub mod cq;
+pub mod device;
 pub mod mr;
 pub mod pd;
 pub mod qp;

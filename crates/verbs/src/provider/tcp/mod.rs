@@ -33,12 +33,13 @@ use std::time::Duration;
 
 use crate::provider::{ContextOps, CqOps, PdOps, Provider, QpOps};
 use crate::soft::cq::SoftCq;
+use crate::soft::device::{self as soft_device, MAX_SGE};
 use crate::soft::mr::MrTable;
 use crate::soft::pd::{QpFactory, SoftPd};
 use crate::soft::rq::SoftSrq;
 use crate::{
-    AtomicCap, Capabilities, DeviceAttr, DeviceConfig, DeviceInfo, PortAttr, PortState, QpInitAttr,
-    Result, Transport, VerbsError,
+    Capabilities, DeviceAttr, DeviceConfig, DeviceInfo, PortAttr, QpInitAttr, Result, Transport,
+    VerbsError,
 };
 
 use engine::Engine;
@@ -48,10 +49,6 @@ const PROVIDER: &str = "tcp";
 const DEVICE: &str = "tcp0";
 /// Env variable overriding the default bind address.
 pub const BIND_ENV: &str = "FABRIQ_TCP_BIND";
-const MAX_INLINE: u32 = 4096;
-const MAX_SGE: u32 = 16;
-const MAX_QP_WR: u32 = 16384;
-const PORT_MTU: u32 = 4096;
 
 /// The `tcp` provider.
 pub struct TcpProvider;
@@ -145,64 +142,15 @@ impl Options {
     }
 }
 
-fn device_attr() -> DeviceAttr {
-    DeviceAttr {
-        fw_ver: env!("CARGO_PKG_VERSION").to_string(),
-        vendor_id: 0,
-        vendor_part_id: 0,
-        hw_ver: 0,
-        max_mr_size: 1 << 40,
-        page_size_cap: 4096,
-        max_qp: 1 << 16,
-        max_qp_wr: MAX_QP_WR,
-        max_sge: MAX_SGE,
-        max_cq: 1 << 16,
-        max_cqe: 1 << 20,
-        max_mr: 1 << 20,
-        max_pd: 1 << 16,
-        max_qp_init_rd_atom: 16,
-        max_qp_rd_atom: 16,
-        max_srq: 1 << 16,
-        max_srq_wr: MAX_QP_WR,
-        max_inline_data: MAX_INLINE,
-        atomic_cap: AtomicCap::Global,
-        phys_port_cnt: 1,
-        capabilities: Capabilities::SEND
-            | Capabilities::SEND_IMM
-            | Capabilities::WRITE
-            | Capabilities::WRITE_IMM
-            | Capabilities::READ
-            | Capabilities::ATOMICS
-            | Capabilities::SRQ
-            | Capabilities::INLINE
-            | Capabilities::CQ_EVENTS,
-    }
-}
-
 impl ContextOps for Engine {
     fn device(&self) -> &DeviceInfo {
         &self.device
     }
     fn query_device(&self) -> DeviceAttr {
-        device_attr()
+        soft_device::device_attr(Capabilities::empty())
     }
     fn query_port(&self, port: u8) -> Result<PortAttr> {
-        if port != 1 {
-            return Err(VerbsError::InvalidArgument(format!(
-                "tcp0 has port 1 only, not {port}"
-            )));
-        }
-        Ok(PortAttr {
-            port_num: 1,
-            state: PortState::Active,
-            max_mtu: PORT_MTU,
-            active_mtu: PORT_MTU,
-            link_layer: "tcp".to_string(),
-            lid: 0,
-            gid: [0; 16],
-            address: self.local_addr.to_string(),
-            speed_gbps: 0,
-        })
+        soft_device::port_attr(DEVICE, port, "tcp", self.local_addr)
     }
     fn alloc_pd(&self) -> Result<Arc<dyn PdOps>> {
         let engine = self.self_arc()?;

@@ -16,9 +16,10 @@ use std::time::{Duration, Instant};
 use parking_lot::{Mutex, MutexGuard};
 
 use super::engine::{Engine, ProgressMode, BUSY_GRACE};
-use super::{PORT_MTU, PROVIDER};
+use super::PROVIDER;
 use crate::provider::QpOps;
 use crate::soft::cq::SoftCq;
+use crate::soft::device::PORT_MTU;
 use crate::soft::mr::MrTable;
 use crate::soft::qp::{QpConfig, QpCore, Transition};
 use crate::soft::rq::SoftSrq;

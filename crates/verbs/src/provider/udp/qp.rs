@@ -182,7 +182,7 @@ impl UdpQp {
             psn,
             lid: 0,
             gid: [0; 16],
-            mtu: super::PORT_MTU,
+            mtu: crate::soft::device::PORT_MTU,
             extra,
         };
         let qp = Arc::new(UdpQp {

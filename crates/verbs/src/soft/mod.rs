@@ -11,6 +11,7 @@
 //! - [`responder`]: executes incoming requests against local memory;
 //! - [`requester`]: the ordered send queue, timers and retries;
 //! - [`qp`]: the QP state machine tying them together ([`qp::QpCore`]);
+//! - [`qp_table`]: a context's live QPs by number, and QP-number allocation;
 //! - [`tx`]: a connection's ordered output, sharing request frames instead of copying them.
 //!
 //! Everything here is sans-IO: no sockets, no threads, no clock. A provider wraps these in
@@ -22,6 +23,7 @@ pub mod device;
 pub mod mr;
 pub mod pd;
 pub mod qp;
+pub mod qp_table;
 pub mod requester;
 pub mod responder;
 pub mod rq;

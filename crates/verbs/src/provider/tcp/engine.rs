@@ -9,16 +9,17 @@ use std::collections::HashMap;
 use std::io::Read;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::OwnedFd;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
-use parking_lot::{Mutex, RwLock};
+use parking_lot::Mutex;
 use rustix::event::epoll;
 
 use super::qp::{Lock, TcpQp};
 use super::Options;
 use crate::soft::cq::ProgressHook;
+use crate::soft::qp_table::QpTable;
 use crate::soft::wire::{self, Frame};
 use crate::{DeviceInfo, Result, VerbsError};
 
@@ -80,9 +81,8 @@ pub(crate) struct Engine {
     pub weak_self: Weak<Engine>,
     listener: TcpListener,
     poller: Arc<Poller>,
-    qps: RwLock<HashMap<u32, Weak<TcpQp>>>,
+    qps: QpTable<TcpQp>,
     pending: Mutex<HashMap<u64, PendingConn>>,
-    next_qpn: AtomicU32,
     next_pending: AtomicU64,
     /// Busy mode: microseconds since the poller epoch of the last `drive` (0: never).
     last_drive_us: AtomicU64,
@@ -139,9 +139,8 @@ impl Engine {
             weak_self: weak.clone(),
             listener,
             poller: poller.clone(),
-            qps: RwLock::new(HashMap::new()),
+            qps: QpTable::new(first_qpn),
             pending: Mutex::new(HashMap::new()),
-            next_qpn: AtomicU32::new(first_qpn),
             next_pending: AtomicU64::new(0),
             last_drive_us: AtomicU64::new(0),
             deferred: Mutex::new(Vec::new()),
@@ -162,29 +161,23 @@ impl Engine {
 
     /// A fresh QP number (24 bits, never 0, unique in this context).
     pub fn alloc_qpn(&self) -> u32 {
-        let qps = self.qps.read();
-        loop {
-            let n = self.next_qpn.fetch_add(1, Ordering::Relaxed) & 0x00ff_ffff;
-            if n != 0 && !qps.contains_key(&n) {
-                return n;
-            }
-        }
+        self.qps.alloc_qpn()
     }
 
     pub fn add_qp(&self, qpn: u32, qp: &Arc<TcpQp>) {
-        self.qps.write().insert(qpn, Arc::downgrade(qp));
+        self.qps.insert(qpn, qp);
     }
 
     pub fn remove_qp(&self, qpn: u32) {
-        self.qps.write().remove(&qpn);
+        self.qps.remove(qpn);
     }
 
     fn qp(&self, qpn: u32) -> Option<Arc<TcpQp>> {
-        self.qps.read().get(&qpn).and_then(Weak::upgrade)
+        self.qps.get(qpn)
     }
 
     fn all_qps(&self) -> Vec<Arc<TcpQp>> {
-        self.qps.read().values().filter_map(Weak::upgrade).collect()
+        self.qps.all()
     }
 
     fn conn_flags(&self, out: bool) -> epoll::EventFlags {
@@ -445,7 +438,7 @@ impl ProgressHook for Engine {
             };
             // Upgrade under the read lock, work without it: dropping the last handle of a QP
             // here takes the write lock.
-            qps.extend(self.qps.read().values().filter_map(Weak::upgrade));
+            self.qps.extend_live(&mut qps);
             let now = Instant::now();
             self.last_drive_us
                 .store(self.now_us(now).max(1), Ordering::Relaxed);

@@ -5,14 +5,12 @@
 //! thread that reads datagrams and runs timers. Does not own any protocol decision: datagrams go
 //! to the QP named in their header ([`super::wire`]), which feeds its mpath connection.
 
-use std::collections::HashMap;
 use std::io::IoSlice;
 use std::net::{SocketAddr, UdpSocket};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
-use parking_lot::RwLock;
 use rustix::event::epoll;
 use rustix::fd::OwnedFd;
 
@@ -20,6 +18,7 @@ use super::qp::UdpQp;
 use super::sys::recv_with_tos;
 use super::wire::{Header, Kind};
 use super::Options;
+use crate::soft::qp_table::QpTable;
 use crate::{DeviceInfo, Result, VerbsError};
 
 const TOKEN_WAKE: u64 = u64::MAX;
@@ -62,8 +61,7 @@ pub(crate) struct Engine {
     sockets: Vec<UdpSocket>,
     poller: Arc<Poller>,
     epoch: Instant,
-    qps: RwLock<HashMap<u32, Weak<UdpQp>>>,
-    next_qpn: AtomicU32,
+    qps: QpTable<UdpQp>,
 }
 
 fn io_err(what: &'static str) -> impl FnOnce(std::io::Error) -> VerbsError {
@@ -170,8 +168,7 @@ impl Engine {
             sockets,
             poller: poller.clone(),
             epoch: Instant::now(),
-            qps: RwLock::new(HashMap::new()),
-            next_qpn: AtomicU32::new(first_qpn),
+            qps: QpTable::new(first_qpn),
         });
         let weak = Arc::downgrade(&engine);
         std::thread::Builder::new()
@@ -201,29 +198,23 @@ impl Engine {
 
     /// A fresh QP number (24 bits, never 0, unique in this context).
     pub fn alloc_qpn(&self) -> u32 {
-        let qps = self.qps.read();
-        loop {
-            let n = self.next_qpn.fetch_add(1, Ordering::Relaxed) & 0x00ff_ffff;
-            if n != 0 && !qps.contains_key(&n) {
-                return n;
-            }
-        }
+        self.qps.alloc_qpn()
     }
 
     pub fn add_qp(&self, qpn: u32, qp: &Arc<UdpQp>) {
-        self.qps.write().insert(qpn, Arc::downgrade(qp));
+        self.qps.insert(qpn, qp);
     }
 
     pub fn remove_qp(&self, qpn: u32) {
-        self.qps.write().remove(&qpn);
+        self.qps.remove(qpn);
     }
 
     fn qp(&self, qpn: u32) -> Option<Arc<UdpQp>> {
-        self.qps.read().get(&qpn).and_then(Weak::upgrade)
+        self.qps.get(qpn)
     }
 
     fn all_qps(&self) -> Vec<Arc<UdpQp>> {
-        self.qps.read().values().filter_map(Weak::upgrade).collect()
+        self.qps.all()
     }
 
     /// Send `header ‖ body` from the socket of virtual path `path` to `to`. A full or failing

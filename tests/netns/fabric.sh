@@ -31,6 +31,17 @@ SPINES=(1 2 3 4)
 A_ADDR=198.18.1.1; B_ADDR=198.18.2.1
 
 ns() { local n=$1; shift; ip netns exec "$n" "$@"; }
+
+# nftables (loss and ECN rules, counters) comes from Debian's package; install it when missing.
+need_tools() {
+  command -v nft >/dev/null && command -v tc >/dev/null && return 0
+  [ "$(id -u)" = 0 ] || return 1
+  command -v apt-get >/dev/null || return 1
+  echo "fabric: installing nftables iproute2" >&2
+  DEBIAN_FRONTEND=noninteractive apt-get update -q >/dev/null 2>&1 || true
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q nftables iproute2 >/dev/null 2>&1
+  command -v nft >/dev/null && command -v tc >/dev/null
+}
 sp() { echo "$P-s$1"; }
 
 down() {
@@ -127,11 +138,11 @@ reset_chain() {
 }
 
 case "${1:-}" in
-  up) up ;;
+  up) need_tools || { echo "fabric: nftables/tc unavailable" >&2; exit 1; }; up ;;
   down) down ;;
   check)
     [ "$(id -u)" = 0 ] || { echo "not root"; exit 1; }
-    command -v nft >/dev/null || { echo "nftables missing"; exit 1; }
+    need_tools || { echo "nftables or tc missing and cannot be installed"; exit 1; }
     ip netns add "$P-probe" 2>/dev/null || { echo "cannot create network namespaces"; exit 1; }
     ip netns del "$P-probe"; echo ok ;;
   shape)

@@ -20,10 +20,12 @@ pub fn peer_killed_moves_qp_to_error_and_flushes<P: TestProvider>(env: &Env<P>) 
     if !env.has(Capabilities::SEND) {
         return Ok(());
     }
-    // Short transport timers (~16 ms ACK timeout, 3 retries); RNR retried forever, so only the
-    // peer's death can end the outstanding SEND.
+    // Short transport timers (~67 ms ACK timeout, 3 retries: ~270 ms to give up on a dead peer);
+    // RNR retried forever, so only the peer's death can end the outstanding SEND. The timeout is
+    // well above the 100 ms probe below: on a slow (emulated) host soft-RoCE's retransmit timer
+    // can expire while RNR NAKs stall the SEND, and each expiry spends one retry.
     let local = ConnectOpts {
-        timeout: 12,
+        timeout: 14,
         retry_cnt: 3,
         rnr_retry: 7,
         ..ConnectOpts::default()

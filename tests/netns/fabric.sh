@@ -11,7 +11,10 @@
 #
 #   fabric.sh up                  build it (tears down first; idempotent)
 #   fabric.sh down                remove every namespace
-#   fabric.sh shape RATE          tbf RATE (e.g. 100mbit) on every spine egress, both directions
+#   fabric.sh shape RATE [R2 R3 R4]   tbf on every spine egress, both directions: RATE (e.g.
+#                                 100mbit) on all four, or RATE, R2, R3, R4 on spines 1..4
+#                                 (queue bound: $FABRIQ_TBF_LATENCY, default 20ms)
+#   fabric.sh unshape             remove the shaping
 #   fabric.sh loss K PERTENTHOUSAND   drop that share of packets forwarded by spine K (5 = 0.05%... 50 = 0.5%)
 #   fabric.sh ecn K PERCENT       mark CE on that share of ECT packets through spine K
 #   fabric.sh ecn-rate K PPS      mark CE on packets above PPS through spine K
@@ -20,7 +23,13 @@
 #   fabric.sh restore K           bring it back and re-add the routes the kernel dropped
 #   fabric.sh path SPORT DPORT    which spine l1 sends hA:SPORT → hB:DPORT (UDP) through
 #   fabric.sh counters            packets forwarded / dropped / marked per spine
+#   fabric.sh counters-json       the same as one JSON object {"s1":{"total":..,"drop":..,"ce":..},..}
+#   fabric.sh reset-counters      zero those counters
 #   fabric.sh check               exit 0 if namespaces can be made here (root, iproute2, veth)
+#
+# The hosts' interfaces cut UDP GSO sends into datagrams themselves (gso_max_segs 1), as a NIC
+# with segmentation offload would: every datagram crosses the fabric as its own packet, so loss,
+# ECN marking and the counters act per datagram.
 #
 # Namespace names take the prefix $FABRIQ_NETNS_PREFIX (default "fq"), e.g. fq-hA.
 set -euo pipefail
@@ -91,6 +100,8 @@ up() {
   link "$HB" eth0 "$L2" b
   ip -n "$HA" addr add $A_ADDR/24 dev eth0; ip -n "$L1" addr add 198.18.1.254/24 dev a
   ip -n "$HB" addr add $B_ADDR/24 dev eth0; ip -n "$L2" addr add 198.18.2.254/24 dev b
+  ip -n "$HA" link set dev eth0 gso_max_segs 1
+  ip -n "$HB" link set dev eth0 gso_max_segs 1
   ip -n "$HA" route add default via 198.18.1.254
   ip -n "$HB" route add default via 198.18.2.254
   router "$L1"; router "$L2"
@@ -146,10 +157,13 @@ case "${1:-}" in
     ip netns add "$P-probe" 2>/dev/null || { echo "cannot create network namespaces"; exit 1; }
     ip netns del "$P-probe"; echo ok ;;
   shape)
-    rate=$2
+    shift
+    rates=("$@")
+    [ "${#rates[@]}" = 1 ] && rates=("$1" "$1" "$1" "$1")
+    [ "${#rates[@]}" = 4 ] || { echo "shape: one rate or four" >&2; exit 2; }
     for k in "${SPINES[@]}"; do
       for dev in l1 l2; do
-        ns "$(sp "$k")" tc qdisc replace dev "$dev" root tbf rate "$rate" burst 32kb latency 20ms
+        ns "$(sp "$k")" tc qdisc replace dev "$dev" root tbf rate "${rates[$((k - 1))]}" burst 32kb latency "${FABRIQ_TBF_LATENCY:-20ms}"
       done
     done ;;
   unshape)
@@ -183,5 +197,16 @@ case "${1:-}" in
       ns "$(sp "$k")" nft list counters table inet fabriq | awk '/counter/ {n=$2} /packets/ {printf "%s=%s ", n, $2}'
       echo
     done ;;
-  *) sed -n '2,30p' "$0"; exit 2 ;;
+  counters-json)
+    sep='{'
+    for k in "${SPINES[@]}"; do
+      printf '%s"s%s":' "$sep" "$k"; sep=','
+      ns "$(sp "$k")" nft list counters table inet fabriq |
+        awk '/counter/ {n=$2; sub("ctr_", "", n)} /packets/ {v[n]=$2}
+             END {printf "{\"total\":%d,\"drop\":%d,\"ce\":%d}", v["total"], v["drop"], v["ce"]}'
+    done
+    echo '}' ;;
+  reset-counters)
+    for k in "${SPINES[@]}"; do ns "$(sp "$k")" nft reset counters table inet fabriq >/dev/null; done ;;
+  *) sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 2 ;;
 esac

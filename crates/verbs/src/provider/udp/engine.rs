@@ -4,6 +4,10 @@
 //! (`qpn → Weak<UdpQp>`), the clock edge (std `Instant` ↔ `fabriq_mpath::Instant`) and the
 //! thread that reads datagrams and runs timers. Does not own any protocol decision: datagrams go
 //! to the QP named in their header ([`super::wire`]), which feeds its mpath connection.
+//!
+//! System calls are batched ([`super::sys`]): a QP's pump hands over every datagram it produced
+//! at once, sent per socket with `sendmmsg` (optionally as UDP GSO messages), and the thread reads
+//! each ready socket with `recvmmsg` (optionally with UDP GRO).
 
 use std::io::IoSlice;
 use std::net::{SocketAddr, UdpSocket};
@@ -15,7 +19,7 @@ use rustix::event::epoll;
 use rustix::fd::OwnedFd;
 
 use super::qp::UdpQp;
-use super::sys::recv_with_tos;
+use super::sys::{self, RecvBatch, TxBatch};
 use super::wire::{Header, Kind};
 use super::Options;
 use crate::soft::qp_table::QpTable;
@@ -25,9 +29,10 @@ const TOKEN_WAKE: u64 = u64::MAX;
 const TOKEN_TIMER: u64 = u64::MAX - 1;
 /// Longest sleep of the progress thread when no timer is armed.
 const MAX_SLEEP: Duration = Duration::from_millis(500);
-/// Datagrams read from one socket per readiness event (epoll is level-triggered).
-const RECV_BUDGET: usize = 256;
-/// Largest datagram accepted.
+/// `recvmmsg` calls on one socket per wake-up (epoll is level-triggered), each of up to
+/// [`sys::BATCH`] datagrams.
+const RECV_CALLS: usize = 4;
+/// Largest datagram accepted (and receive slot size with GRO).
 const MAX_DATAGRAM: usize = 65_536;
 /// Socket buffer size asked for (the kernel may cap it).
 const SOCKET_BUFFER: usize = 8 << 20;
@@ -62,13 +67,40 @@ pub(crate) struct Engine {
     poller: Arc<Poller>,
     epoch: Instant,
     qps: QpTable<UdpQp>,
+    counters: Counters,
+}
+
+/// System-call counters of a context (relaxed atomics: statistics only).
+#[derive(Default)]
+struct Counters {
+    tx_calls: AtomicU64,
+    tx_datagrams: AtomicU64,
+    tx_dropped: AtomicU64,
+    rx_calls: AtomicU64,
+    rx_datagrams: AtomicU64,
+}
+
+/// What a `udp0` context's sockets did: system calls and datagrams, both directions.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct SocketStats {
+    /// `sendmmsg` calls (plus single sends of CLOSE datagrams).
+    pub tx_calls: u64,
+    /// Datagrams the kernel accepted.
+    pub tx_datagrams: u64,
+    /// Datagrams dropped on a send error (mpath resends them).
+    pub tx_dropped: u64,
+    /// `recvmmsg` calls that returned data.
+    pub rx_calls: u64,
+    /// Datagrams received (GRO receives counted per datagram).
+    pub rx_datagrams: u64,
 }
 
 fn io_err(what: &'static str) -> impl FnOnce(std::io::Error) -> VerbsError {
     move |e| VerbsError::io(what, e)
 }
 
-fn open_socket(addr: SocketAddr) -> Result<UdpSocket> {
+fn open_socket(addr: SocketAddr, gro: bool) -> Result<UdpSocket> {
     let s =
         UdpSocket::bind(addr).map_err(|e| VerbsError::io("udp0: bind a virtual-path socket", e))?;
     // Receives are non-blocking per call (MSG_DONTWAIT); sends block when the socket buffer is
@@ -85,6 +117,9 @@ fn open_socket(addr: SocketAddr) -> Result<UdpSocket> {
             .map_err(|e| VerbsError::io("udp0: set IP_TOS", e))?;
         rustix::net::sockopt::set_ip_recvtos(&s, true)
             .map_err(|e| VerbsError::io("udp0: set IP_RECVTOS", e))?;
+    }
+    if gro {
+        sys::enable_gro(&s).map_err(|e| VerbsError::io("udp0: set UDP_GRO", e))?;
     }
     Ok(s)
 }
@@ -104,7 +139,7 @@ impl Engine {
                 })?;
                 addr.set_port(port);
             }
-            sockets.push(open_socket(addr)?);
+            sockets.push(open_socket(addr, opts.gro)?);
         }
         let mut ports = Vec::with_capacity(sockets.len());
         for s in &sockets {
@@ -169,11 +204,18 @@ impl Engine {
             poller: poller.clone(),
             epoch: Instant::now(),
             qps: QpTable::new(first_qpn),
+            counters: Counters::default(),
         });
         let weak = Arc::downgrade(&engine);
+        let slot_len = if engine.opts.gro {
+            MAX_DATAGRAM
+        } else {
+            // The largest datagram a peer with the same MSS sends, with room to spare.
+            (usize::from(engine.opts.mpath.mss) + 512).clamp(2048, MAX_DATAGRAM)
+        };
         std::thread::Builder::new()
             .name(format!("fabriq-udp0-{}", local_addr.port()))
-            .spawn(move || progress_thread(weak, poller))
+            .spawn(move || progress_thread(weak, poller, slot_len))
             .map_err(|e| VerbsError::io("udp0: spawn progress thread", e))?;
         Ok(engine)
     }
@@ -240,10 +282,51 @@ impl Engine {
                 Err(rustix::io::Errno::INTR) => continue,
                 Err(e) => {
                     tracing::trace!(%e, %to, "udp0: datagram not sent");
+                    self.counters.tx_dropped.fetch_add(1, Ordering::Relaxed);
                     return;
                 }
-                Ok(_) => return,
+                Ok(_) => {
+                    self.counters.tx_calls.fetch_add(1, Ordering::Relaxed);
+                    self.counters.tx_datagrams.fetch_add(1, Ordering::Relaxed);
+                    return;
+                }
             }
+        }
+    }
+
+    /// Send and empty `batch`: per socket, in the order produced, with as few `sendmmsg` calls
+    /// as the batch allows (GSO messages where the device options ask for them).
+    pub fn send_batch(&self, batch: &mut TxBatch) {
+        if batch.is_empty() {
+            return;
+        }
+        let n = self.sockets.len().max(1);
+        let gso = self.opts.gso_segments;
+        // Sockets go in the order the pump first used them, not by index: a fixed order would
+        // make the peer find some virtual paths' datagrams first after every batch, and ACK
+        // clocking would hand those paths the window first, every time.
+        batch.for_each_socket(|sock_index, buf, run| {
+            let Some(sock) = self.sockets.get(usize::from(sock_index) % n) else {
+                return;
+            };
+            let out = sys::send_batch(sock, buf, run, gso);
+            let c = &self.counters;
+            c.tx_calls.fetch_add(out.calls, Ordering::Relaxed);
+            c.tx_datagrams.fetch_add(out.sent, Ordering::Relaxed);
+            c.tx_dropped.fetch_add(out.dropped, Ordering::Relaxed);
+        });
+        batch.clear();
+    }
+
+    /// The socket counters so far.
+    pub fn socket_stats(&self) -> SocketStats {
+        let c = &self.counters;
+        SocketStats {
+            tx_calls: c.tx_calls.load(Ordering::Relaxed),
+            tx_datagrams: c.tx_datagrams.load(Ordering::Relaxed),
+            tx_dropped: c.tx_dropped.load(Ordering::Relaxed),
+            rx_calls: c.rx_calls.load(Ordering::Relaxed),
+            rx_datagrams: c.rx_datagrams.load(Ordering::Relaxed),
         }
     }
 
@@ -275,54 +358,115 @@ impl Engine {
         }
     }
 
-    /// Read what socket `k` holds and hand each datagram to its QP; QPs that got input answer
-    /// once the batch is read.
-    fn drain_socket(&self, k: usize, buf: &mut [u8], touched: &mut Vec<Arc<UdpQp>>) {
+    /// Read what the ready sockets hold and hand each datagram to its QP. The sockets take
+    /// turns, one `recvmmsg` each, starting from a different one every wake-up: datagrams that
+    /// arrived together on different virtual paths reach mpath interleaved, as they arrived,
+    /// rather than one path's after another's in a fixed order.
+    fn drain(
+        &self,
+        ready: &mut Vec<usize>,
+        start: usize,
+        rx: &mut RecvBatch,
+        touched: &mut Vec<Arc<UdpQp>>,
+    ) {
+        if ready.is_empty() {
+            return;
+        }
+        let len = ready.len();
+        ready.rotate_left(start % len);
+        let mut last: Option<Arc<UdpQp>> = None;
+        for _ in 0..RECV_CALLS {
+            ready.retain(|&k| self.recv_once(k, rx, &mut last, touched) == sys::BATCH);
+            if ready.is_empty() {
+                break;
+            }
+        }
+        ready.clear();
+    }
+
+    /// One `recvmmsg` on socket `k`, each datagram handed to its QP; returns how many the call
+    /// returned (0: nothing queued or an error).
+    fn recv_once(
+        &self,
+        k: usize,
+        rx: &mut RecvBatch,
+        last: &mut Option<Arc<UdpQp>>,
+        touched: &mut Vec<Arc<UdpQp>>,
+    ) -> usize {
         let Some(sock) = self.sockets.get(k) else {
+            return 0;
+        };
+        let n = match rx.recv(sock) {
+            Ok(n) => n,
+            Err(e) => {
+                // ICMP errors (port unreachable) surface here; the peer's mpath timeout
+                // decides whether it is gone.
+                tracing::trace!(%e, "udp0: receive error");
+                return 0;
+            }
+        };
+        if n == 0 {
+            return 0;
+        }
+        self.counters.rx_calls.fetch_add(1, Ordering::Relaxed);
+        let now = Instant::now();
+        let mut datagrams = 0u64;
+        for got in &rx.got {
+            let Some(bytes) = rx.bytes(got) else {
+                continue;
+            };
+            // A GRO receive holds several datagrams of one sender, each `segment` long.
+            let step = if got.segment == 0 {
+                bytes.len().max(1)
+            } else {
+                got.segment
+            };
+            for dgram in bytes.chunks(step) {
+                datagrams += 1;
+                self.deliver(now, dgram, got.from, got.ce, last, touched);
+            }
+        }
+        self.counters
+            .rx_datagrams
+            .fetch_add(datagrams, Ordering::Relaxed);
+        n
+    }
+
+    /// Hand one datagram to the QP its header names.
+    fn deliver(
+        &self,
+        now: Instant,
+        dgram: &[u8],
+        from: SocketAddr,
+        ce: bool,
+        last: &mut Option<Arc<UdpQp>>,
+        touched: &mut Vec<Arc<UdpQp>>,
+    ) {
+        let Some((h, body)) = Header::decode(dgram) else {
+            tracing::debug!(%from, "udp0: foreign datagram dropped");
             return;
         };
-        let mut last: Option<Arc<UdpQp>> = None;
-        for _ in 0..RECV_BUDGET {
-            let got = match recv_with_tos(sock, buf) {
-                Ok(Some(g)) => g,
-                Ok(None) => break,
-                Err(e) => {
-                    // ICMP errors (port unreachable) surface here; the peer's mpath timeout
-                    // decides whether it is gone.
-                    tracing::trace!(%e, "udp0: receive error");
-                    continue;
+        let qp = match last.as_ref() {
+            Some(q) if q.qp_num_raw() == h.dst_qpn => q.clone(),
+            _ => match self.qp(h.dst_qpn) {
+                Some(q) => q,
+                None => {
+                    tracing::debug!(qpn = h.dst_qpn, "udp0: datagram for an unknown QP");
+                    return;
                 }
-            };
-            let Some(dgram) = buf.get(..got.len) else {
-                continue;
-            };
-            let Some((h, body)) = Header::decode(dgram) else {
-                tracing::debug!(from = %got.from, "udp0: foreign datagram dropped");
-                continue;
-            };
-            let qp = match &last {
-                Some(q) if q.qp_num_raw() == h.dst_qpn => q.clone(),
-                _ => match self.qp(h.dst_qpn) {
-                    Some(q) => q,
-                    None => {
-                        tracing::debug!(qpn = h.dst_qpn, "udp0: datagram for an unknown QP");
-                        continue;
-                    }
-                },
-            };
-            let now = Instant::now();
-            match h.kind {
-                Kind::Mpath => {
-                    if qp.handle_datagram(now, &h, got.from, got.ce, body)
-                        && !touched.iter().any(|t| Arc::ptr_eq(t, &qp))
-                    {
-                        touched.push(qp.clone());
-                    }
+            },
+        };
+        match h.kind {
+            Kind::Mpath => {
+                if qp.handle_datagram(now, &h, from, ce, body)
+                    && !touched.iter().any(|t| Arc::ptr_eq(t, &qp))
+                {
+                    touched.push(qp.clone());
                 }
-                Kind::Close => qp.handle_close(&h, got.from),
             }
-            last = Some(qp);
+            Kind::Close => qp.handle_close(&h, from),
         }
+        *last = Some(qp);
     }
 }
 
@@ -333,9 +477,11 @@ impl Drop for Engine {
     }
 }
 
-fn progress_thread(engine: Weak<Engine>, poller: Arc<Poller>) {
+fn progress_thread(engine: Weak<Engine>, poller: Arc<Poller>, slot_len: usize) {
     let mut events: Vec<epoll::Event> = Vec::with_capacity(64);
-    let mut buf = vec![0u8; MAX_DATAGRAM];
+    let mut rx = RecvBatch::new(slot_len);
+    let mut ready: Vec<usize> = Vec::new();
+    let mut wakeups = 0usize;
     let mut touched: Vec<Arc<UdpQp>> = Vec::new();
     loop {
         if poller.stop.load(Ordering::Acquire) {
@@ -403,9 +549,11 @@ fn progress_thread(engine: Weak<Engine>, poller: Arc<Poller>) {
                     let mut b = [0u8; 8];
                     let _ = rustix::io::read(&poller.timer, &mut b);
                 }
-                k => engine.drain_socket(k as usize, &mut buf, &mut touched),
+                k => ready.push(k as usize),
             }
         }
+        wakeups = wakeups.wrapping_add(1);
+        engine.drain(&mut ready, wakeups, &mut rx, &mut touched);
         let now = Instant::now();
         for qp in touched.drain(..) {
             qp.pump_now(now);

@@ -22,9 +22,12 @@
 //! multi | single` (MP-RDMA or the single-path baseline), `mss` (payload bytes per datagram,
 //! default fits a 1500-byte MTU), `min_rto_ms` (mpath RTO floor, default 2),
 //! `line_rate_mbps` (single-path rate cap, default 10000), `min_ack_timeout_ms` (RC safety-net
-//! timer floor, default 1000). Bind address: `DeviceConfig::bind_addr`, else `FABRIQ_UDP_BIND`,
-//! else `127.0.0.1:0`; a non-zero port makes the VP sockets take consecutive ports from it,
-//! port 0 gives each an ephemeral port. See `docs/arch/udp.md`.
+//! timer floor, default 1000), `delta` (mpath's out-of-order tolerance Δ in packets, default
+//! 32, below the 64-packet receive bitmap), `gso` (datagrams per UDP GSO send, 1 = off,
+//! default 1), `gro` (`on` | `off`, UDP GRO on receive, default off). Bind address:
+//! `DeviceConfig::bind_addr`, else `FABRIQ_UDP_BIND`, else `127.0.0.1:0`; a non-zero port
+//! makes the VP sockets take consecutive ports from it, port 0 gives each an ephemeral port.
+//! Counters for experiments: [`qp_stats`]. See `docs/arch/udp.md`.
 
 mod engine;
 mod qp;
@@ -50,6 +53,7 @@ use crate::{
 };
 
 use engine::Engine;
+pub use engine::SocketStats;
 
 const PROVIDER: &str = "udp";
 const DEVICE: &str = "udp0";
@@ -98,6 +102,10 @@ pub(crate) struct Options {
     pub bind: SocketAddr,
     pub paths: u16,
     pub min_ack_timeout: Duration,
+    /// Datagrams one UDP GSO send may carry (1: no GSO).
+    pub gso_segments: usize,
+    /// UDP GRO on the receive sockets.
+    pub gro: bool,
     /// Template of every QP's connection (the seed is drawn per connection).
     pub mpath: fabriq_mpath::Config,
 }
@@ -133,6 +141,8 @@ impl Options {
         };
         mpath.dcqcn.line_rate_bps = 10e9;
         let mut min_ack_timeout = Duration::from_millis(1000);
+        let mut gso_segments = 1usize;
+        let mut gro = false;
         for (k, v) in &config.options {
             match k.as_str() {
                 "paths" => {
@@ -152,10 +162,24 @@ impl Options {
                 "min_rto_ms" => mpath.min_rto = Duration::from_millis(num(k, v)?),
                 "line_rate_mbps" => mpath.dcqcn.line_rate_bps = num::<f64>(k, v)? * 1e6,
                 "min_ack_timeout_ms" => min_ack_timeout = Duration::from_millis(num(k, v)?),
+                "delta" => mpath.delta = num(k, v)?,
+                "gso" => {
+                    gso_segments = num(k, v)?;
+                    if gso_segments == 0 || gso_segments > sys::MAX_GSO_SEGMENTS {
+                        return Err(bad(k, v, "expected 1..=64 datagrams per send"));
+                    }
+                }
+                "gro" => {
+                    gro = match v.as_str() {
+                        "on" => true,
+                        "off" => false,
+                        _ => return Err(bad(k, v, "expected \"on\" or \"off\"")),
+                    }
+                }
                 _ => {
                     return Err(VerbsError::InvalidArgument(format!(
                         "unknown udp option {k:?} (known: paths, mode, mss, min_rto_ms, \
-                         line_rate_mbps, min_ack_timeout_ms)"
+                         line_rate_mbps, min_ack_timeout_ms, delta, gso, gro)"
                     )))
                 }
             }
@@ -168,6 +192,8 @@ impl Options {
             bind,
             paths: mpath.num_paths,
             min_ack_timeout,
+            gso_segments,
+            gro,
             mpath,
         })
     }
@@ -193,6 +219,26 @@ impl ContextOps for Engine {
     fn as_any(&self) -> &dyn Any {
         self
     }
+}
+
+/// Counters of one `udp` QP: its mpath connection's and its context's sockets'.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct QpStats {
+    /// The current connection's counters (else the last one's; `None` before the first RTR).
+    pub mpath: Option<fabriq_mpath::Stats>,
+    /// The context's socket counters (shared by every QP of the context).
+    pub sockets: SocketStats,
+}
+
+/// The counters of `qp`, or `None` if it is not a `udp` QP. For experiments and diagnostics:
+/// reordering (`mpath.max_ooo_gap`), retransmissions, system calls per datagram.
+pub fn qp_stats(qp: &crate::QueuePair) -> Option<QpStats> {
+    let udp = qp.ops().as_any().downcast_ref::<qp::UdpQp>()?;
+    Some(QpStats {
+        mpath: udp.stats(),
+        sockets: udp.engine().socket_stats(),
+    })
 }
 
 /// QP creation for this provider's PDs (everything else is [`SoftPd`]'s).

@@ -9,8 +9,9 @@
 //! QP to ERROR.
 //!
 //! The driver loop, [`UdpQp::pump`]: core requests → mpath `send` (a bounded backlog absorbs
-//! mpath's `QueueFull`) → mpath `poll_transmit` → sockets; mpath events → `handle_frame` →
-//! responses back into mpath; until nothing moves.
+//! mpath's `QueueFull`) → mpath `poll_transmit` → the pump's [`TxBatch`]; mpath events →
+//! `handle_frame` → responses back into mpath; until nothing moves. Then the batch leaves in as
+//! few system calls as the engine can manage (`sendmmsg`, per socket).
 
 use std::any::Any;
 use std::collections::VecDeque;
@@ -23,6 +24,7 @@ use fabriq_mpath::{Connection, Event, PathId, Payload, SendError};
 use parking_lot::Mutex;
 
 use super::engine::Engine;
+use super::sys::TxBatch;
 use super::wire::{Header, Kind};
 use super::PROVIDER;
 use crate::provider::QpOps;
@@ -84,6 +86,10 @@ struct Side {
     /// Scratch for core output (responses, ACKs) and for mpath datagrams.
     out: Vec<u8>,
     dgram: Vec<u8>,
+    /// Datagrams of the current pump, sent together when it ends.
+    tx: TxBatch,
+    /// The counters of the last connection, kept when it is dropped.
+    last_stats: Option<fabriq_mpath::Stats>,
     /// Our connection generation (bumped at every RTR; never 0).
     generation: u16,
     /// Highest peer generation seen so far, and the value it had at our last RTR: only
@@ -198,6 +204,8 @@ impl UdpQp {
                 last_request_psn: None,
                 out: Vec::new(),
                 dgram: Vec::with_capacity(2048),
+                tx: TxBatch::default(),
+                last_stats: None,
                 generation: 0,
                 peer_gen_seen: None,
                 peer_gen_floor: None,
@@ -226,6 +234,19 @@ impl UdpQp {
             .and_then(Connection::poll_timeout)
             .map(|t| self.engine.std_instant(t));
         [a, b, side.closing_at].into_iter().flatten().min()
+    }
+
+    /// The counters of the current connection, else of the last one.
+    pub fn stats(&self) -> Option<fabriq_mpath::Stats> {
+        let side = self.side.lock();
+        match side.conn.as_ref() {
+            Some(c) => Some(c.stats().clone()),
+            None => side.last_stats.clone(),
+        }
+    }
+
+    pub fn engine(&self) -> &Arc<Engine> {
+        &self.engine
     }
 
     /// Timers are due.
@@ -328,8 +349,9 @@ impl UdpQp {
                             src_qpn: self.qp_num.0,
                             path: vp,
                             generation: side.generation,
-                        };
-                        self.engine.send(vp, to, &h, body);
+                        }
+                        .encode();
+                        side.tx.push(vp, to, [&h, body]);
                     }
                 }
                 // 4. Events in.
@@ -385,6 +407,7 @@ impl UdpQp {
                 break;
             }
         }
+        self.engine.send_batch(&mut side.tx);
         if side.core.state() == QpState::Error && side.conn.is_some() {
             // Deliver what the core still owes the peer (a NAK that explains the error), then
             // leave; a silent peer does not keep the connection past LINGER.
@@ -424,6 +447,10 @@ impl UdpQp {
 
     /// Leave the connection: tell the peer (best effort) and drop the mpath state.
     fn close(&self, side: &mut Side) {
+        if let Some(conn) = side.conn.as_ref() {
+            side.last_stats = Some(conn.stats().clone());
+        }
+        side.tx.clear();
         if let (Some(_), Some(peer)) = (side.conn.take(), side.peer.as_ref()) {
             let h = Header {
                 kind: Kind::Close,

@@ -92,6 +92,10 @@ fn bad_options_are_refused() {
         ("mode", "zigzag"),
         ("nope", "1"),
         ("mss", "x"),
+        ("gso", "0"),
+        ("gso", "65"),
+        ("gro", "maybe"),
+        ("delta", "64"),
     ] {
         let mut cfg = DeviceConfig::default();
         cfg.options.insert(k.into(), v.into());
@@ -182,6 +186,37 @@ fn exercise(opts: &[(&str, &str)]) {
 #[test]
 fn multipath_send_write_read_atomic() {
     exercise(&[]);
+}
+
+#[test]
+fn multipath_with_gso_and_gro_send_write_read_atomic() {
+    // Loopback carries a GSO message whole into the GRO socket: the receive path splits it.
+    exercise(&[("gso", "16"), ("gro", "on")]);
+}
+
+#[test]
+fn qp_stats_count_datagrams_and_system_calls() {
+    let (a, b) = pair(&[]);
+    let sge = [a.mr.sge(0, 4096).unwrap()];
+    let rsge = [b.mr.sge(0, 4096).unwrap()];
+    b.qp.post_recv(&[RecvWr::new(1, &rsge)]).unwrap();
+    a.qp.post_send(&[SendWr::new(2, &sge, WrOpcode::Send)])
+        .unwrap();
+    wait(&a.cq, 1);
+    wait(&b.cq, 1);
+    let st = crate::provider::udp::qp_stats(&a.qp).expect("a udp QP");
+    let m = st.mpath.expect("connected");
+    assert!(
+        m.data_packets_sent >= 3,
+        "4 KiB take three datagrams: {m:?}"
+    );
+    assert!(st.sockets.tx_datagrams >= m.data_packets_sent);
+    assert!(st.sockets.tx_calls >= 1 && st.sockets.tx_calls <= st.sockets.tx_datagrams);
+    assert!(
+        st.sockets.rx_datagrams >= 1,
+        "ACKs came back: {:?}",
+        st.sockets
+    );
 }
 
 #[test]

@@ -1,10 +1,12 @@
 //! A context's table of live QPs by number: allocation of fresh 24-bit QP numbers and lookup
 //! of the QP an incoming frame names. Entries are weak, so dropping the last handle of a QP
-//! ends it; the table never keeps a QP alive.
+//! ends it; the table never keeps a QP alive. Also the timer round the progress thread runs
+//! over the table ([`TimedQp`]).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
 
 use parking_lot::RwLock;
 
@@ -60,5 +62,36 @@ impl<Q> QpTable<Q> {
         let mut v = Vec::new();
         self.extend_live(&mut v);
         v
+    }
+}
+
+/// A QP with timers the context's progress thread runs.
+pub trait TimedQp {
+    /// The QP's earliest deadline.
+    fn poll_timeout(&self) -> Option<Instant>;
+    /// Deadlines up to `now` are due.
+    fn on_timer(&self, now: Instant);
+}
+
+impl<Q: TimedQp> QpTable<Q> {
+    /// How long the progress thread may sleep: until the earliest QP deadline, at most
+    /// `max_sleep`.
+    pub fn next_timeout(&self, now: Instant, max_sleep: Duration) -> Duration {
+        let mut next = now + max_sleep;
+        for qp in self.all() {
+            if let Some(t) = qp.poll_timeout() {
+                next = next.min(t);
+            }
+        }
+        next.saturating_duration_since(now)
+    }
+
+    /// Run the timers of every QP with a deadline up to `now`.
+    pub fn run_timers(&self, now: Instant) {
+        for qp in self.all() {
+            if qp.poll_timeout().is_some_and(|t| t <= now) {
+                qp.on_timer(now);
+            }
+        }
     }
 }

@@ -1,15 +1,14 @@
-//! The progress engine of one `tcp0` context: the listener, the epoll set, the progress thread,
-//! the QP table, and connections that have not yet said which QP they are for.
+//! The progress engine of one `tcp0` context: the listener, the QP table, connections that have
+//! not yet said which QP they are for, and what the progress thread does with a ready fd.
 //!
-//! Owns the fds and the thread; QPs own their connections once attached. The thread holds only
-//! a `Weak` to the engine (plus the fds it waits on), so dropping the last handle of a context
-//! stops it.
+//! QPs own their connections once attached. The epoll set, wake-ups and the thread's loop are
+//! [`crate::soft::poller`]'s; the thread holds only a `Weak` to the engine, so dropping the last
+//! handle of a context stops it.
 
 use std::collections::HashMap;
 use std::io::Read;
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::os::fd::OwnedFd;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
@@ -17,9 +16,10 @@ use parking_lot::Mutex;
 use rustix::event::epoll;
 
 use super::qp::{Lock, TcpQp};
-use super::Options;
+use super::{Options, DEVICE};
 use crate::soft::cq::ProgressHook;
-use crate::soft::qp_table::QpTable;
+use crate::soft::poller::{self, Poller, SleepTimer};
+use crate::soft::qp_table::{QpTable, TimedQp};
 use crate::soft::wire::{self, Frame};
 use crate::{DeviceInfo, Result, VerbsError};
 
@@ -34,7 +34,6 @@ pub enum ProgressMode {
     Busy,
 }
 
-const TOKEN_WAKE: u64 = 0;
 const TOKEN_LISTENER: u64 = 1;
 const TOKEN_PENDING: u64 = 1 << 62;
 const TOKEN_QP: u64 = 1 << 61;
@@ -48,22 +47,6 @@ const MAX_PENDING: usize = 1024;
 /// An accepted connection must send its HELLO within this time.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 const HELLO_LEN: usize = wire::HEADER_LEN + 8;
-
-/// The fds the progress thread waits on; shared with the engine.
-struct Poller {
-    epoll: OwnedFd,
-    wake: OwnedFd,
-    stop: AtomicBool,
-    /// Microseconds since `epoch` until which the thread sleeps.
-    sleep_until_us: AtomicU64,
-    epoch: Instant,
-}
-
-impl Poller {
-    fn wake(&self) {
-        let _ = rustix::io::write(&self.wake, &1u64.to_ne_bytes());
-    }
-}
 
 struct PendingConn {
     accepted_at: Instant,
@@ -81,7 +64,7 @@ pub(crate) struct Engine {
     pub weak_self: Weak<Engine>,
     listener: TcpListener,
     poller: Arc<Poller>,
-    qps: QpTable<TcpQp>,
+    pub qps: QpTable<TcpQp>,
     pending: Mutex<HashMap<u64, PendingConn>>,
     next_pending: AtomicU64,
     /// Busy mode: microseconds since the poller epoch of the last `drive` (0: never).
@@ -102,34 +85,10 @@ impl Engine {
         let local_addr = listener
             .local_addr()
             .map_err(|e| VerbsError::io("tcp0: listener address", e))?;
-        let ep = epoll::create(epoll::CreateFlags::CLOEXEC)
-            .map_err(|e| VerbsError::io("tcp0: epoll_create", e))?;
-        let wake = rustix::event::eventfd(
-            0,
-            rustix::event::EventfdFlags::NONBLOCK | rustix::event::EventfdFlags::CLOEXEC,
-        )
-        .map_err(|e| VerbsError::io("tcp0: eventfd", e))?;
-        epoll::add(
-            &ep,
-            &wake,
-            epoll::EventData::new_u64(TOKEN_WAKE),
-            epoll::EventFlags::IN,
-        )
-        .map_err(|e| VerbsError::io("tcp0: epoll add", e))?;
-        epoll::add(
-            &ep,
-            &listener,
-            epoll::EventData::new_u64(TOKEN_LISTENER),
-            epoll::EventFlags::IN,
-        )
-        .map_err(|e| VerbsError::io("tcp0: epoll add", e))?;
-        let poller = Arc::new(Poller {
-            epoll: ep,
-            wake,
-            stop: AtomicBool::new(false),
-            sleep_until_us: AtomicU64::new(0),
-            epoch: Instant::now(),
-        });
+        let poller = Poller::new(DEVICE, SleepTimer::Epoll)?;
+        poller
+            .add(&listener, TOKEN_LISTENER, epoll::EventFlags::IN)
+            .map_err(|e| VerbsError::io("tcp0: epoll add", e))?;
         let first_qpn = (rand::random::<u32>() & 0x00ff_ffff).max(1);
         let engine = Arc::new_cyclic(|weak| Engine {
             device,
@@ -145,39 +104,26 @@ impl Engine {
             last_drive_us: AtomicU64::new(0),
             deferred: Mutex::new(Vec::new()),
         });
-        let weak = Arc::downgrade(&engine);
-        std::thread::Builder::new()
-            .name(format!("fabriq-tcp0-{}", local_addr.port()))
-            .spawn(move || progress_thread(weak, poller))
-            .map_err(|e| VerbsError::io("tcp0: spawn progress thread", e))?;
+        poller::spawn_progress_thread(
+            format!("fabriq-tcp0-{}", local_addr.port()),
+            Arc::downgrade(&engine),
+            poller,
+            |engine: &Engine, now| {
+                let t = engine.qps.next_timeout(now, MAX_SLEEP);
+                if engine.resume_deferred(now) {
+                    t.min(BUSY_GRACE)
+                } else {
+                    t
+                }
+            },
+            |engine: &Engine, events| {
+                for ev in events {
+                    engine.handle_event(ev.data.u64(), ev.flags);
+                }
+                engine.run_timers(Instant::now());
+            },
+        )?;
         Ok(engine)
-    }
-
-    pub fn self_arc(&self) -> Result<Arc<Engine>> {
-        self.weak_self
-            .upgrade()
-            .ok_or_else(|| VerbsError::InvalidArgument("tcp0 context is closing".into()))
-    }
-
-    /// A fresh QP number (24 bits, never 0, unique in this context).
-    pub fn alloc_qpn(&self) -> u32 {
-        self.qps.alloc_qpn()
-    }
-
-    pub fn add_qp(&self, qpn: u32, qp: &Arc<TcpQp>) {
-        self.qps.insert(qpn, qp);
-    }
-
-    pub fn remove_qp(&self, qpn: u32) {
-        self.qps.remove(qpn);
-    }
-
-    fn qp(&self, qpn: u32) -> Option<Arc<TcpQp>> {
-        self.qps.get(qpn)
-    }
-
-    fn all_qps(&self) -> Vec<Arc<TcpQp>> {
-        self.qps.all()
     }
 
     fn conn_flags(&self, out: bool) -> epoll::EventFlags {
@@ -195,30 +141,25 @@ impl Engine {
 
     /// Watch a QP's connection for input.
     pub fn register_conn(&self, qpn: u32, stream: &TcpStream) -> Result<()> {
-        epoll::add(
-            &self.poller.epoll,
-            stream,
-            epoll::EventData::new_u64(TOKEN_QP | u64::from(qpn)),
-            self.conn_flags(false),
-        )
-        .map_err(|e| VerbsError::io("tcp0: epoll add connection", e))
+        self.poller
+            .add(stream, TOKEN_QP | u64::from(qpn), self.conn_flags(false))
+            .map_err(|e| VerbsError::io("tcp0: epoll add connection", e))
     }
 
     /// (Re-)arm a QP's connection, watching for output room too when `out` (a write would
     /// block).
     pub fn set_out_interest(&self, qpn: u32, stream: &TcpStream, out: bool) {
-        if let Err(e) = epoll::modify(
-            &self.poller.epoll,
-            stream,
-            epoll::EventData::new_u64(TOKEN_QP | u64::from(qpn)),
-            self.conn_flags(out),
-        ) {
+        if let Err(e) = self
+            .poller
+            .modify(stream, TOKEN_QP | u64::from(qpn), self.conn_flags(out))
+        {
             tracing::warn!(qp = qpn, %e, "epoll modify failed");
         }
     }
 
     fn now_us(&self, now: Instant) -> u64 {
-        now.saturating_duration_since(self.poller.epoch).as_micros() as u64
+        now.saturating_duration_since(self.poller.epoch())
+            .as_micros() as u64
     }
 
     fn poller_active(&self, now: Instant) -> bool {
@@ -236,12 +177,12 @@ impl Engine {
         if self.poller_active(now) {
             return true;
         }
-        for qp in self.all_qps() {
+        for qp in self.qps.all() {
             qp.flush_held_ack(now, true);
         }
         let qpns = std::mem::take(&mut *self.deferred.lock());
         for qpn in qpns {
-            if let Some(qp) = self.qp(qpn) {
+            if let Some(qp) = self.qps.get(qpn) {
                 qp.rearm();
                 qp.drive_rx(Lock::Wait);
             }
@@ -251,21 +192,7 @@ impl Engine {
 
     /// Make sure the thread wakes by `deadline`.
     pub fn note_deadline(&self, deadline: Option<Instant>) {
-        let Some(d) = deadline else { return };
-        let us = d.saturating_duration_since(self.poller.epoch).as_micros() as u64;
-        if us < self.poller.sleep_until_us.load(Ordering::Acquire) {
-            self.poller.wake();
-        }
-    }
-
-    fn next_timeout(&self, now: Instant) -> Duration {
-        let mut next = now + MAX_SLEEP;
-        for qp in self.all_qps() {
-            if let Some(t) = qp.poll_timeout() {
-                next = next.min(t);
-            }
-        }
-        next.saturating_duration_since(now)
+        self.poller.note_deadline(deadline);
     }
 
     fn prune_pending(&self, now: Instant) {
@@ -277,7 +204,7 @@ impl Engine {
             let keep = now.saturating_duration_since(p.accepted_at) < HELLO_TIMEOUT;
             if !keep {
                 tracing::warn!(peer = ?p.stream.peer_addr().ok(), "tcp0: no HELLO in time; closed");
-                let _ = epoll::delete(&self.poller.epoll, &p.stream);
+                self.poller.delete(&p.stream);
             }
             keep
         });
@@ -285,24 +212,16 @@ impl Engine {
 
     fn run_timers(&self, now: Instant) {
         self.prune_pending(now);
-        for qp in self.all_qps() {
-            if qp.poll_timeout().is_some_and(|t| t <= now) {
-                qp.on_timer(now);
-            }
-        }
+        self.qps.run_timers(now);
     }
 
     fn handle_event(&self, token: u64, flags: epoll::EventFlags) {
         match token {
-            TOKEN_WAKE => {
-                let mut buf = [0u8; 8];
-                let _ = rustix::io::read(&self.poller.wake, &mut buf);
-            }
             TOKEN_LISTENER => self.accept_all(),
             t if t & TOKEN_PENDING != 0 => self.read_hello(t),
             t if t & TOKEN_QP != 0 => {
                 let qpn = (t & 0xffff_ffff) as u32;
-                if let Some(qp) = self.qp(qpn) {
+                if let Some(qp) = self.qps.get(qpn) {
                     if flags.contains(epoll::EventFlags::OUT) {
                         qp.flush_out();
                     }
@@ -342,10 +261,9 @@ impl Engine {
                     }
                     let _ = stream.set_nodelay(true);
                     let id = self.next_pending.fetch_add(1, Ordering::Relaxed) & 0xffff_ffff;
-                    if let Err(e) = epoll::add(
-                        &self.poller.epoll,
+                    if let Err(e) = self.poller.add(
                         &stream,
-                        epoll::EventData::new_u64(TOKEN_PENDING | id),
+                        TOKEN_PENDING | id,
                         epoll::EventFlags::IN | epoll::EventFlags::RDHUP,
                     ) {
                         tracing::warn!(%peer, %e, "tcp0: cannot watch accepted connection");
@@ -409,10 +327,10 @@ impl Engine {
         };
         let Some(p) = pending.remove(&id) else { return };
         drop(pending);
-        let _ = epoll::delete(&self.poller.epoll, &p.stream);
+        self.poller.delete(&p.stream);
         let peer = p.stream.peer_addr().ok();
         match hello {
-            Some(Ok((dst_qpn, src_qpn))) => match self.qp(dst_qpn) {
+            Some(Ok((dst_qpn, src_qpn))) => match self.qps.get(dst_qpn) {
                 Some(qp) => qp.accept_incoming(src_qpn, p.stream),
                 None => {
                     tracing::warn!(?peer, dst_qpn, "tcp0: HELLO for an unknown QP; closed")
@@ -456,63 +374,6 @@ impl ProgressHook for Engine {
 
 impl Drop for Engine {
     fn drop(&mut self) {
-        self.poller.stop.store(true, Ordering::Release);
-        self.poller.wake();
-    }
-}
-
-fn progress_thread(engine: Weak<Engine>, poller: Arc<Poller>) {
-    let mut events: Vec<epoll::Event> = Vec::with_capacity(256);
-    loop {
-        if poller.stop.load(Ordering::Acquire) {
-            return;
-        }
-        // While the timeout is being computed, a new deadline must wake us (see note_deadline).
-        poller.sleep_until_us.store(u64::MAX, Ordering::Release);
-        let timeout = {
-            let Some(engine) = engine.upgrade() else {
-                return;
-            };
-            let now = Instant::now();
-            let t = engine.next_timeout(now);
-            if engine.resume_deferred(now) {
-                t.min(BUSY_GRACE)
-            } else {
-                t
-            }
-        };
-        let until = Instant::now() + timeout;
-        poller.sleep_until_us.store(
-            until.saturating_duration_since(poller.epoch).as_micros() as u64,
-            Ordering::Release,
-        );
-        let ts = rustix::event::Timespec {
-            tv_sec: timeout.as_secs() as i64,
-            tv_nsec: i64::from(timeout.subsec_nanos()),
-        };
-        events.clear();
-        match epoll::wait(
-            &poller.epoll,
-            rustix::buffer::spare_capacity(&mut events),
-            Some(&ts),
-        ) {
-            Ok(_) => {}
-            Err(rustix::io::Errno::INTR) => continue,
-            Err(e) => {
-                tracing::warn!(%e, "tcp0: epoll_wait failed; progress thread stops");
-                return;
-            }
-        }
-        poller.sleep_until_us.store(0, Ordering::Release);
-        if poller.stop.load(Ordering::Acquire) {
-            return;
-        }
-        let Some(engine) = engine.upgrade() else {
-            return;
-        };
-        for ev in &events {
-            engine.handle_event(ev.data.u64(), ev.flags);
-        }
-        engine.run_timers(Instant::now());
+        self.poller.stop();
     }
 }

@@ -26,21 +26,16 @@ mod qp;
 #[cfg(test)]
 mod tests;
 
-use std::any::Any;
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use crate::provider::{ContextOps, CqOps, PdOps, Provider, QpOps};
-use crate::soft::cq::SoftCq;
-use crate::soft::device::{self as soft_device, MAX_SGE};
-use crate::soft::mr::MrTable;
-use crate::soft::pd::{QpFactory, SoftPd};
-use crate::soft::rq::SoftSrq;
-use crate::{
-    Capabilities, DeviceAttr, DeviceConfig, DeviceInfo, PortAttr, QpInitAttr, Result, Transport,
-    VerbsError,
-};
+use crate::provider::ContextOps;
+use crate::soft::context::SoftContext;
+use crate::soft::cq::ProgressHook;
+use crate::soft::open::{self as soft_open, SoftProvider};
+use crate::soft::qp_setup::QpResources;
+use crate::{Capabilities, DeviceConfig, DeviceInfo, QpInitAttr, Result, Transport, VerbsError};
 
 use engine::Engine;
 pub use engine::ProgressMode;
@@ -53,33 +48,15 @@ pub const BIND_ENV: &str = "FABRIQ_TCP_BIND";
 /// The `tcp` provider.
 pub struct TcpProvider;
 
-fn device_info() -> DeviceInfo {
-    DeviceInfo {
-        name: DEVICE.to_string(),
-        provider: PROVIDER.to_string(),
-        transport: Transport::Tcp,
-        guid: 0x7463_7000_0000_0000 | u64::from(std::process::id()),
-        description: "software RC transport over TCP".to_string(),
-    }
-}
+impl SoftProvider for TcpProvider {
+    const PROVIDER: &'static str = PROVIDER;
+    const DEVICE: &'static str = DEVICE;
+    const TRANSPORT: Transport = Transport::Tcp;
+    const GUID_TAG: u64 = 0x7463_7000_0000_0000;
+    const DESCRIPTION: &'static str = "software RC transport over TCP";
 
-impl Provider for TcpProvider {
-    fn name(&self) -> &'static str {
-        PROVIDER
-    }
-    fn devices(&self) -> Result<Vec<DeviceInfo>> {
-        Ok(vec![device_info()])
-    }
-    fn serves(&self, device: &str) -> bool {
-        device.starts_with("tcp")
-    }
-    fn open(&self, device: &str, config: &DeviceConfig) -> Result<Arc<dyn ContextOps>> {
-        if device != DEVICE {
-            return Err(VerbsError::NoDevice(device.to_string()));
-        }
-        let opts = Options::parse(config)?;
-        let engine = Engine::start(device_info(), opts)?;
-        Ok(engine)
+    fn start(&self, info: DeviceInfo, config: &DeviceConfig) -> Result<Arc<dyn ContextOps>> {
+        Ok(Engine::start(info, Options::parse(config)?)?)
     }
 }
 
@@ -93,19 +70,8 @@ pub(crate) struct Options {
 
 impl Options {
     fn parse(config: &DeviceConfig) -> Result<Options> {
-        let bind = match config.bind_addr {
-            Some(a) => a,
-            None => match std::env::var(BIND_ENV) {
-                Ok(s) if !s.is_empty() => s.parse().map_err(|e| {
-                    VerbsError::InvalidArgument(format!(
-                        "{BIND_ENV}={s:?} is not a socket address: {e}"
-                    ))
-                })?,
-                _ => SocketAddr::from(([127, 0, 0, 1], 0)),
-            },
-        };
         let mut opts = Options {
-            bind,
+            bind: soft_open::bind_addr(config, BIND_ENV)?,
             mode: ProgressMode::Thread,
             min_ack_timeout: Duration::from_millis(1000),
         };
@@ -142,46 +108,29 @@ impl Options {
     }
 }
 
-impl ContextOps for Engine {
-    fn device(&self) -> &DeviceInfo {
+impl SoftContext for Engine {
+    const LINK_LAYER: &'static str = "tcp";
+    const EXTRA_CAPS: Capabilities = Capabilities::empty();
+    type Qp = qp::TcpQp;
+
+    fn info(&self) -> &DeviceInfo {
         &self.device
     }
-    fn query_device(&self) -> DeviceAttr {
-        soft_device::device_attr(Capabilities::empty())
+    fn address(&self) -> SocketAddr {
+        self.local_addr
     }
-    fn query_port(&self, port: u8) -> Result<PortAttr> {
-        soft_device::port_attr(DEVICE, port, "tcp", self.local_addr)
+    fn strong(&self) -> Result<Arc<Engine>> {
+        soft_open::upgrade(&self.weak_self, DEVICE)
     }
-    fn alloc_pd(&self) -> Result<Arc<dyn PdOps>> {
-        let engine = self.self_arc()?;
-        Ok(Arc::new(SoftPd::new(TcpQpFactory(engine), MAX_SGE)))
-    }
-    fn create_cq(&self, cqe: u32) -> Result<Arc<dyn CqOps>> {
-        let cq = SoftCq::new(cqe)?;
-        if self.mode == ProgressMode::Busy {
-            let hook: std::sync::Weak<dyn crate::soft::cq::ProgressHook> = self.weak_self.clone();
-            cq.set_progress_hook(hook);
-        }
-        Ok(Arc::new(cq))
-    }
-    fn as_any(&self) -> &dyn Any {
-        self
-    }
-}
-
-/// QP creation for this provider's PDs (everything else is [`SoftPd`]'s).
-struct TcpQpFactory(Arc<Engine>);
-
-impl QpFactory for TcpQpFactory {
     fn create_qp(
-        &self,
+        self: &Arc<Self>,
         init: &QpInitAttr<'_>,
-        send_cq: SoftCq,
-        recv_cq: SoftCq,
-        srq: Option<SoftSrq>,
-        table: Arc<MrTable>,
-    ) -> Result<Arc<dyn QpOps>> {
-        let qp = qp::TcpQp::create(&self.0, init, send_cq, recv_cq, srq, table)?;
-        Ok(qp)
+        res: QpResources,
+    ) -> Result<Arc<qp::TcpQp>> {
+        qp::TcpQp::create(self, init, res)
+    }
+    fn progress_hook(&self) -> Option<Weak<dyn ProgressHook>> {
+        let hook: Weak<dyn ProgressHook> = self.weak_self.clone();
+        (self.mode == ProgressMode::Busy).then_some(hook)
     }
 }

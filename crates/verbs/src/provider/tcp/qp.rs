@@ -6,7 +6,6 @@
 //! Posting writes frames straight to the socket from the posting thread; only when the socket
 //! buffer is full does the rest wait for EPOLLOUT on the progress thread.
 
-use std::any::Any;
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -17,17 +16,14 @@ use parking_lot::{Mutex, MutexGuard};
 
 use super::engine::{Engine, ProgressMode, BUSY_GRACE};
 use super::PROVIDER;
-use crate::provider::QpOps;
-use crate::soft::cq::SoftCq;
-use crate::soft::device::PORT_MTU;
-use crate::soft::mr::MrTable;
-use crate::soft::qp::{QpConfig, QpCore, Transition};
-use crate::soft::rq::SoftSrq;
+use crate::soft::qp::{QpCore, Transition};
+use crate::soft::qp_ops::SoftQpDriver;
+use crate::soft::qp_setup::{new_qp, rtr_remote, QpHome, QpResources};
+use crate::soft::qp_table::TimedQp;
 use crate::soft::tx::TxQueue;
 use crate::soft::wire::{self, Frame, DEFAULT_MAX_PAYLOAD};
 use crate::{
-    PostError, QpAttr, QpEndpoint, QpInfo, QpInitAttr, QpNum, QpState, RecvWr, Result, SendWr,
-    VerbsError,
+    PostError, QpAttr, QpEndpoint, QpInitAttr, QpNum, QpState, Result, SendWr, VerbsError,
 };
 
 /// Initial size of the reassembly buffer, and the least free room a read is given.
@@ -83,39 +79,16 @@ impl TcpQp {
     pub fn create(
         engine: &Arc<Engine>,
         init: &QpInitAttr<'_>,
-        send_cq: SoftCq,
-        recv_cq: SoftCq,
-        srq: Option<SoftSrq>,
-        table: Arc<MrTable>,
+        res: QpResources,
     ) -> Result<Arc<TcpQp>> {
-        let qpn = engine.alloc_qpn();
-        let psn = rand::random::<u32>() & 0x00ff_ffff;
-        let mut caps = init.caps;
-        caps.max_recv_sge = caps.max_recv_sge.max(1);
-        caps.max_send_sge = caps.max_send_sge.max(1);
-        let core = QpCore::new(QpConfig {
-            qp_num: QpNum(qpn),
-            caps,
-            sq_sig_all: init.sq_sig_all,
-            send_cq,
-            recv_cq,
-            table,
-            srq,
-            max_payload: DEFAULT_MAX_PAYLOAD,
+        let qpn = engine.qps.alloc_qpn();
+        let home = QpHome {
+            provider: PROVIDER,
+            device: &engine.device.name,
+            address: engine.local_addr,
             min_ack_timeout: engine.opts.min_ack_timeout,
-            initial_psn: psn,
-        });
-        let endpoint = QpEndpoint {
-            provider: PROVIDER.to_string(),
-            device: engine.device.name.clone(),
-            address: engine.local_addr.to_string(),
-            qp_num: QpNum(qpn),
-            psn,
-            lid: 0,
-            gid: [0; 16],
-            mtu: PORT_MTU,
-            extra: Default::default(),
         };
+        let (core, endpoint) = new_qp(&home, qpn, init, res, Default::default());
         let qp = Arc::new(TcpQp {
             qp_num: QpNum(qpn),
             endpoint,
@@ -136,19 +109,8 @@ impl TcpQp {
             }),
             ack_held: AtomicBool::new(false),
         });
-        engine.add_qp(qpn, &qp);
+        engine.qps.insert(qpn, &qp);
         Ok(qp)
-    }
-
-    pub fn poll_timeout(&self) -> Option<Instant> {
-        self.side.lock().core.poll_timeout()
-    }
-
-    /// Timers are due.
-    pub fn on_timer(&self, now: Instant) {
-        let mut side = self.side.lock();
-        side.core.handle_timeout(now);
-        self.transmit(&mut side, now);
     }
 
     /// Send what the core allows and what is buffered; close the connection if the QP is in
@@ -405,60 +367,6 @@ impl TcpQp {
         side.out_armed = false;
         self.transmit(side, Instant::now());
     }
-
-    fn modify_rtr(&self, attr: &QpAttr) -> Result<()> {
-        self.side
-            .lock()
-            .core
-            .state()
-            .check_transition(QpState::Rtr)?;
-        let remote = attr
-            .remote
-            .as_ref()
-            .ok_or_else(|| VerbsError::InvalidArgument("RTR needs the remote endpoint".into()))?;
-        if remote.provider != PROVIDER {
-            return Err(VerbsError::InvalidArgument(format!(
-                "cannot connect a tcp QP to a {} QP",
-                remote.provider
-            )));
-        }
-        let raddr: SocketAddr = remote.address.parse().map_err(|e| {
-            VerbsError::InvalidArgument(format!("remote address {:?}: {e}", remote.address))
-        })?;
-        let me = (self.engine.local_addr, self.qp_num.0);
-        let peer = (raddr, remote.qp_num.0);
-        if me == peer {
-            return Err(VerbsError::InvalidArgument(
-                "a tcp QP cannot be connected to itself".into(),
-            ));
-        }
-        let stream = if me < peer {
-            Some(connect(raddr, remote.qp_num.0, self.qp_num.0)?)
-        } else {
-            None
-        };
-        let mut rx = self.rx.lock();
-        let mut side = self.side.lock();
-        side.core.modify(attr)?;
-        if let Some(s) = stream {
-            if side.conn.is_some() {
-                return Err(VerbsError::Connect("QP is already connected".into()));
-            }
-            side.parked = None;
-            self.attach(&mut rx, &mut side, s);
-        } else if let Some((src, s)) = side.parked.take() {
-            if src == remote.qp_num.0 {
-                self.attach(&mut rx, &mut side, s);
-            } else {
-                tracing::warn!(
-                    qp = self.qp_num.0,
-                    src,
-                    "tcp0: parked connection came from another QP; closed"
-                );
-            }
-        }
-        Ok(())
-    }
 }
 
 /// Open the connection to the peer's listener and introduce it.
@@ -522,34 +430,77 @@ fn make_room(rx: &mut Rx) {
 
 impl Drop for TcpQp {
     fn drop(&mut self) {
-        self.engine.remove_qp(self.qp_num.0);
+        self.engine.qps.remove(self.qp_num.0);
         if let Some(c) = self.side.get_mut().conn.take() {
             let _ = c.shutdown(Shutdown::Both);
         }
     }
 }
 
-impl QpOps for TcpQp {
-    fn qp_num(&self) -> QpNum {
-        self.qp_num
+impl TimedQp for TcpQp {
+    fn poll_timeout(&self) -> Option<Instant> {
+        self.side.lock().core.poll_timeout()
     }
 
-    fn state(&self) -> QpState {
-        self.side.lock().core.state()
+    fn on_timer(&self, now: Instant) {
+        let mut side = self.side.lock();
+        side.core.handle_timeout(now);
+        self.transmit(&mut side, now);
+    }
+}
+
+impl SoftQpDriver for TcpQp {
+    fn advertised(&self) -> &QpEndpoint {
+        &self.endpoint
     }
 
-    fn query(&self) -> QpInfo {
-        self.side.lock().core.query()
+    fn with_core<R>(&self, f: impl FnOnce(&mut QpCore) -> R) -> R {
+        f(&mut self.side.lock().core)
     }
 
-    fn endpoint(&self) -> QpEndpoint {
-        self.endpoint.clone()
-    }
-
-    fn modify(&self, attr: &QpAttr) -> Result<()> {
-        if attr.state == Some(QpState::Rtr) && self.state() == QpState::Init {
-            return self.modify_rtr(attr);
+    fn modify_rtr(&self, attr: &QpAttr) -> Result<()> {
+        self.side
+            .lock()
+            .core
+            .state()
+            .check_transition(QpState::Rtr)?;
+        let (remote, raddr) = rtr_remote(attr, PROVIDER)?;
+        let me = (self.engine.local_addr, self.qp_num.0);
+        let peer = (raddr, remote.qp_num.0);
+        if me == peer {
+            return Err(VerbsError::InvalidArgument(
+                "a tcp QP cannot be connected to itself".into(),
+            ));
         }
+        let stream = if me < peer {
+            Some(connect(raddr, remote.qp_num.0, self.qp_num.0)?)
+        } else {
+            None
+        };
+        let mut rx = self.rx.lock();
+        let mut side = self.side.lock();
+        side.core.modify(attr)?;
+        if let Some(s) = stream {
+            if side.conn.is_some() {
+                return Err(VerbsError::Connect("QP is already connected".into()));
+            }
+            side.parked = None;
+            self.attach(&mut rx, &mut side, s);
+        } else if let Some((src, s)) = side.parked.take() {
+            if src == remote.qp_num.0 {
+                self.attach(&mut rx, &mut side, s);
+            } else {
+                tracing::warn!(
+                    qp = self.qp_num.0,
+                    src,
+                    "tcp0: parked connection came from another QP; closed"
+                );
+            }
+        }
+        Ok(())
+    }
+
+    fn transition(&self, attr: &QpAttr) -> Result<()> {
         let mut rx = self.rx.lock();
         let mut side = self.side.lock();
         match side.core.modify(attr)? {
@@ -566,19 +517,11 @@ impl QpOps for TcpQp {
         Ok(())
     }
 
-    fn post_send(&self, wrs: &[SendWr<'_>]) -> Result<(), PostError> {
+    fn send(&self, wrs: &[SendWr<'_>]) -> Result<(), PostError> {
         let mut side = self.side.lock();
         let now = Instant::now();
         let r = side.core.post_send(now, wrs);
         self.transmit(&mut side, now);
         r
-    }
-
-    fn post_recv(&self, wrs: &[RecvWr<'_>]) -> Result<(), PostError> {
-        self.side.lock().core.post_recv(wrs)
-    }
-
-    fn as_any(&self) -> &dyn Any {
-        self
     }
 }

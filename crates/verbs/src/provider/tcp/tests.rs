@@ -5,48 +5,18 @@ use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::time::Duration;
 
+use crate::soft::testing::{
+    self as fixture, big_regions, connect_with, read_back, wait, wait_state, Side, WAIT,
+};
 use crate::soft::wire::{self, Frame};
 use crate::*;
 
-const WAIT: Duration = Duration::from_secs(20);
-
-struct Side {
-    ctx: Context,
-    pd: ProtectionDomain,
-    cq: CompletionQueue,
-    mr: MemoryRegion,
-    qp: QueuePair,
-}
-
 fn open(progress: &str) -> Context {
-    let mut cfg = DeviceConfig::default();
-    cfg.options.insert("progress".into(), progress.into());
-    Context::open_with("tcp0", &cfg).unwrap()
+    fixture::open("tcp0", &[("progress", progress)])
 }
 
 fn side(ctx: &Context, caps: QpCaps, access: AccessFlags) -> Side {
-    let pd = ctx.alloc_pd().unwrap();
-    let cq = ctx.create_cq(256).unwrap();
-    let mr = pd.alloc_mr(1 << 16, access).unwrap();
-    let mut init = QpInitAttr::new(&cq);
-    init.caps = caps;
-    let qp = pd.create_qp(&init).unwrap();
-    Side {
-        ctx: ctx.clone(),
-        pd,
-        cq,
-        mr,
-        qp,
-    }
-}
-
-fn connect_with(a: &Side, b: &Side, rts: impl Fn() -> QpAttr) {
-    let (ea, eb) = (a.qp.endpoint(), b.qp.endpoint());
-    for (s, remote) in [(a, &eb), (b, &ea)] {
-        s.qp.modify(&QpAttr::init(AccessFlags::ALL)).unwrap();
-        s.qp.modify(&QpAttr::rtr(remote.clone())).unwrap();
-        s.qp.modify(&rts()).unwrap();
-    }
+    fixture::side(ctx, 256, caps, access)
 }
 
 fn pair_in(ca: &Context, cb: &Context) -> (Side, Side) {
@@ -58,36 +28,6 @@ fn pair_in(ca: &Context, cb: &Context) -> (Side, Side) {
 
 fn pair() -> (Side, Side) {
     pair_in(&open("thread"), &open("thread"))
-}
-
-fn wait(cq: &CompletionQueue, n: usize) -> Vec<WorkCompletion> {
-    let mut got = Vec::new();
-    let deadline = std::time::Instant::now() + WAIT;
-    let mut buf = [WorkCompletion::EMPTY; 16];
-    while got.len() < n {
-        let left = deadline.saturating_duration_since(std::time::Instant::now());
-        assert!(
-            !left.is_zero(),
-            "timed out waiting for {n} completions, got {got:?}"
-        );
-        let k = cq
-            .poll_blocking(&mut buf[..(n - got.len()).min(16)], left)
-            .unwrap();
-        got.extend_from_slice(&buf[..k]);
-    }
-    got
-}
-
-fn wait_state(qp: &QueuePair, state: QpState) {
-    let deadline = std::time::Instant::now() + WAIT;
-    while qp.state() != state {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "QP stuck in {:?}",
-            qp.state()
-        );
-        std::thread::sleep(Duration::from_millis(1));
-    }
 }
 
 fn assert_no_completion(cq: &CompletionQueue) {
@@ -232,10 +172,7 @@ fn large_write_and_read_cross_many_socket_buffers() {
     let b = side(&ctx_b, QpCaps::default(), AccessFlags::ALL);
     connect_with(&a, &b, QpAttr::rts);
     let len = 8 << 20;
-    let big_a = a.pd.alloc_mr(len, AccessFlags::ALL).unwrap();
-    let big_b = b.pd.alloc_mr(len, AccessFlags::ALL).unwrap();
-    let pattern: Vec<u8> = (0..len).map(|i| (i * 31 % 251) as u8).collect();
-    big_a.write_at(0, &pattern).unwrap();
+    let (big_a, big_b, pattern) = big_regions(&a, &b, len);
     let sge = [big_a.sge(0, len as u32).unwrap()];
     a.qp.post_send(&[
         SendWr::new(
@@ -258,19 +195,7 @@ fn large_write_and_read_cross_many_socket_buffers() {
     let mut got = vec![0u8; len];
     big_b.read_at(0, &mut got).unwrap();
     assert!(got == pattern);
-    big_a.write_at(0, &vec![0u8; len]).unwrap();
-    a.qp.post_send(&[SendWr::new(
-        3,
-        &sge,
-        WrOpcode::Read {
-            remote: big_b.remote(0),
-        },
-    )])
-    .unwrap();
-    let wc = wait(&a.cq, 1)[0];
-    assert_eq!((wc.status, wc.byte_len), (WcStatus::Success, len as u32));
-    big_a.read_at(0, &mut got).unwrap();
-    assert!(got == pattern);
+    read_back(&a, &big_a, &big_b, &pattern, 3);
 }
 
 #[test]

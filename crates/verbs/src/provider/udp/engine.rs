@@ -1,9 +1,11 @@
 //! The `udp0` context: the virtual-path sockets, the epoll set and the progress thread.
 //!
 //! Owns: one UDP socket per virtual path (socket `k` is VP `k`'s source port), the QP table
-//! (`qpn → Weak<UdpQp>`), the clock edge (std `Instant` ↔ `fabriq_mpath::Instant`) and the
-//! thread that reads datagrams and runs timers. Does not own any protocol decision: datagrams go
-//! to the QP named in their header ([`super::wire`]), which feeds its mpath connection.
+//! (`qpn → Weak<UdpQp>`), the clock edge (std `Instant` ↔ `fabriq_mpath::Instant`) and what the
+//! progress thread does when it wakes: read datagrams, pump the QPs they touched, run timers.
+//! The epoll set, wake-ups, the timerfd and the thread's loop are [`crate::soft::poller`]'s.
+//! Does not own any protocol decision: datagrams go to the QP named in their header
+//! ([`super::wire`]), which feeds its mpath connection.
 //!
 //! System calls are batched ([`super::sys`]): a QP's pump hands over every datagram it produced
 //! at once, sent per socket with `sendmmsg` (optionally as UDP GSO messages), and the thread reads
@@ -11,22 +13,20 @@
 
 use std::io::IoSlice;
 use std::net::{SocketAddr, UdpSocket};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use rustix::event::epoll;
-use rustix::fd::OwnedFd;
 
 use super::qp::UdpQp;
 use super::sys::{self, RecvBatch, TxBatch};
 use super::wire::{Header, Kind};
-use super::Options;
+use super::{Options, DEVICE};
+use crate::soft::poller::{self, Poller, SleepTimer};
 use crate::soft::qp_table::QpTable;
 use crate::{DeviceInfo, Result, VerbsError};
 
-const TOKEN_WAKE: u64 = u64::MAX;
-const TOKEN_TIMER: u64 = u64::MAX - 1;
 /// Longest sleep of the progress thread when no timer is armed.
 const MAX_SLEEP: Duration = Duration::from_millis(500);
 /// `recvmmsg` calls on one socket per wake-up (epoll is level-triggered), each of up to
@@ -37,23 +37,6 @@ const MAX_DATAGRAM: usize = 65_536;
 /// Socket buffer size asked for (the kernel may cap it).
 const SOCKET_BUFFER: usize = 8 << 20;
 
-struct Poller {
-    epoll: OwnedFd,
-    wake: OwnedFd,
-    /// Armed with the next deadline: epoll's own timeout has millisecond resolution, too coarse
-    /// for mpath's pacing and burst timers.
-    timer: OwnedFd,
-    stop: AtomicBool,
-    /// Nanoseconds since `epoch` the thread sleeps until (u64::MAX while computing; 0 awake).
-    sleep_until_ns: AtomicU64,
-}
-
-impl Poller {
-    fn wake(&self) {
-        let _ = rustix::io::write(&self.wake, &1u64.to_ne_bytes());
-    }
-}
-
 /// The context of device `udp0`.
 pub(crate) struct Engine {
     pub device: DeviceInfo,
@@ -62,11 +45,10 @@ pub(crate) struct Engine {
     pub local_addr: SocketAddr,
     /// The local port of every virtual-path socket, by VP index.
     pub ports: Vec<u16>,
-    weak_self: Weak<Engine>,
+    pub weak_self: Weak<Engine>,
     sockets: Vec<UdpSocket>,
     poller: Arc<Poller>,
-    epoch: Instant,
-    qps: QpTable<UdpQp>,
+    pub qps: QpTable<UdpQp>,
     counters: Counters,
 }
 
@@ -151,48 +133,14 @@ impl Engine {
         }
         let mut local_addr = opts.bind;
         local_addr.set_port(ports.first().copied().unwrap_or(0));
-        let ep = epoll::create(epoll::CreateFlags::CLOEXEC)
-            .map_err(|e| VerbsError::io("udp0: epoll_create", e))?;
-        let wake = rustix::event::eventfd(
-            0,
-            rustix::event::EventfdFlags::NONBLOCK | rustix::event::EventfdFlags::CLOEXEC,
-        )
-        .map_err(|e| VerbsError::io("udp0: eventfd", e))?;
-        epoll::add(
-            &ep,
-            &wake,
-            epoll::EventData::new_u64(TOKEN_WAKE),
-            epoll::EventFlags::IN,
-        )
-        .map_err(|e| VerbsError::io("udp0: epoll add", e))?;
+        // epoll's own timeout has millisecond resolution, too coarse for mpath's pacing and
+        // burst timers: the thread sleeps on a timerfd.
+        let poller = Poller::new(DEVICE, SleepTimer::Timerfd)?;
         for (k, s) in sockets.iter().enumerate() {
-            epoll::add(
-                &ep,
-                s,
-                epoll::EventData::new_u64(k as u64),
-                epoll::EventFlags::IN,
-            )
-            .map_err(|e| VerbsError::io("udp0: epoll add", e))?;
+            poller
+                .add(s, k as u64, epoll::EventFlags::IN)
+                .map_err(|e| VerbsError::io("udp0: epoll add", e))?;
         }
-        let timer = rustix::time::timerfd_create(
-            rustix::time::TimerfdClockId::Monotonic,
-            rustix::time::TimerfdFlags::NONBLOCK | rustix::time::TimerfdFlags::CLOEXEC,
-        )
-        .map_err(|e| VerbsError::io("udp0: timerfd_create", e))?;
-        epoll::add(
-            &ep,
-            &timer,
-            epoll::EventData::new_u64(TOKEN_TIMER),
-            epoll::EventFlags::IN,
-        )
-        .map_err(|e| VerbsError::io("udp0: epoll add", e))?;
-        let poller = Arc::new(Poller {
-            epoll: ep,
-            wake,
-            timer,
-            stop: AtomicBool::new(false),
-            sleep_until_ns: AtomicU64::new(0),
-        });
         let first_qpn = (rand::random::<u32>() & 0x00ff_ffff).max(1);
         let engine = Arc::new_cyclic(|weak| Engine {
             device,
@@ -202,61 +150,46 @@ impl Engine {
             weak_self: weak.clone(),
             sockets,
             poller: poller.clone(),
-            epoch: Instant::now(),
             qps: QpTable::new(first_qpn),
             counters: Counters::default(),
         });
-        let weak = Arc::downgrade(&engine);
         let slot_len = if engine.opts.gro {
             MAX_DATAGRAM
         } else {
             // The largest datagram a peer with the same MSS sends, with room to spare.
             (usize::from(engine.opts.mpath.mss) + 512).clamp(2048, MAX_DATAGRAM)
         };
-        std::thread::Builder::new()
-            .name(format!("fabriq-udp0-{}", local_addr.port()))
-            .spawn(move || progress_thread(weak, poller, slot_len))
-            .map_err(|e| VerbsError::io("udp0: spawn progress thread", e))?;
+        let mut rx = RecvBatch::new(slot_len);
+        let mut ready: Vec<usize> = Vec::new();
+        let mut wakeups = 0usize;
+        let mut touched: Vec<Arc<UdpQp>> = Vec::new();
+        poller::spawn_progress_thread(
+            format!("fabriq-udp0-{}", local_addr.port()),
+            Arc::downgrade(&engine),
+            poller,
+            |engine: &Engine, now| engine.qps.next_timeout(now, MAX_SLEEP),
+            move |engine: &Engine, events| {
+                ready.extend(events.iter().map(|ev| ev.data.u64() as usize));
+                wakeups = wakeups.wrapping_add(1);
+                engine.drain(&mut ready, wakeups, &mut rx, &mut touched);
+                let now = Instant::now();
+                for qp in touched.drain(..) {
+                    qp.pump_now(now);
+                }
+                engine.qps.run_timers(now);
+            },
+        )?;
         Ok(engine)
     }
 
-    pub fn self_arc(&self) -> Result<Arc<Engine>> {
-        self.weak_self
-            .upgrade()
-            .ok_or_else(|| VerbsError::InvalidArgument("udp0 context is closing".into()))
-    }
-
-    /// The mpath clock: nanoseconds since this context started.
+    /// The mpath clock: nanoseconds since this context's poller started.
     pub fn mpath_now(&self, now: Instant) -> fabriq_mpath::Instant {
-        fabriq_mpath::Instant::from_nanos(
-            u64::try_from(now.saturating_duration_since(self.epoch).as_nanos()).unwrap_or(u64::MAX),
-        )
+        fabriq_mpath::Instant::from_nanos(self.poller.nanos(now))
     }
 
     /// The std instant of an mpath deadline.
     pub fn std_instant(&self, t: fabriq_mpath::Instant) -> Instant {
-        self.epoch + Duration::from_nanos(t.as_nanos())
-    }
-
-    /// A fresh QP number (24 bits, never 0, unique in this context).
-    pub fn alloc_qpn(&self) -> u32 {
-        self.qps.alloc_qpn()
-    }
-
-    pub fn add_qp(&self, qpn: u32, qp: &Arc<UdpQp>) {
-        self.qps.insert(qpn, qp);
-    }
-
-    pub fn remove_qp(&self, qpn: u32) {
-        self.qps.remove(qpn);
-    }
-
-    fn qp(&self, qpn: u32) -> Option<Arc<UdpQp>> {
-        self.qps.get(qpn)
-    }
-
-    fn all_qps(&self) -> Vec<Arc<UdpQp>> {
-        self.qps.all()
+        self.poller.epoch() + Duration::from_nanos(t.as_nanos())
     }
 
     /// Send `header ‖ body` from the socket of virtual path `path` to `to`. A full or failing
@@ -332,30 +265,7 @@ impl Engine {
 
     /// Make sure the progress thread wakes by `deadline`.
     pub fn note_deadline(&self, deadline: Option<Instant>) {
-        let Some(d) = deadline else { return };
-        let ns =
-            u64::try_from(d.saturating_duration_since(self.epoch).as_nanos()).unwrap_or(u64::MAX);
-        if ns < self.poller.sleep_until_ns.load(Ordering::Acquire) {
-            self.poller.wake();
-        }
-    }
-
-    fn next_timeout(&self, now: Instant) -> Duration {
-        let mut next = now + MAX_SLEEP;
-        for qp in self.all_qps() {
-            if let Some(t) = qp.poll_timeout() {
-                next = next.min(t);
-            }
-        }
-        next.saturating_duration_since(now)
-    }
-
-    fn run_timers(&self, now: Instant) {
-        for qp in self.all_qps() {
-            if qp.poll_timeout().is_some_and(|t| t <= now) {
-                qp.on_timer(now);
-            }
-        }
+        self.poller.note_deadline(deadline);
     }
 
     /// Read what the ready sockets hold and hand each datagram to its QP. The sockets take
@@ -448,7 +358,7 @@ impl Engine {
         };
         let qp = match last.as_ref() {
             Some(q) if q.qp_num_raw() == h.dst_qpn => q.clone(),
-            _ => match self.qp(h.dst_qpn) {
+            _ => match self.qps.get(h.dst_qpn) {
                 Some(q) => q,
                 None => {
                     tracing::debug!(qpn = h.dst_qpn, "udp0: datagram for an unknown QP");
@@ -472,92 +382,6 @@ impl Engine {
 
 impl Drop for Engine {
     fn drop(&mut self) {
-        self.poller.stop.store(true, Ordering::Release);
-        self.poller.wake();
-    }
-}
-
-fn progress_thread(engine: Weak<Engine>, poller: Arc<Poller>, slot_len: usize) {
-    let mut events: Vec<epoll::Event> = Vec::with_capacity(64);
-    let mut rx = RecvBatch::new(slot_len);
-    let mut ready: Vec<usize> = Vec::new();
-    let mut wakeups = 0usize;
-    let mut touched: Vec<Arc<UdpQp>> = Vec::new();
-    loop {
-        if poller.stop.load(Ordering::Acquire) {
-            return;
-        }
-        poller.sleep_until_ns.store(u64::MAX, Ordering::Release);
-        let (timeout, epoch) = {
-            let Some(engine) = engine.upgrade() else {
-                return;
-            };
-            (engine.next_timeout(Instant::now()), engine.epoch)
-        };
-        let until = Instant::now() + timeout;
-        poller.sleep_until_ns.store(
-            u64::try_from(until.saturating_duration_since(epoch).as_nanos()).unwrap_or(u64::MAX),
-            Ordering::Release,
-        );
-        // A zero relative value would disarm the timer: 1 ns means "now".
-        let timeout = timeout.max(Duration::from_nanos(1));
-        let spec = rustix::time::Itimerspec {
-            it_interval: rustix::time::Timespec {
-                tv_sec: 0,
-                tv_nsec: 0,
-            },
-            it_value: rustix::time::Timespec {
-                tv_sec: timeout.as_secs() as i64,
-                tv_nsec: i64::from(timeout.subsec_nanos()),
-            },
-        };
-        if let Err(e) = rustix::time::timerfd_settime(
-            &poller.timer,
-            rustix::time::TimerfdTimerFlags::empty(),
-            &spec,
-        ) {
-            tracing::warn!(%e, "udp0: timerfd_settime failed; progress thread stops");
-            return;
-        }
-        events.clear();
-        match epoll::wait(
-            &poller.epoll,
-            rustix::buffer::spare_capacity(&mut events),
-            None,
-        ) {
-            Ok(_) => {}
-            Err(rustix::io::Errno::INTR) => continue,
-            Err(e) => {
-                tracing::warn!(%e, "udp0: epoll_wait failed; progress thread stops");
-                return;
-            }
-        }
-        poller.sleep_until_ns.store(0, Ordering::Release);
-        if poller.stop.load(Ordering::Acquire) {
-            return;
-        }
-        let Some(engine) = engine.upgrade() else {
-            return;
-        };
-        for ev in &events {
-            match ev.data.u64() {
-                TOKEN_WAKE => {
-                    let mut b = [0u8; 8];
-                    let _ = rustix::io::read(&poller.wake, &mut b);
-                }
-                TOKEN_TIMER => {
-                    let mut b = [0u8; 8];
-                    let _ = rustix::io::read(&poller.timer, &mut b);
-                }
-                k => ready.push(k as usize),
-            }
-        }
-        wakeups = wakeups.wrapping_add(1);
-        engine.drain(&mut ready, wakeups, &mut rx, &mut touched);
-        let now = Instant::now();
-        for qp in touched.drain(..) {
-            qp.pump_now(now);
-        }
-        engine.run_timers(now);
+        self.poller.stop();
     }
 }

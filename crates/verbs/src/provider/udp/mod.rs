@@ -36,21 +36,15 @@ mod sys;
 mod tests;
 mod wire;
 
-use std::any::Any;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::provider::{ContextOps, CqOps, PdOps, Provider, QpOps};
-use crate::soft::cq::SoftCq;
-use crate::soft::device::{self as soft_device, MAX_SGE};
-use crate::soft::mr::MrTable;
-use crate::soft::pd::{QpFactory, SoftPd};
-use crate::soft::rq::SoftSrq;
-use crate::{
-    Capabilities, DeviceAttr, DeviceConfig, DeviceInfo, PortAttr, QpInitAttr, Result, Transport,
-    VerbsError,
-};
+use crate::provider::ContextOps;
+use crate::soft::context::SoftContext;
+use crate::soft::open::{self as soft_open, SoftProvider};
+use crate::soft::qp_setup::QpResources;
+use crate::{Capabilities, DeviceConfig, DeviceInfo, QpInitAttr, Result, Transport, VerbsError};
 
 use engine::Engine;
 pub use engine::SocketStats;
@@ -66,33 +60,15 @@ const DEFAULT_MSS: u16 =
 /// The `udp` provider.
 pub struct UdpProvider;
 
-fn device_info() -> DeviceInfo {
-    DeviceInfo {
-        name: DEVICE.to_string(),
-        provider: PROVIDER.to_string(),
-        transport: Transport::Udp,
-        guid: 0x7564_7000_0000_0000 | u64::from(std::process::id()),
-        description: "multi-path (MP-RDMA) software RC transport over UDP".to_string(),
-    }
-}
+impl SoftProvider for UdpProvider {
+    const PROVIDER: &'static str = PROVIDER;
+    const DEVICE: &'static str = DEVICE;
+    const TRANSPORT: Transport = Transport::Udp;
+    const GUID_TAG: u64 = 0x7564_7000_0000_0000;
+    const DESCRIPTION: &'static str = "multi-path (MP-RDMA) software RC transport over UDP";
 
-impl Provider for UdpProvider {
-    fn name(&self) -> &'static str {
-        PROVIDER
-    }
-    fn devices(&self) -> Result<Vec<DeviceInfo>> {
-        Ok(vec![device_info()])
-    }
-    fn serves(&self, device: &str) -> bool {
-        device.starts_with("udp")
-    }
-    fn open(&self, device: &str, config: &DeviceConfig) -> Result<Arc<dyn ContextOps>> {
-        if device != DEVICE {
-            return Err(VerbsError::NoDevice(device.to_string()));
-        }
-        let opts = Options::parse(config)?;
-        let engine = Engine::start(device_info(), opts)?;
-        Ok(engine)
+    fn start(&self, info: DeviceInfo, config: &DeviceConfig) -> Result<Arc<dyn ContextOps>> {
+        Ok(Engine::start(info, Options::parse(config)?)?)
     }
 }
 
@@ -120,17 +96,7 @@ fn num<T: std::str::FromStr>(k: &str, v: &str) -> Result<T> {
 
 impl Options {
     fn parse(config: &DeviceConfig) -> Result<Options> {
-        let bind = match config.bind_addr {
-            Some(a) => a,
-            None => match std::env::var(BIND_ENV) {
-                Ok(s) if !s.is_empty() => s.parse().map_err(|e| {
-                    VerbsError::InvalidArgument(format!(
-                        "{BIND_ENV}={s:?} is not a socket address: {e}"
-                    ))
-                })?,
-                _ => SocketAddr::from(([127, 0, 0, 1], 0)),
-            },
-        };
+        let bind = soft_open::bind_addr(config, BIND_ENV)?;
         let mut mpath = fabriq_mpath::Config {
             num_paths: 16,
             mss: DEFAULT_MSS,
@@ -199,25 +165,26 @@ impl Options {
     }
 }
 
-impl ContextOps for Engine {
-    fn device(&self) -> &DeviceInfo {
+impl SoftContext for Engine {
+    const LINK_LAYER: &'static str = "udp";
+    const EXTRA_CAPS: Capabilities = Capabilities::SYNCHRONISE;
+    type Qp = qp::UdpQp;
+
+    fn info(&self) -> &DeviceInfo {
         &self.device
     }
-    fn query_device(&self) -> DeviceAttr {
-        soft_device::device_attr(Capabilities::SYNCHRONISE)
+    fn address(&self) -> SocketAddr {
+        self.local_addr
     }
-    fn query_port(&self, port: u8) -> Result<PortAttr> {
-        soft_device::port_attr(DEVICE, port, "udp", self.local_addr)
+    fn strong(&self) -> Result<Arc<Engine>> {
+        soft_open::upgrade(&self.weak_self, DEVICE)
     }
-    fn alloc_pd(&self) -> Result<Arc<dyn PdOps>> {
-        let engine = self.self_arc()?;
-        Ok(Arc::new(SoftPd::new(UdpQpFactory(engine), MAX_SGE)))
-    }
-    fn create_cq(&self, cqe: u32) -> Result<Arc<dyn CqOps>> {
-        Ok(Arc::new(SoftCq::new(cqe)?))
-    }
-    fn as_any(&self) -> &dyn Any {
-        self
+    fn create_qp(
+        self: &Arc<Self>,
+        init: &QpInitAttr<'_>,
+        res: QpResources,
+    ) -> Result<Arc<qp::UdpQp>> {
+        qp::UdpQp::create(self, init, res)
     }
 }
 
@@ -239,21 +206,4 @@ pub fn qp_stats(qp: &crate::QueuePair) -> Option<QpStats> {
         mpath: udp.stats(),
         sockets: udp.engine().socket_stats(),
     })
-}
-
-/// QP creation for this provider's PDs (everything else is [`SoftPd`]'s).
-struct UdpQpFactory(Arc<Engine>);
-
-impl QpFactory for UdpQpFactory {
-    fn create_qp(
-        &self,
-        init: &QpInitAttr<'_>,
-        send_cq: SoftCq,
-        recv_cq: SoftCq,
-        srq: Option<SoftSrq>,
-        table: Arc<MrTable>,
-    ) -> Result<Arc<dyn QpOps>> {
-        let qp = qp::UdpQp::create(&self.0, init, send_cq, recv_cq, srq, table)?;
-        Ok(qp)
-    }
 }

@@ -13,7 +13,6 @@
 //! `handle_frame` → responses back into mpath; until nothing moves. Then the batch leaves in as
 //! few system calls as the engine can manage (`sendmmsg`, per socket).
 
-use std::any::Any;
 use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -27,16 +26,15 @@ use super::engine::Engine;
 use super::sys::TxBatch;
 use super::wire::{Header, Kind};
 use super::PROVIDER;
-use crate::provider::QpOps;
-use crate::soft::cq::SoftCq;
-use crate::soft::mr::MrTable;
-use crate::soft::qp::{QpConfig, QpCore, Transition};
-use crate::soft::rq::SoftSrq;
+use crate::soft::qp::{QpCore, Transition};
+use crate::soft::qp_ops::SoftQpDriver;
+use crate::soft::qp_setup::{new_qp, rtr_remote, QpHome, QpResources};
+use crate::soft::qp_table::TimedQp;
 use crate::soft::tx::FrameSink;
 use crate::soft::wire::{self, DEFAULT_MAX_PAYLOAD};
 use crate::{
-    PostError, QpAttr, QpEndpoint, QpInfo, QpInitAttr, QpNum, QpState, RecvWr, Result, SendFlags,
-    SendWr, VerbsError,
+    PostError, QpAttr, QpEndpoint, QpInitAttr, QpNum, QpState, Result, SendFlags, SendWr,
+    VerbsError,
 };
 
 /// Largest frame (one mpath message).
@@ -148,49 +146,18 @@ impl UdpQp {
     pub fn create(
         engine: &Arc<Engine>,
         init: &QpInitAttr<'_>,
-        send_cq: SoftCq,
-        recv_cq: SoftCq,
-        srq: Option<SoftSrq>,
-        table: Arc<MrTable>,
+        res: QpResources,
     ) -> Result<Arc<UdpQp>> {
-        let qpn = engine.alloc_qpn();
-        let psn = rand::random::<u32>() & 0x00ff_ffff;
-        let mut caps = init.caps;
-        caps.max_recv_sge = caps.max_recv_sge.max(1);
-        caps.max_send_sge = caps.max_send_sge.max(1);
-        let core = QpCore::new(QpConfig {
-            qp_num: QpNum(qpn),
-            caps,
-            sq_sig_all: init.sq_sig_all,
-            send_cq,
-            recv_cq,
-            table,
-            srq,
-            max_payload: DEFAULT_MAX_PAYLOAD,
+        let qpn = engine.qps.alloc_qpn();
+        let ports = engine.ports.iter().map(|p| p.to_string());
+        let extra = [(PORTS_KEY.to_string(), ports.collect::<Vec<_>>().join(","))].into();
+        let home = QpHome {
+            provider: PROVIDER,
+            device: &engine.device.name,
+            address: engine.local_addr,
             min_ack_timeout: engine.opts.min_ack_timeout,
-            initial_psn: psn,
-        });
-        let mut extra = std::collections::BTreeMap::new();
-        extra.insert(
-            PORTS_KEY.to_string(),
-            engine
-                .ports
-                .iter()
-                .map(|p| p.to_string())
-                .collect::<Vec<_>>()
-                .join(","),
-        );
-        let endpoint = QpEndpoint {
-            provider: PROVIDER.to_string(),
-            device: engine.device.name.clone(),
-            address: engine.local_addr.to_string(),
-            qp_num: QpNum(qpn),
-            psn,
-            lid: 0,
-            gid: [0; 16],
-            mtu: crate::soft::device::PORT_MTU,
-            extra,
         };
+        let (core, endpoint) = new_qp(&home, qpn, init, res, extra);
         let qp = Arc::new(UdpQp {
             qp_num: QpNum(qpn),
             endpoint,
@@ -212,18 +179,12 @@ impl UdpQp {
                 closing_at: None,
             }),
         });
-        engine.add_qp(qpn, &qp);
+        engine.qps.insert(qpn, &qp);
         Ok(qp)
     }
 
     pub fn qp_num_raw(&self) -> u32 {
         self.qp_num.0
-    }
-
-    /// Earliest deadline of the core and the connection.
-    pub fn poll_timeout(&self) -> Option<Instant> {
-        let side = self.side.lock();
-        self.deadline(&side)
     }
 
     fn deadline(&self, side: &Side) -> Option<Instant> {
@@ -247,16 +208,6 @@ impl UdpQp {
 
     pub fn engine(&self) -> &Arc<Engine> {
         &self.engine
-    }
-
-    /// Timers are due.
-    pub fn on_timer(&self, now: Instant) {
-        let mut side = self.side.lock();
-        if let Some(c) = side.conn.as_mut() {
-            c.handle_timeout(self.engine.mpath_now(now));
-        }
-        side.core.handle_timeout(now);
-        self.pump(&mut side, now);
     }
 
     /// A datagram for this QP arrived. Returns true if it was fed to the connection (the caller
@@ -465,21 +416,44 @@ impl UdpQp {
         side.sync_flags.clear();
         side.closing_at = None;
     }
+}
+
+impl Drop for UdpQp {
+    fn drop(&mut self) {
+        self.engine.qps.remove(self.qp_num.0);
+        let mut side = self.side.lock();
+        self.close(&mut side);
+    }
+}
+
+impl TimedQp for UdpQp {
+    /// Earliest deadline of the core and the connection.
+    fn poll_timeout(&self) -> Option<Instant> {
+        let side = self.side.lock();
+        self.deadline(&side)
+    }
+
+    fn on_timer(&self, now: Instant) {
+        let mut side = self.side.lock();
+        if let Some(c) = side.conn.as_mut() {
+            c.handle_timeout(self.engine.mpath_now(now));
+        }
+        side.core.handle_timeout(now);
+        self.pump(&mut side, now);
+    }
+}
+
+impl SoftQpDriver for UdpQp {
+    fn advertised(&self) -> &QpEndpoint {
+        &self.endpoint
+    }
+
+    fn with_core<R>(&self, f: impl FnOnce(&mut QpCore) -> R) -> R {
+        f(&mut self.side.lock().core)
+    }
 
     fn modify_rtr(&self, attr: &QpAttr) -> Result<()> {
-        let remote = attr
-            .remote
-            .as_ref()
-            .ok_or_else(|| VerbsError::InvalidArgument("RTR needs the remote endpoint".into()))?;
-        if remote.provider != PROVIDER {
-            return Err(VerbsError::InvalidArgument(format!(
-                "cannot connect a udp QP to a {} QP",
-                remote.provider
-            )));
-        }
-        let base: SocketAddr = remote.address.parse().map_err(|e| {
-            VerbsError::InvalidArgument(format!("remote address {:?}: {e}", remote.address))
-        })?;
+        let (remote, base) = rtr_remote(attr, PROVIDER)?;
         let mut addrs = vec![base];
         if let Some(ports) = remote.extra.get(PORTS_KEY) {
             addrs.clear();
@@ -521,37 +495,8 @@ impl UdpQp {
         self.pump(&mut side, now);
         Ok(())
     }
-}
 
-impl Drop for UdpQp {
-    fn drop(&mut self) {
-        self.engine.remove_qp(self.qp_num.0);
-        let mut side = self.side.lock();
-        self.close(&mut side);
-    }
-}
-
-impl QpOps for UdpQp {
-    fn qp_num(&self) -> QpNum {
-        self.qp_num
-    }
-
-    fn state(&self) -> QpState {
-        self.side.lock().core.state()
-    }
-
-    fn query(&self) -> QpInfo {
-        self.side.lock().core.query()
-    }
-
-    fn endpoint(&self) -> QpEndpoint {
-        self.endpoint.clone()
-    }
-
-    fn modify(&self, attr: &QpAttr) -> Result<()> {
-        if attr.state == Some(QpState::Rtr) && self.state() == QpState::Init {
-            return self.modify_rtr(attr);
-        }
+    fn transition(&self, attr: &QpAttr) -> Result<()> {
         let mut side = self.side.lock();
         match side.core.modify(attr)? {
             Transition::Error => self.pump(&mut side, Instant::now()),
@@ -566,7 +511,7 @@ impl QpOps for UdpQp {
         Ok(())
     }
 
-    fn post_send(&self, wrs: &[SendWr<'_>]) -> Result<(), PostError> {
+    fn send(&self, wrs: &[SendWr<'_>]) -> Result<(), PostError> {
         let mut side = self.side.lock();
         let now = Instant::now();
         let r = side.core.post_send(now, wrs);
@@ -580,13 +525,5 @@ impl QpOps for UdpQp {
         }
         self.pump(&mut side, now);
         r
-    }
-
-    fn post_recv(&self, wrs: &[RecvWr<'_>]) -> Result<(), PostError> {
-        self.side.lock().core.post_recv(wrs)
-    }
-
-    fn as_any(&self) -> &dyn Any {
-        self
     }
 }

@@ -1,71 +1,22 @@
 //! In-process tests of the udp provider: two contexts talking over loopback. Every wait has a
 //! generous timeout that only catches hangs.
 
-use std::time::Duration;
-
+use crate::soft::testing::{self as fixture, big_regions, connect_with, read_back, wait, Side};
 use crate::*;
 
-const WAIT: Duration = Duration::from_secs(20);
-
-struct Side {
-    _ctx: Context,
-    pd: ProtectionDomain,
-    cq: CompletionQueue,
-    mr: MemoryRegion,
-    qp: QueuePair,
-}
-
 fn open(opts: &[(&str, &str)]) -> Context {
-    let mut cfg = DeviceConfig::default();
-    for (k, v) in opts {
-        cfg.options.insert((*k).into(), (*v).into());
-    }
-    Context::open_with("udp0", &cfg).unwrap()
+    fixture::open("udp0", opts)
 }
 
 fn side(ctx: &Context) -> Side {
-    let pd = ctx.alloc_pd().unwrap();
-    let cq = ctx.create_cq(1024).unwrap();
-    let mr = pd.alloc_mr(1 << 16, AccessFlags::ALL).unwrap();
-    let init = QpInitAttr::new(&cq);
-    let qp = pd.create_qp(&init).unwrap();
-    Side {
-        _ctx: ctx.clone(),
-        pd,
-        cq,
-        mr,
-        qp,
-    }
+    fixture::side(ctx, 1024, QpCaps::default(), AccessFlags::ALL)
 }
 
 fn pair(opts: &[(&str, &str)]) -> (Side, Side) {
     let a = side(&open(opts));
     let b = side(&open(opts));
-    let (ea, eb) = (a.qp.endpoint(), b.qp.endpoint());
-    for (s, remote) in [(&a, &eb), (&b, &ea)] {
-        s.qp.modify(&QpAttr::init(AccessFlags::ALL)).unwrap();
-        s.qp.modify(&QpAttr::rtr(remote.clone())).unwrap();
-        s.qp.modify(&QpAttr::rts()).unwrap();
-    }
+    connect_with(&a, &b, QpAttr::rts);
     (a, b)
-}
-
-fn wait(cq: &CompletionQueue, n: usize) -> Vec<WorkCompletion> {
-    let mut got = Vec::new();
-    let deadline = std::time::Instant::now() + WAIT;
-    let mut buf = [WorkCompletion::EMPTY; 16];
-    while got.len() < n {
-        let left = deadline.saturating_duration_since(std::time::Instant::now());
-        assert!(
-            !left.is_zero(),
-            "timed out waiting for {n} completions, got {got:?}"
-        );
-        let k = cq
-            .poll_blocking(&mut buf[..(n - got.len()).min(16)], left)
-            .unwrap();
-        got.extend_from_slice(&buf[..k]);
-    }
-    got
 }
 
 #[test]
@@ -129,10 +80,7 @@ fn exercise(opts: &[(&str, &str)]) {
 
     // A large WRITE (many mpath packets over many paths), then READ it back.
     let len = 4 << 20;
-    let big_a = a.pd.alloc_mr(len, AccessFlags::ALL).unwrap();
-    let big_b = b.pd.alloc_mr(len, AccessFlags::ALL).unwrap();
-    let pattern: Vec<u8> = (0..len).map(|i| (i * 31 % 251) as u8).collect();
-    big_a.write_at(0, &pattern).unwrap();
+    let (big_a, big_b, pattern) = big_regions(&a, &b, len);
     let sge = [big_a.sge(0, len as u32).unwrap()];
     a.qp.post_send(&[SendWr::new(
         2,
@@ -147,22 +95,7 @@ fn exercise(opts: &[(&str, &str)]) {
     let mut back = vec![0u8; len];
     big_b.read_at(0, &mut back).unwrap();
     assert!(back == pattern, "WRITE corrupted data");
-    big_a.write_at(0, &vec![0u8; len]).unwrap();
-    a.qp.post_send(&[SendWr::new(
-        3,
-        &sge,
-        WrOpcode::Read {
-            remote: big_b.remote(0),
-        },
-    )])
-    .unwrap();
-    let wc = wait(&a.cq, 1)[0];
-    assert_eq!(
-        (wc.wr_id, wc.status, wc.byte_len),
-        (3, WcStatus::Success, len as u32)
-    );
-    big_a.read_at(0, &mut back).unwrap();
-    assert!(back == pattern, "READ corrupted data");
+    read_back(&a, &big_a, &big_b, &pattern, 3);
 
     // Atomics.
     b.mr.write_at(128, &40u64.to_ne_bytes()).unwrap();

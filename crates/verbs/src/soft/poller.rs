@@ -1,0 +1,261 @@
+//! The progress plumbing of a software provider's context: the epoll set, the eventfd that wakes
+//! the progress thread, an optional timerfd for sub-millisecond deadlines, the word that says
+//! until when the thread sleeps (so a poster wakes it only for an earlier deadline), and the
+//! thread's loop.
+//!
+//! The provider keeps what is specific to its transport: which fds it watches under which
+//! tokens, how long the thread may sleep, and what a ready fd means. The tokens
+//! [`TOKEN_WAKE`] and [`TOKEN_TIMER`] are reserved here and never reach the provider.
+
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
+
+use rustix::event::epoll;
+
+use crate::{Result, VerbsError};
+
+/// Token of the wake-up eventfd.
+pub const TOKEN_WAKE: u64 = u64::MAX;
+/// Token of the deadline timerfd.
+pub const TOKEN_TIMER: u64 = u64::MAX - 1;
+
+/// How the progress thread's sleep is bounded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SleepTimer {
+    /// epoll's own timeout (millisecond resolution).
+    Epoll,
+    /// A timerfd armed with the deadline (nanosecond resolution, for pacing timers).
+    Timerfd,
+}
+
+/// The fds a progress thread waits on, shared by the context and its thread.
+pub struct Poller {
+    /// The device name, for errors and logs.
+    device: &'static str,
+    epoll: OwnedFd,
+    wake: OwnedFd,
+    timer: Option<OwnedFd>,
+    stop: AtomicBool,
+    /// Nanoseconds since `epoch` the thread sleeps until (`u64::MAX` while it computes its
+    /// timeout, 0 while awake).
+    sleep_until_ns: AtomicU64,
+    epoch: Instant,
+}
+
+impl Poller {
+    /// An epoll set watching its wake-up eventfd (and a timerfd with [`SleepTimer::Timerfd`]).
+    pub fn new(device: &'static str, sleep: SleepTimer) -> Result<Arc<Poller>> {
+        let err = |what: &str| {
+            let what = format!("{device}: {what}");
+            move |e| VerbsError::io(what, e)
+        };
+        let epoll = epoll::create(epoll::CreateFlags::CLOEXEC).map_err(err("epoll_create"))?;
+        let wake = rustix::event::eventfd(
+            0,
+            rustix::event::EventfdFlags::NONBLOCK | rustix::event::EventfdFlags::CLOEXEC,
+        )
+        .map_err(err("eventfd"))?;
+        let timer = match sleep {
+            SleepTimer::Epoll => None,
+            SleepTimer::Timerfd => Some(
+                rustix::time::timerfd_create(
+                    rustix::time::TimerfdClockId::Monotonic,
+                    rustix::time::TimerfdFlags::NONBLOCK | rustix::time::TimerfdFlags::CLOEXEC,
+                )
+                .map_err(err("timerfd_create"))?,
+            ),
+        };
+        let poller = Poller {
+            device,
+            epoll,
+            wake,
+            timer,
+            stop: AtomicBool::new(false),
+            sleep_until_ns: AtomicU64::new(0),
+            epoch: Instant::now(),
+        };
+        poller
+            .add(&poller.wake, TOKEN_WAKE, epoll::EventFlags::IN)
+            .map_err(err("epoll add"))?;
+        if let Some(t) = &poller.timer {
+            poller
+                .add(t, TOKEN_TIMER, epoll::EventFlags::IN)
+                .map_err(err("epoll add"))?;
+        }
+        Ok(Arc::new(poller))
+    }
+
+    /// Watch `fd`; its events come back under `token`.
+    pub fn add(
+        &self,
+        fd: impl AsFd,
+        token: u64,
+        flags: epoll::EventFlags,
+    ) -> rustix::io::Result<()> {
+        epoll::add(&self.epoll, fd, epoll::EventData::new_u64(token), flags)
+    }
+
+    /// Change what `fd` is watched for (and re-arm a one-shot registration).
+    pub fn modify(
+        &self,
+        fd: impl AsFd,
+        token: u64,
+        flags: epoll::EventFlags,
+    ) -> rustix::io::Result<()> {
+        epoll::modify(&self.epoll, fd, epoll::EventData::new_u64(token), flags)
+    }
+
+    /// Stop watching `fd` (errors ignored: the fd may be closed already).
+    pub fn delete(&self, fd: impl AsFd) {
+        let _ = epoll::delete(&self.epoll, fd);
+    }
+
+    /// When the poller started; [`Poller::nanos`] counts from here.
+    pub fn epoch(&self) -> Instant {
+        self.epoch
+    }
+
+    /// Nanoseconds from the epoch to `t` (0 before it).
+    pub fn nanos(&self, t: Instant) -> u64 {
+        u64::try_from(t.saturating_duration_since(self.epoch).as_nanos()).unwrap_or(u64::MAX)
+    }
+
+    /// Wake the progress thread.
+    pub fn wake(&self) {
+        let _ = rustix::io::write(&self.wake, &1u64.to_ne_bytes());
+    }
+
+    /// Make sure the thread wakes by `deadline`.
+    pub fn note_deadline(&self, deadline: Option<Instant>) {
+        let Some(d) = deadline else { return };
+        if self.nanos(d) < self.sleep_until_ns.load(Ordering::Acquire) {
+            self.wake();
+        }
+    }
+
+    /// Ask the thread to end (it does at its next wake-up, which this causes).
+    pub fn stop(&self) {
+        self.stop.store(true, Ordering::Release);
+        self.wake();
+    }
+
+    fn stopped(&self) -> bool {
+        self.stop.load(Ordering::Acquire)
+    }
+
+    /// Sleep until an fd is ready or `timeout` passes; `events` then holds the provider's
+    /// events (wake-ups and timer expiries are consumed here).
+    fn wait(&self, events: &mut Vec<epoll::Event>, timeout: Duration) -> rustix::io::Result<()> {
+        let until = Instant::now() + timeout;
+        self.sleep_until_ns
+            .store(self.nanos(until), Ordering::Release);
+        events.clear();
+        match &self.timer {
+            Some(timer) => {
+                // A zero relative value would disarm the timer: 1 ns means "now".
+                let timeout = timeout.max(Duration::from_nanos(1));
+                let spec = rustix::time::Itimerspec {
+                    it_interval: rustix::time::Timespec {
+                        tv_sec: 0,
+                        tv_nsec: 0,
+                    },
+                    it_value: timespec(timeout),
+                };
+                rustix::time::timerfd_settime(
+                    timer,
+                    rustix::time::TimerfdTimerFlags::empty(),
+                    &spec,
+                )?;
+                epoll::wait(&self.epoll, rustix::buffer::spare_capacity(events), None)?;
+            }
+            None => {
+                let ts = timespec(timeout);
+                epoll::wait(
+                    &self.epoll,
+                    rustix::buffer::spare_capacity(events),
+                    Some(&ts),
+                )?;
+            }
+        }
+        self.sleep_until_ns.store(0, Ordering::Release);
+        events.retain(|ev| {
+            let fd = match ev.data.u64() {
+                TOKEN_WAKE => &self.wake,
+                TOKEN_TIMER => match &self.timer {
+                    Some(t) => t,
+                    None => return true,
+                },
+                _ => return true,
+            };
+            let mut b = [0u8; 8];
+            let _ = rustix::io::read(fd, &mut b);
+            false
+        });
+        Ok(())
+    }
+}
+
+fn timespec(d: Duration) -> rustix::time::Timespec {
+    rustix::time::Timespec {
+        tv_sec: d.as_secs() as i64,
+        tv_nsec: i64::from(d.subsec_nanos()),
+    }
+}
+
+/// Start the progress thread of a context. It holds only a `Weak` to the context, so dropping
+/// the last handle ends it (the context's `Drop` calls [`Poller::stop`]). Each round:
+/// `timeout(ctx, now)` says how long it may sleep, then `handle(ctx, events)` gets the ready
+/// fds (possibly none, on a timeout), and should run due timers.
+pub fn spawn_progress_thread<E, T, H>(
+    name: String,
+    ctx: Weak<E>,
+    poller: Arc<Poller>,
+    mut timeout: T,
+    mut handle: H,
+) -> Result<()>
+where
+    E: Send + Sync + 'static,
+    T: FnMut(&E, Instant) -> Duration + Send + 'static,
+    H: FnMut(&E, &[epoll::Event]) + Send + 'static,
+{
+    let device = poller.device;
+    let run = move || {
+        let mut events: Vec<epoll::Event> = Vec::with_capacity(256);
+        loop {
+            if poller.stopped() {
+                return;
+            }
+            // While the timeout is being computed, a new deadline must wake us (see
+            // `note_deadline`).
+            poller.sleep_until_ns.store(u64::MAX, Ordering::Release);
+            let t = {
+                let Some(ctx) = ctx.upgrade() else {
+                    return;
+                };
+                timeout(&ctx, Instant::now())
+            };
+            match poller.wait(&mut events, t) {
+                Ok(()) => {}
+                Err(rustix::io::Errno::INTR) => continue,
+                Err(e) => {
+                    tracing::warn!(device = poller.device, %e, "progress thread stops: wait failed");
+                    return;
+                }
+            }
+            if poller.stopped() {
+                return;
+            }
+            let Some(ctx) = ctx.upgrade() else {
+                return;
+            };
+            handle(&ctx, &events);
+        }
+    };
+    std::thread::Builder::new()
+        .name(name)
+        .spawn(run)
+        .map(|_| ())
+        .map_err(|e| VerbsError::io(format!("{device}: spawn progress thread"), e))
+}

@@ -1,0 +1,113 @@
+//! Fixtures for the software providers' in-process tests: a context per side, one QP with its
+//! PD, CQ and a registered region, connected over loopback, and bounded waits that fail a
+//! test instead of hanging it.
+
+use std::time::{Duration, Instant};
+
+use crate::*;
+
+/// How long any wait may take before the test fails (catches hangs only).
+pub const WAIT: Duration = Duration::from_secs(20);
+
+/// One end of a test connection.
+pub struct Side {
+    /// The context (kept open as long as the side).
+    pub ctx: Context,
+    pub pd: ProtectionDomain,
+    pub cq: CompletionQueue,
+    pub mr: MemoryRegion,
+    pub qp: QueuePair,
+}
+
+/// Open `device` with these device options.
+pub fn open(device: &str, opts: &[(&str, &str)]) -> Context {
+    let mut cfg = DeviceConfig::default();
+    for (k, v) in opts {
+        cfg.options.insert((*k).into(), (*v).into());
+    }
+    Context::open_with(device, &cfg).unwrap()
+}
+
+/// A QP on `ctx` with a CQ of `cqe` entries and a 64 KiB region.
+pub fn side(ctx: &Context, cqe: u32, caps: QpCaps, access: AccessFlags) -> Side {
+    let pd = ctx.alloc_pd().unwrap();
+    let cq = ctx.create_cq(cqe).unwrap();
+    let mr = pd.alloc_mr(1 << 16, access).unwrap();
+    let mut init = QpInitAttr::new(&cq);
+    init.caps = caps;
+    let qp = pd.create_qp(&init).unwrap();
+    Side {
+        ctx: ctx.clone(),
+        pd,
+        cq,
+        mr,
+        qp,
+    }
+}
+
+/// Take both QPs through INIT and RTR to the state `rts()` names.
+pub fn connect_with(a: &Side, b: &Side, rts: impl Fn() -> QpAttr) {
+    let (ea, eb) = (a.qp.endpoint(), b.qp.endpoint());
+    for (s, remote) in [(a, &eb), (b, &ea)] {
+        s.qp.modify(&QpAttr::init(AccessFlags::ALL)).unwrap();
+        s.qp.modify(&QpAttr::rtr(remote.clone())).unwrap();
+        s.qp.modify(&rts()).unwrap();
+    }
+}
+
+/// `n` completions from `cq`, in order.
+pub fn wait(cq: &CompletionQueue, n: usize) -> Vec<WorkCompletion> {
+    let mut got = Vec::new();
+    let deadline = Instant::now() + WAIT;
+    let mut buf = [WorkCompletion::EMPTY; 16];
+    while got.len() < n {
+        let left = deadline.saturating_duration_since(Instant::now());
+        assert!(
+            !left.is_zero(),
+            "timed out waiting for {n} completions, got {got:?}"
+        );
+        let k = cq
+            .poll_blocking(&mut buf[..(n - got.len()).min(16)], left)
+            .unwrap();
+        got.extend_from_slice(&buf[..k]);
+    }
+    got
+}
+
+/// Wait until `qp` is in `state`.
+pub fn wait_state(qp: &QueuePair, state: QpState) {
+    let deadline = Instant::now() + WAIT;
+    while qp.state() != state {
+        assert!(Instant::now() < deadline, "QP stuck in {:?}", qp.state());
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// A `len`-byte region on each side's PD, the first holding a byte pattern (returned).
+pub fn big_regions(a: &Side, b: &Side, len: usize) -> (MemoryRegion, MemoryRegion, Vec<u8>) {
+    let big_a = a.pd.alloc_mr(len, AccessFlags::ALL).unwrap();
+    let big_b = b.pd.alloc_mr(len, AccessFlags::ALL).unwrap();
+    let pattern: Vec<u8> = (0..len).map(|i| (i * 31 % 251) as u8).collect();
+    big_a.write_at(0, &pattern).unwrap();
+    (big_a, big_b, pattern)
+}
+
+/// Zero `local`, READ all of `remote` into it with request `wr_id` on `a`'s QP, and check that
+/// the request succeeded with every byte and that `local` now holds `expect`.
+pub fn read_back(a: &Side, local: &MemoryRegion, remote: &MemoryRegion, expect: &[u8], wr_id: u64) {
+    let len = expect.len();
+    local.write_at(0, &vec![0u8; len]).unwrap();
+    let sge = [local.sge(0, len as u32).unwrap()];
+    let read = WrOpcode::Read {
+        remote: remote.remote(0),
+    };
+    a.qp.post_send(&[SendWr::new(wr_id, &sge, read)]).unwrap();
+    let wc = wait(&a.cq, 1)[0];
+    assert_eq!(
+        (wc.wr_id, wc.status, wc.byte_len),
+        (wr_id, WcStatus::Success, len as u32)
+    );
+    let mut got = vec![0u8; len];
+    local.read_at(0, &mut got).unwrap();
+    assert!(got == expect, "READ corrupted data");
+}

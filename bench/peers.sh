@@ -8,6 +8,8 @@
 #   QUICK=1 bench/peers.sh         # 10x fewer iterations (smoke run)
 #   NO_INSTALL=1 bench/peers.sh    # do not apt-get anything
 #   SIZES="8 4096" TESTS="send_lat send_bw" bench/peers.sh   # a subset
+#   MW=0 bench/peers.sh            # skip the middleware-layer rows (fabriq Channel / Rpc)
+#   MW_PROGRESS=thread bench/peers.sh   # middleware worker driven by its thread, not the caller
 #
 # Every figure is the median of R runs. Latency is one-way (RTT/2) p50 in microseconds,
 # except fi_pingpong, which only reports the mean one-way time per transfer. Bandwidth is
@@ -24,6 +26,8 @@ QUICK=${QUICK:-0}
 RUN_TIMEOUT=${RUN_TIMEOUT:-60}
 read -r -a SIZES <<<"${SIZES:-8 4096 65536 1048576}"
 read -r -a TESTS <<<"${TESTS:-send_lat write_lat send_bw write_bw}"
+MW=${MW:-1}
+MW_PROGRESS=${MW_PROGRESS:-caller}
 PORT=${PORT_BASE:-23000}
 LOG=${LOG:-/tmp/fabriq-peers.log}
 : >"$LOG"
@@ -155,6 +159,26 @@ tcp_baseline_one() {
     rm -f "$tmp"
 }
 
+# ---------------------------------------------------------------- fabriq middleware layers
+# fabriq_mw_one DEVICE LAYER TEST SIZE FIELD → value of FIELD in the JSON result
+fabriq_mw_one() {
+    local dev=$1 layer=$2 test=$3 size=$4 field=$5 n tmp
+    case $test in
+        send_lat|rpc_lat) n=$(iters lat "$size") ;;
+        rpc_rate) n=20000; [ "$QUICK" = 1 ] && n=2000 ;;
+        *) n=$(iters bw "$size") ;;
+    esac
+    tmp=$(mktemp)
+    if timeout "$RUN_TIMEOUT" "$FABRIQ" perf --local --layer "$layer" --progress "$MW_PROGRESS" \
+        -d "$dev" -t "$test" -s "$size" -n "$n" --cpu "$CLIENT_CPU" --server-cpu "$SERVER_CPU" \
+        --json >"$tmp" 2>>"$LOG"; then
+        json_field "$field" "$tmp"
+    else
+        echo "FAIL:fabriq --layer $layer failed (exit $?)"
+    fi
+    rm -f "$tmp"
+}
+
 # ---------------------------------------------------------------- UCX
 # ucx_one TLS TEST SIZE COLUMN → column of the "Final:" line
 #   columns: 2 iterations, 3 p50 latency, 4 avg lat, 5 overall lat, 6 avg MB/s,
@@ -252,11 +276,29 @@ measure() {
     done
 }
 
+# the middleware layers beside UCX's active messages (ucp_am_lat) and tag matching (tag_bw);
+# UCX_TLS posix,self for shm, tcp for tcp
+measure_mw() {
+    [ "$MW" = 1 ] || return 0
+    local transport dev tls
+    for transport in shm tcp; do
+        if [ "$transport" = shm ]; then dev=shm0 tls=posix,self; else dev=tcp0 tls=tcp; fi
+        log "== $transport middleware layers"
+        RES[$transport,mw,chan_lat,fabriq]=$(repeat fabriq_mw_one "$dev" channel send_lat 8 p50_us)
+        RES[$transport,mw,chan_lat,ucx]=$(repeat ucx_one "$tls" ucp_am_lat 8 3)
+        RES[$transport,mw,chan_bw,fabriq]=$(repeat fabriq_mw_one "$dev" channel send_bw 1048576 mib_s)
+        RES[$transport,mw,chan_bw,ucx]=$(repeat ucx_one "$tls" tag_bw 1048576 7)
+        RES[$transport,mw,rpc_lat,fabriq]=$(repeat fabriq_mw_one "$dev" rpc rpc_lat 8 p50_us)
+        RES[$transport,mw,rpc_rate,fabriq]=$(repeat fabriq_mw_one "$dev" rpc rpc_rate 8 calls_per_s)
+    done
+}
+
 # ---------------------------------------------------------------- report
 # a result cell, numbers rounded (latency to 3 decimals, bandwidth to 1); failures as text
 cell() {
     local v=${RES[$1]:-} dec=3
     [[ $1 == *_bw,* ]] && dec=1
+    [[ $1 == *,rpc_rate,* ]] && dec=0
     [ -z "$v" ] && { echo "n/a"; return; }
     echo "$v" | awk -v d="$dec" '$1 ~ /^[0-9.eE+-]+$/ { $1 = sprintf("%." d "f", $1) } { print }'
 }
@@ -349,6 +391,22 @@ write_report() {
             done
             echo
         done
+        if [ "$MW" = 1 ]; then
+            echo "## Middleware layers: fabriq \`Channel\` / \`Rpc\` vs. UCX active messages and tag matching"
+            echo
+            echo "fabriq runs with \`--progress $MW_PROGRESS\` (the application thread drives the worker"
+            echo "when \`caller\`); UCX with \`UCX_TLS=posix,self\` (shm) and \`UCX_TLS=tcp\` (tcp)."
+            echo
+            echo "| transport | test | fabriq | UCX |"
+            echo "|---|---|---|---|"
+            for transport in shm tcp; do
+                echo "| $transport | channel send_lat 8 B, one-way p50 µs | $(cell "$transport,mw,chan_lat,fabriq") | $(cell "$transport,mw,chan_lat,ucx") (ucp_am_lat) |"
+                echo "| $transport | channel send_bw 1 MiB, MiB/s | $(cell "$transport,mw,chan_bw,fabriq") | $(cell "$transport,mw,chan_bw,ucx") (tag_bw) |"
+                echo "| $transport | rpc_lat 8 B, round-trip p50 µs | $(cell "$transport,mw,rpc_lat,fabriq") | — |"
+                echo "| $transport | rpc_rate 8 B, 8 callers, calls/s | $(cell "$transport,mw,rpc_rate,fabriq") | — |"
+            done
+            echo
+        fi
         echo "## Targets"
         echo
         echo "| target | goal | measured (median) | verdict |"
@@ -366,6 +424,16 @@ write_report() {
         target_line "shm 8 B send_bw message rate" "$(mrate "${RES[shm,send_bw,8,fabriq]:-}" 8)" ge 3 "M msg/s"
         target_line "shm 1 MiB write_bw" "$(cell shm,write_bw,1048576,fabriq)" ge 6144 MiB/s
         target_line "shm 1 MiB send_bw" "$(cell shm,send_bw,1048576,fabriq)" ge 6144 MiB/s
+        if [ "$MW" = 1 ]; then
+            target_line "shm channel 8 B one-way p50" "$(cell shm,mw,chan_lat,fabriq)" le 0.40 µs
+            local vsend
+            vsend=$(num "$(cell shm,send_lat,8,fabriq)")
+            if [ -n "$vsend" ]; then
+                target_line "shm channel 8 B (≤ 1.3 × verbs SEND $vsend µs)" "$(cell shm,mw,chan_lat,fabriq)" le "$(awk -v b="$vsend" 'BEGIN { printf "%.3f", b * 1.3 }')" µs
+            fi
+            target_line "shm channel 1 MiB send_bw" "$(cell shm,mw,chan_bw,fabriq)" ge 6144 MiB/s
+            target_line "tcp channel 1 MiB send_bw" "$(cell tcp,mw,chan_bw,fabriq)" ge 4096 MiB/s
+        fi
         echo
         echo "Reference points from the same run: UCX shm tag_lat 8 B = $(cell shm,send_lat,8,ucx) µs,"
         echo "ucp_put_lat 8 B = $(cell shm,write_lat,8,ucx) µs."
@@ -384,12 +452,18 @@ write_report() {
         echo "# UCX"
         echo "UCX_TLS={posix,self|tcp,self} taskset -c $SERVER_CPU ucx_perftest -p PORT &"
         echo "UCX_TLS={posix,self|tcp,self} taskset -c $CLIENT_CPU ucx_perftest 127.0.0.1 -p PORT -t {tag_lat|ucp_put_lat|tag_bw|ucp_put_bw} -s SIZE -n N"
+        if [ "$MW" = 1 ]; then
+            echo "# fabriq middleware layers (rpc_rate: -n 20000, 8 callers)"
+            echo "fabriq perf --local --layer channel --progress $MW_PROGRESS -d {shm0|tcp0} -t {send_lat|send_bw} -s SIZE -n N --cpu $CLIENT_CPU --server-cpu $SERVER_CPU --json"
+            echo "fabriq perf --local --layer rpc --progress $MW_PROGRESS -d {shm0|tcp0} -t {rpc_lat|rpc_rate} -s 8 -n N --cpu $CLIENT_CPU --server-cpu $SERVER_CPU --json"
+            echo "UCX_TLS={posix,self|tcp} ucx_perftest … -t {ucp_am_lat|tag_bw} (as above)"
+        fi
         echo "# libfabric"
         echo "taskset -c $SERVER_CPU fi_pingpong -p {shm|tcp} -e rdm -B PORT -S SIZE -I N &"
         echo "taskset -c $CLIENT_CPU fi_pingpong -p {shm|tcp} -e rdm -P PORT -S SIZE -I N 127.0.0.1"
         echo '```'
         echo
-        echo "Parsed fields: fabriq \`p50_us\` and \`mib_s\` of the JSON; ucx_perftest the"
+        echo "Parsed fields: fabriq \`p50_us\`, \`mib_s\` and \`calls_per_s\` of the JSON; ucx_perftest the"
         echo "\`Final:\` line (50%ile latency, overall MB/s, overall msg/s); fi_pingpong the"
         echo "\`usec/xfer\` column. Raw output of the last run: \`$LOG\` (not kept in the repository)."
         echo
@@ -402,5 +476,6 @@ write_report() {
 install_peers
 build_fabriq
 measure
+measure_mw
 write_report
 rm -f "$PORT_FILE"

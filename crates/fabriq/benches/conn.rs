@@ -8,15 +8,25 @@
 //! open is skipped. Criterion writes each median to
 //! `target/criterion/connect/<device>_<mode>/new/estimates.json`.
 //!
-//! `cargo bench -p fabriq --bench conn`
+//! A second group, `endpoint_connect`, measures the same at the middleware level: one
+//! iteration is `Endpoint::connect` plus the server's `Listener::accept` returning the channel
+//! (hello, receive rings posted on both sides, RTR/RTS, Ready, adoption by a worker); the close
+//! of both channels and the return of their QPs (drained, reset) happen outside the timed part.
+//! **cold**: `qp_cache_size = 0`, `reuse_control_streams = false`; **cached**: defaults.
+//!
+//! A third group, `qp_phases`, times the verbs steps of a connect on one in-process QP pair, to
+//! show where the time goes: creating a QP, RESET → INIT, and INIT → RTR → RTS of both QPs.
+//!
+//! `cargo bench -p fabriq --bench conn` (`-- endpoint_connect` for one group)
 
 use std::net::SocketAddr;
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, Criterion};
-use fabriq::conn::{ConnConfig, ConnError, ConnManager, ListenerCloser};
-use fabriq_verbs::Context;
+use fabriq::conn::{ConnConfig, ConnError, ConnManager, ConnStats, ListenerCloser};
+use fabriq::{Config, Endpoint};
+use fabriq_verbs::{AccessFlags, Context, QpAttr, QpInitAttr, QueuePair};
 
 const TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -126,5 +136,212 @@ fn bench(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, bench);
+/// Wait (bounded) until `cond` holds on `ep`'s connection counters.
+fn wait_stats(ep: &Endpoint, cond: impl Fn(&ConnStats) -> bool) -> Result<(), String> {
+    let deadline = Instant::now() + TIMEOUT;
+    while !cond(&ep.conn_stats()) {
+        if Instant::now() > deadline {
+            return Err(format!("counters stuck at {:?}", ep.conn_stats()));
+        }
+        std::thread::yield_now();
+    }
+    Ok(())
+}
+
+/// One connect + accept, timed; then both channels closed and their QPs retired (untimed).
+fn endpoint_round(
+    server: &Endpoint,
+    client: &Endpoint,
+    listener: &fabriq::Listener,
+    cached: bool,
+    round: u64,
+    client_only: bool,
+) -> Result<Duration, String> {
+    let start = Instant::now();
+    let c = client
+        .connect(listener.local_addr())
+        .map_err(|e| e.to_string())?;
+    let connected = start.elapsed();
+    let s = listener
+        .accept_timeout(TIMEOUT)
+        .map_err(|e| e.to_string())?;
+    let took = if client_only {
+        connected
+    } else {
+        start.elapsed()
+    };
+    drop(c);
+    drop(s);
+    // Both QPs are back (cached, or destroyed when there is no cache) before the next round.
+    let back = |st: &ConnStats| {
+        if cached {
+            st.qps_cached >= 1
+        } else {
+            st.qps_dropped >= round
+        }
+    };
+    wait_stats(client, back)?;
+    wait_stats(server, back)?;
+    Ok(took)
+}
+
+fn endpoint_bench(c: &mut Criterion) {
+    let mut g = c.benchmark_group("endpoint_connect");
+    g.sample_size(30);
+    g.measurement_time(Duration::from_secs(3));
+    g.warm_up_time(Duration::from_millis(500));
+    for device in devices() {
+        for (mode, cached) in [("cold", false), ("cached", true)] {
+            let cfg = Config {
+                device: device.clone(),
+                qp_cache_size: if cached { 64 } else { 0 },
+                reuse_control_streams: cached,
+                ..Config::default()
+            };
+            let (server, client) = match (Endpoint::new(cfg.clone()), Endpoint::new(cfg)) {
+                (Ok(s), Ok(c)) => (s, c),
+                (Err(e), _) | (_, Err(e)) => {
+                    eprintln!("endpoint connect bench: {device}: skipped: {e}");
+                    continue;
+                }
+            };
+            let listener = match server.listen("127.0.0.1:0") {
+                Ok(l) => l,
+                Err(e) => {
+                    eprintln!("endpoint connect bench: {device}: skipped: {e}");
+                    continue;
+                }
+            };
+            let mut round = 0u64;
+            let mut failures = 0u64;
+            // `_both`: until both ends hold their channel; `_client`: until `connect` returns.
+            for (what, client_only) in [("both", false), ("client", true)] {
+                g.bench_function(format!("{device}_{mode}_{what}"), |b| {
+                    b.iter_custom(|iters| {
+                        let mut total = Duration::ZERO;
+                        for _ in 0..iters {
+                            round += 1;
+                            let r = endpoint_round(
+                                &server,
+                                &client,
+                                &listener,
+                                cached,
+                                round,
+                                client_only,
+                            );
+                            match r {
+                                Ok(t) => total += t,
+                                Err(e) => {
+                                    failures += 1;
+                                    if failures == 1 {
+                                        eprintln!("endpoint connect bench: {device} {mode}: {e}");
+                                    }
+                                }
+                            }
+                        }
+                        total
+                    })
+                });
+            }
+            eprintln!(
+                "endpoint connect bench: {device} {mode}: {failures} failed; client {:?}; server {:?}",
+                client.conn_stats(),
+                server.conn_stats()
+            );
+        }
+    }
+    g.finish();
+}
+
+/// Two QPs of one context, in INIT, ready to connect to each other.
+fn qp_pair(ctx: &Context) -> Result<(QueuePair, QueuePair), String> {
+    let pd = ctx.alloc_pd().map_err(|e| e.to_string())?;
+    let cq = ctx.create_cq(256).map_err(|e| e.to_string())?;
+    let a = pd
+        .create_qp(&QpInitAttr::new(&cq))
+        .map_err(|e| e.to_string())?;
+    let b = pd
+        .create_qp(&QpInitAttr::new(&cq))
+        .map_err(|e| e.to_string())?;
+    Ok((a, b))
+}
+
+fn to_rts(a: &QueuePair, b: &QueuePair) {
+    let (ea, eb) = (a.endpoint(), b.endpoint());
+    // The handshake's order: the server's QP (b) reaches RTS before the client's (a) moves.
+    b.modify(&QpAttr::rtr(ea)).expect("rtr");
+    b.modify(&QpAttr::rts()).expect("rts");
+    a.modify(&QpAttr::rtr(eb)).expect("rtr");
+    a.modify(&QpAttr::rts()).expect("rts");
+}
+
+fn reset_init(a: &QueuePair, b: &QueuePair) {
+    for q in [a, b] {
+        q.modify(&QpAttr::reset()).expect("reset");
+        q.modify(&QpAttr::init(AccessFlags::all())).expect("init");
+    }
+}
+
+fn phases_bench(c: &mut Criterion) {
+    let mut g = c.benchmark_group("qp_phases");
+    g.sample_size(30);
+    g.measurement_time(Duration::from_secs(2));
+    g.warm_up_time(Duration::from_millis(300));
+    for device in devices() {
+        let ctx = match Context::open(&device) {
+            Ok(c) => c,
+            Err(e) => {
+                eprintln!("qp phases bench: {device}: skipped: {e}");
+                continue;
+            }
+        };
+        let Ok(pd) = ctx.alloc_pd() else { continue };
+        let Ok(cq) = ctx.create_cq(256) else { continue };
+        g.bench_function(format!("{device}_create_qp"), |b| {
+            b.iter(|| pd.create_qp(&QpInitAttr::new(&cq)).expect("create"))
+        });
+        // A channel's default receive ring (64 slots of 8 KiB + header), registered per connect.
+        g.bench_function(format!("{device}_register_ring_mr"), |b| {
+            b.iter(|| {
+                pd.alloc_mr(64 * (8192 + 32), AccessFlags::LOCAL_WRITE)
+                    .expect("ring")
+            })
+        });
+        let (qa, qb) = match qp_pair(&ctx) {
+            Ok(p) => p,
+            Err(e) => {
+                eprintln!("qp phases bench: {device}: skipped: {e}");
+                continue;
+            }
+        };
+        reset_init(&qa, &qb);
+        g.bench_function(format!("{device}_reset_init_pair"), |b| {
+            b.iter_custom(|iters| {
+                let mut total = Duration::ZERO;
+                for _ in 0..iters {
+                    to_rts(&qa, &qb);
+                    let t = Instant::now();
+                    reset_init(&qa, &qb);
+                    total += t.elapsed();
+                }
+                total
+            })
+        });
+        g.bench_function(format!("{device}_rtr_rts_pair"), |b| {
+            b.iter_custom(|iters| {
+                let mut total = Duration::ZERO;
+                for _ in 0..iters {
+                    let t = Instant::now();
+                    to_rts(&qa, &qb);
+                    total += t.elapsed();
+                    reset_init(&qa, &qb);
+                }
+                total
+            })
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(benches, bench, endpoint_bench, phases_bench);
 criterion_main!(benches);

@@ -4,13 +4,17 @@
 //! ```toml
 //! # fabriq.toml — every key optional; the values shown are the defaults
 //! device = "auto"            # "auto" (an active RDMA NIC, else shm0, else tcp0), or a device name
-//! workers = 1                # run-to-completion worker threads
+//! workers = 1                # run-to-completion workers (one CQ, one thread each)
+//! progress = "thread"        # who drives the workers: "thread" (a worker thread busy-polls,
+//!                            # then sleeps) or "caller" (application threads poll in send,
+//!                            # recv and calls; the worker thread only serves while none does)
 //! pin_workers = false        # pin worker i to CPU i
 //! idle_spin_us = 50          # busy-poll this long after the last work, then sleep
 //! rpc_timeout_ms = 5000      # default deadline of Rpc::call_default
 //! handshake_timeout_ms = 5000
 //! link_speed_gbps = 0        # picks thresholds: 25 → 2K/32K, 100 → 4K/64K, 200 → 8K/128K; 0 = device's
-//! rx_slots = 64              # receive ring per channel (the peer's credits)
+//! rx_slots = 16              # receive ring per channel (the peer's credits); slots hold the
+//!                            # eager threshold + headers
 //! sq_depth = 128
 //! max_queued = 64            # messages queued for credit before send blocks
 //! max_message_len = 4294967296
@@ -19,12 +23,22 @@
 //! reads_in_flight = 4
 //! rnr_retry = 7              # QP RNR retries (the credit scheme never needs one; 0 makes any
 //!                            # RNR a hard error)
+//! auth_token = ""            # sent in the connection hello; when set, peers must present it
+//! qp_cache_size = 64         # QPs of closed channels kept (reset) per worker for reuse
+//! reuse_control_streams = true  # keep a closed channel's TCP control stream for the next connect
+//!
+//! [device_options]           # provider options for a named device (tcp0: progress, …);
+//! # progress = "thread"      # default for a tcp device: progress = "busy" (pollers read the
+//!                            # sockets: lowest latency); "thread" leaves them to the provider's
+//!                            # thread (more bandwidth for large streams on few cores)
 //! ```
 //!
-//! Environment: `FABRIQ_DEVICE`, `FABRIQ_WORKERS`, `FABRIQ_PIN_WORKERS`, `FABRIQ_IDLE_SPIN_US`,
+//! Environment: `FABRIQ_DEVICE`, `FABRIQ_WORKERS`, `FABRIQ_PROGRESS`, `FABRIQ_PIN_WORKERS`, `FABRIQ_IDLE_SPIN_US`,
 //! `FABRIQ_RPC_TIMEOUT_MS`, `FABRIQ_HANDSHAKE_TIMEOUT_MS`, `FABRIQ_LINK_SPEED_GBPS`,
 //! `FABRIQ_RX_SLOTS`, `FABRIQ_SQ_DEPTH`, `FABRIQ_MAX_QUEUED`, `FABRIQ_MAX_MESSAGE_LEN`,
-//! `FABRIQ_EAGER_MAX`, `FABRIQ_CHUNK_SIZE`, `FABRIQ_READS_IN_FLIGHT`, `FABRIQ_RNR_RETRY`; `FABRIQ_CONFIG` names a
+//! `FABRIQ_EAGER_MAX`, `FABRIQ_CHUNK_SIZE`, `FABRIQ_READS_IN_FLIGHT`, `FABRIQ_RNR_RETRY`,
+//! `FABRIQ_AUTH_TOKEN`, `FABRIQ_QP_CACHE_SIZE`, `FABRIQ_REUSE_CONTROL_STREAMS`,
+//! `FABRIQ_DEVICE_OPTIONS` (`key=value,key=value`); `FABRIQ_CONFIG` names a
 //! TOML file read by [`Config::from_env`].
 
 use std::path::Path;
@@ -65,14 +79,58 @@ pub enum ConfigError {
     Invalid(String),
 }
 
+/// How long a busy-mode provider (tcp) keeps treating a poller as active after its last poll,
+/// plus a margin (see [`Config::idle_spin_on`]).
+const BUSY_PROVIDER_GRACE: Duration = Duration::from_micros(1100);
+
+/// Who drives a worker's event loop (its progress pass: inbox, CQ, timers, channels).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Progress {
+    /// A worker thread per worker busy-polls while work arrives and sleeps on the CQ's event fd
+    /// when idle; application threads hand work over and progress the worker themselves only
+    /// when it is free.
+    #[default]
+    Thread,
+    /// Application threads drive their worker: `send` posts directly, blocking `recv`,
+    /// `Rpc::call` and one-sided operations poll the CQ themselves (busy-poll budget
+    /// `idle_spin_us`, then sleep on the CQ event fd). RPC handlers run on whichever thread
+    /// progresses. The worker thread is only a back-stop that serves the endpoint (handlers,
+    /// async tasks, peer hang-ups) while no application thread has called in for a few
+    /// milliseconds.
+    Caller,
+}
+
+impl std::str::FromStr for Progress {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Progress, String> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "thread" => Ok(Progress::Thread),
+            "caller" => Ok(Progress::Caller),
+            other => Err(format!("{other:?} is neither \"thread\" nor \"caller\"")),
+        }
+    }
+}
+
+impl std::fmt::Display for Progress {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Progress::Thread => "thread",
+            Progress::Caller => "caller",
+        })
+    }
+}
+
 /// Endpoint configuration. See the [module docs](self) for the file format.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct Config {
     /// `auto`, or a device name (`shm0`, `tcp0`, …).
     pub device: String,
-    /// Worker threads.
+    /// Workers (one CQ and one thread each).
     pub workers: usize,
+    /// Who drives the workers.
+    pub progress: Progress,
     /// Pin worker `i` to CPU `i`.
     pub pin_workers: bool,
     /// Busy-poll budget after the last piece of work, microseconds.
@@ -99,6 +157,15 @@ pub struct Config {
     pub reads_in_flight: u32,
     /// RNR retry count of every QP (0..=7, 7 = forever).
     pub rnr_retry: u8,
+    /// Provider options for opening a named device (see [`Config::device_config`]).
+    pub device_options: std::collections::BTreeMap<String, String>,
+    /// Connection auth token (empty: none). Sent in the hello; when set, a peer must present
+    /// the same token, else both sides fail the handshake.
+    pub auth_token: String,
+    /// QPs of closed channels kept per worker (in RESET) for the next connect.
+    pub qp_cache_size: usize,
+    /// Keep a closed channel's TCP control stream open for the next connect to that peer.
+    pub reuse_control_streams: bool,
 }
 
 impl Default for Config {
@@ -106,12 +173,13 @@ impl Default for Config {
         Config {
             device: "auto".into(),
             workers: 1,
+            progress: Progress::Thread,
             pin_workers: false,
             idle_spin_us: 50,
             rpc_timeout_ms: 5000,
             handshake_timeout_ms: 5000,
             link_speed_gbps: 0,
-            rx_slots: 64,
+            rx_slots: 16,
             sq_depth: 128,
             max_queued: 64,
             max_message_len: 4 << 30,
@@ -119,6 +187,10 @@ impl Default for Config {
             chunk_size: None,
             reads_in_flight: 4,
             rnr_retry: 7,
+            device_options: std::collections::BTreeMap::new(),
+            auth_token: String::new(),
+            qp_cache_size: 64,
+            reuse_control_streams: true,
         }
     }
 }
@@ -188,6 +260,7 @@ impl Config {
             self.device = v;
         }
         var!("FABRIQ_WORKERS", self.workers, parse);
+        var!("FABRIQ_PROGRESS", self.progress, parse);
         var!("FABRIQ_PIN_WORKERS", self.pin_workers, parse_bool);
         var!("FABRIQ_IDLE_SPIN_US", self.idle_spin_us, parse);
         var!("FABRIQ_RPC_TIMEOUT_MS", self.rpc_timeout_ms, parse);
@@ -203,8 +276,30 @@ impl Config {
         var!("FABRIQ_MAX_MESSAGE_LEN", self.max_message_len, parse);
         var!("FABRIQ_READS_IN_FLIGHT", self.reads_in_flight, parse);
         var!("FABRIQ_RNR_RETRY", self.rnr_retry, parse);
+        var!("FABRIQ_QP_CACHE_SIZE", self.qp_cache_size, parse);
+        var!(
+            "FABRIQ_REUSE_CONTROL_STREAMS",
+            self.reuse_control_streams,
+            parse_bool
+        );
+        if let Some(v) = get("FABRIQ_AUTH_TOKEN") {
+            self.auth_token = v;
+        }
         if let Some(v) = get("FABRIQ_EAGER_MAX") {
             self.eager_max = Some(parse("FABRIQ_EAGER_MAX", &v)?);
+        }
+        if let Some(v) = get("FABRIQ_DEVICE_OPTIONS") {
+            for pair in v.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+                let Some((k, val)) = pair.split_once('=') else {
+                    return Err(ConfigError::Env {
+                        name: "FABRIQ_DEVICE_OPTIONS".into(),
+                        value: v.clone(),
+                        why: format!("{pair:?} is not key=value"),
+                    });
+                };
+                self.device_options
+                    .insert(k.trim().to_string(), val.trim().to_string());
+            }
         }
         if let Some(v) = get("FABRIQ_CHUNK_SIZE") {
             self.chunk_size = Some(parse("FABRIQ_CHUNK_SIZE", &v)?);
@@ -225,9 +320,50 @@ impl Config {
         if self.device.is_empty() {
             return bad("device is empty");
         }
+        if self.auth_token.len() > crate::conn::wire::MAX_TOKEN_LEN {
+            return bad("auth_token is longer than 1024 bytes");
+        }
         self.channel_config(0)
             .validate()
             .map_err(|e| ConfigError::Invalid(e.to_string()))
+    }
+
+    /// Provider options to open `device` with: `progress = busy` for a device of the `tcp`
+    /// provider, so that a worker (or a caller-mode application thread) polling the CQ reads the
+    /// sockets itself instead of waiting for the provider's progress thread to wake up (which
+    /// stays as the fall-back while nobody polls); then `device_options` on top.
+    pub fn device_config(&self, device: &str) -> fabriq_verbs::DeviceConfig {
+        let mut cfg = fabriq_verbs::DeviceConfig::default();
+        let is_tcp = fabriq_verbs::devices()
+            .unwrap_or_default()
+            .into_iter()
+            .any(|d| d.name == device && d.provider == "tcp");
+        if is_tcp {
+            cfg.options.insert("progress".into(), "busy".into());
+        }
+        cfg.options.extend(
+            self.device_options
+                .iter()
+                .map(|(k, v)| (k.clone(), v.clone())),
+        );
+        cfg
+    }
+
+    /// The busy-poll budget of pollers on `device`: `idle_spin_us`, but at least the time a
+    /// provider polled in busy mode (`progress = busy`, the tcp default) keeps treating a poller
+    /// as active after its last poll — its own thread leaves the sockets alone that long, so a
+    /// poller that slept sooner would only see its next completion after that grace.
+    pub fn idle_spin_on(&self, device: &str) -> Duration {
+        let busy = self
+            .device_config(device)
+            .options
+            .get("progress")
+            .is_some_and(|v| v == "busy");
+        if busy {
+            self.idle_spin().max(BUSY_PROVIDER_GRACE)
+        } else {
+            self.idle_spin()
+        }
     }
 
     /// The RPC default deadline.
@@ -263,12 +399,15 @@ impl Config {
         t
     }
 
-    /// The channel protocol settings for a device of `device_gbps`. Receive slots hold the
-    /// largest eager payload of any profile (8 KiB) or the configured eager maximum, whichever
-    /// is larger, so thresholds can be raised on a live channel.
+    /// The channel protocol settings for a device of `device_gbps`. A receive slot holds the
+    /// eager threshold in force at set-up plus the headers, and no more: the ring is the largest
+    /// per-channel cost (it is registered, and on `shm0` mapped by the peer too), and a slot
+    /// stride of exactly the eager size keeps every page of it useful. A threshold raised on a
+    /// live channel above the slot sends the larger messages by rendezvous (the core caps eager
+    /// sends by the peer's slot size).
     pub fn channel_config(&self, device_gbps: u32) -> ChannelConfig {
         let thresholds = self.thresholds(device_gbps);
-        let eager_room = thresholds.eager_max.max(8 << 10);
+        let eager_room = thresholds.eager_max.max(256);
         ChannelConfig {
             rx_slots: self.rx_slots,
             rx_slot_size: eager_room.saturating_add(HEADER_LEN as u32),
@@ -293,6 +432,12 @@ mod tests {
         assert_eq!(c.device, "tcp0");
         assert_eq!(c.workers, 2);
         assert_eq!(c.thresholds(100).eager_max, 1024);
+        assert_eq!(c.progress, Progress::Thread);
+        let c = Config::from_toml_str("progress = \"caller\"\n").expect("valid");
+        assert_eq!(c.progress, Progress::Caller);
+        assert!(Config::from_toml_str("progress = \"sometimes\"").is_err());
+        let c = Config::from_toml_str("device = \"tcp0\"\nworkers = 2\neager_max = 1024\n")
+            .expect("valid");
         let text = toml::to_string(&c).expect("serialises");
         assert_eq!(Config::from_toml_str(&text).expect("parses"), c);
         assert!(matches!(
@@ -308,15 +453,54 @@ mod tests {
                 "FABRIQ_WORKERS" => Some("3".into()),
                 "FABRIQ_LINK_SPEED_GBPS" => Some("25".into()),
                 "FABRIQ_PIN_WORKERS" => Some("yes".into()),
+                "FABRIQ_PROGRESS" => Some("Caller".into()),
                 _ => None,
             })
             .expect("valid");
         assert_eq!(c.workers, 3);
         assert!(c.pin_workers);
+        assert_eq!(c.progress, Progress::Caller);
+        let err =
+            Config::default().with_env_vars(|k| (k == "FABRIQ_PROGRESS").then(|| "both".into()));
+        assert!(matches!(err, Err(ConfigError::Env { .. })));
         assert_eq!(c.thresholds(100).eager_max, 2048);
         let err =
             Config::default().with_env_vars(|k| (k == "FABRIQ_RX_SLOTS").then(|| "lots".into()));
         assert!(matches!(err, Err(ConfigError::Env { .. })));
+        let c = Config::default()
+            .with_env_vars(|k| {
+                (k == "FABRIQ_DEVICE_OPTIONS").then(|| "progress=thread, a = b".into())
+            })
+            .expect("valid");
+        assert_eq!(
+            c.device_options.get("progress").map(String::as_str),
+            Some("thread")
+        );
+        assert_eq!(c.device_options.get("a").map(String::as_str), Some("b"));
+        assert_eq!(
+            c.device_config("tcp0")
+                .options
+                .get("progress")
+                .map(String::as_str),
+            Some("thread")
+        );
+        assert_eq!(
+            Config::default()
+                .device_config("tcp0")
+                .options
+                .get("progress")
+                .map(String::as_str),
+            Some("busy")
+        );
+        assert!(Config::default().device_config("shm0").options.is_empty());
+        let err = Config::default()
+            .with_env_vars(|k| (k == "FABRIQ_DEVICE_OPTIONS").then(|| "progress".into()));
+        assert!(matches!(err, Err(ConfigError::Env { .. })));
+        let c = Config::from_toml_str("[device_options]\nprogress = \"thread\"\n").expect("toml");
+        assert_eq!(
+            c.device_options.get("progress").map(String::as_str),
+            Some("thread")
+        );
         let err = Config::default().with_env_vars(|k| (k == "FABRIQ_WORKERS").then(|| "0".into()));
         assert!(matches!(err, Err(ConfigError::Invalid(_))));
     }

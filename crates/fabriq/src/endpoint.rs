@@ -1,50 +1,57 @@
 //! [`Endpoint`]: opens the device, starts the workers, and sets channels up — `connect(addr)` on
 //! one side, `listen(addr)` + [`Listener::accept`] on the other.
 //!
-//! Set-up is out of band over TCP and ordered so that no side can ever send into a receive queue
-//! that is not posted yet (no RNR from the first message on):
+//! Set-up runs on the connection manager ([`crate::conn`]), one [`ConnManager`] per worker (the
+//! worker's PD and CQ, its QP cache, its idle control streams). The versioned hello carries the
+//! receive-ring geometry, initial credits, eager threshold, READ chunk size, worker id and the
+//! auth token of [`Config`]; a mismatch is a typed [`ConnError`] on both sides. The order makes
+//! RNR impossible from the first message on: each side posts its receive ring between the
+//! manager's `*_pending` and `finish`, i.e. before the peer can learn it may send:
 //!
 //! ```text
-//! client                                          server
-//! QP INIT ── hello{QP endpoint, ring geometry} ─▶ QP INIT, post receive ring, RTR → RTS
-//! post receive ring, RTR → RTS  ◀── hello ──────
-//! ─── ready ───────────────────────────────────▶ adopt channel on a worker (may send now)
-//! adopt channel on a worker (may send now)
+//! client                                           server (acceptor thread)
+//! QP INIT (cache or new) ── Hello ───────────────▶ check version, provider, token
+//!                                                  QP INIT on the routed worker, post ring
+//!                                                  RTR → RTS
+//! check hello-ack ◀──────────────── HelloAck ────
+//! post ring, RTR → RTS ── Ready ─────────────────▶ adopt on the worker (may send now)
+//! adopt on the worker (may send now)
 //! ```
 //!
-//! The TCP stream stays open as the channel's control stream: its hang-up tells the worker the
-//! peer is gone. The handshake is versioned (`fabriq.version` in the hello) and every field read
-//! from the peer is range-checked.
+//! The TCP control stream stays with the channel: the worker polls it, and its hang-up (or the
+//! peer's `Close`) fails the channel with `PeerGone`. When a channel closes, the worker drains
+//! its QP and gives it back to the worker's QP cache, and the control stream goes back to the
+//! client's idle set or the server's listener; the next connect to that peer reuses both.
 
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use fabriq_verbs::{
-    oob, AccessFlags, CompletionQueue, Context, ProtectionDomain, QpAttr, QpCaps, QpEndpoint,
-    QpInitAttr,
-};
+use fabriq_verbs::{AccessFlags, Context, ProtectionDomain, QpCaps};
 use parking_lot::Mutex;
 
 use crate::channel::driver::ChannelDriver;
 use crate::channel::proto::ChannelConfig;
 use crate::channel::{ChannelError, PeerGeometry};
 use crate::config::Config;
+use crate::conn::{
+    ConnConfig, ConnError, ConnManager, ConnStats, ControlStream, Hello, Incoming, ListenerCloser,
+    PendingConn, QpLease, RejectCode, RingGeometry,
+};
 use crate::handle::Channel;
 use crate::remote::ExposedRegion;
 use crate::worker::shared::{ChannelShared, WorkerShared};
 use crate::worker::{self, Adopt, Command, Handlers, WorkerConfig, ONE_SIDED_DEPTH};
 
-const HELLO_VERSION: &str = "1";
-const READY: u8 = 0xA5;
 const ACCESS: AccessFlags = AccessFlags::all();
 
 struct WorkerRef {
     shared: Arc<WorkerShared>,
-    cq: CompletionQueue,
+    /// The worker's connection manager: QPs on the worker's CQ, its QP cache, its idle
+    /// control streams.
+    conn: ConnManager,
 }
 
 struct Inner {
@@ -87,9 +94,9 @@ impl std::fmt::Debug for Endpoint {
 
 /// Resolve `auto` to a device: a real RDMA device (provider `rdma-core`) whose port is up, else
 /// `shm0` (same host) when the provider opens, else `tcp0`.
-fn open_device(name: &str) -> Result<Context, ChannelError> {
+fn open_device(name: &str, config: &Config) -> Result<Context, ChannelError> {
     if name != "auto" {
-        return Ok(Context::open(name)?);
+        return Ok(Context::open_with(name, &config.device_config(name))?);
     }
     let nics = fabriq_verbs::devices()
         .unwrap_or_default()
@@ -111,7 +118,7 @@ fn open_device(name: &str) -> Result<Context, ChannelError> {
         Ok(c) => Ok(c),
         Err(e) => {
             tracing::debug!(%e, "shm0 unavailable, trying tcp0");
-            Ok(Context::open("tcp0")?)
+            Ok(Context::open_with("tcp0", &config.device_config("tcp0"))?)
         }
     }
 }
@@ -122,7 +129,7 @@ impl Endpoint {
         config
             .validate()
             .map_err(|e| ChannelError::InvalidConfig(e.to_string()))?;
-        let ctx = open_device(&config.device)?;
+        let ctx = open_device(&config.device, &config)?;
         let pd = ctx.alloc_pd()?;
         let attr = ctx.query_device();
         let device_gbps = ctx.query_port(1).map(|p| p.speed_gbps).unwrap_or(0);
@@ -138,9 +145,10 @@ impl Endpoint {
                     ChannelError::Verbs(fabriq_verbs::VerbsError::io("eventfd", e))
                 })?);
             let wcfg = WorkerConfig {
-                idle_spin: config.idle_spin(),
+                idle_spin: config.idle_spin_on(&ctx.device().name),
                 pin_cpu: config.pin_workers.then_some(i),
                 pool: crate::mempool::PoolConfig::default().with_chunk_size(chunk),
+                progress: config.progress,
             };
             let t = worker::spawn(
                 Arc::clone(&shared),
@@ -150,7 +158,10 @@ impl Endpoint {
                 wcfg,
             )?;
             threads.push(t);
-            workers.push(WorkerRef { shared, cq });
+            let conn_cfg =
+                Self::conn_config(&config, &config.channel_config(device_gbps), &attr, i)?;
+            let conn = ConnManager::new(&pd, &cq, conn_cfg)?;
+            workers.push(WorkerRef { shared, conn });
         }
         Ok(Endpoint {
             inner: Arc::new(Inner {
@@ -212,72 +223,55 @@ impl Endpoint {
         &self.inner.workers[i]
     }
 
-    fn create_qp(
-        &self,
-        w: &WorkerRef,
+    /// The connection manager of worker `w`: the worker's PD and CQ, its QP cache, and this
+    /// endpoint's announcement (ring geometry, credits, thresholds, auth token).
+    fn conn_config(
+        config: &Config,
         cfg: &ChannelConfig,
-    ) -> Result<fabriq_verbs::QueuePair, ChannelError> {
-        let attr = self.inner.ctx.query_device();
-        let mut init = QpInitAttr::new(&w.cq);
-        init.caps = QpCaps {
+        attr: &fabriq_verbs::DeviceAttr,
+        worker: usize,
+    ) -> Result<ConnConfig, ChannelError> {
+        let caps = QpCaps {
             max_send_wr: (cfg.sq_depth + ONE_SIDED_DEPTH).min(attr.max_qp_wr),
             max_recv_wr: cfg.rx_slots.min(attr.max_qp_wr),
             max_send_sge: 2.min(attr.max_sge),
             max_recv_sge: 1,
             max_inline_data: 0,
         };
-        if init.caps.max_recv_wr < cfg.rx_slots || init.caps.max_send_wr < cfg.sq_depth {
+        if caps.max_recv_wr < cfg.rx_slots || caps.max_send_wr < cfg.sq_depth {
             return Err(ChannelError::InvalidConfig(format!(
                 "device allows {} work requests per queue, the channel needs {}",
                 attr.max_qp_wr,
                 cfg.rx_slots.max(cfg.sq_depth)
             )));
         }
-        let qp = self.inner.pd.create_qp(&init)?;
-        qp.modify(&QpAttr::init(ACCESS))?;
-        Ok(qp)
+        Ok(ConnConfig {
+            handshake_timeout: config.handshake_timeout(),
+            access: ACCESS,
+            qp_caps: caps,
+            sq_sig_all: false,
+            qp_cache_capacity: config.qp_cache_size,
+            reuse_control_streams: config.reuse_control_streams,
+            worker_id: u32::try_from(worker).unwrap_or(u32::MAX),
+            ring: RingGeometry {
+                slots: cfg.rx_slots,
+                slot_size: cfg.rx_slot_size,
+            },
+            initial_credits: cfg.rx_slots,
+            eager_threshold: cfg.thresholds.eager_max,
+            rndv_chunk_size: cfg.thresholds.chunk_size,
+            auth_token: config.auth_token.as_bytes().to_vec(),
+            rnr_retry: Some(config.rnr_retry),
+            ..ConnConfig::default()
+        })
     }
 
-    /// INIT → RTR → RTS towards the peer's QP.
-    fn connect_qp(
-        &self,
-        qp: &fabriq_verbs::QueuePair,
-        remote: &QpEndpoint,
-    ) -> Result<(), ChannelError> {
-        qp.modify(&QpAttr::rtr(remote.clone()))?;
-        qp.modify(&QpAttr::rts().with_rnr_retry(self.inner.config.rnr_retry))?;
-        Ok(())
-    }
-
-    fn hello(qp: &fabriq_verbs::QueuePair, cfg: &ChannelConfig) -> QpEndpoint {
-        let mut ep = qp.endpoint();
-        ep.extra
-            .insert("fabriq.version".into(), HELLO_VERSION.into());
-        ep.extra
-            .insert("fabriq.rx_slots".into(), cfg.rx_slots.to_string());
-        ep.extra
-            .insert("fabriq.rx_slot_size".into(), cfg.rx_slot_size.to_string());
-        ep
-    }
-
-    fn peer_geometry(peer: &QpEndpoint) -> Result<PeerGeometry, ChannelError> {
-        let field = |k: &str| -> Result<u32, ChannelError> {
-            peer.extra
-                .get(k)
-                .and_then(|v| v.parse::<u32>().ok())
-                .ok_or_else(|| ChannelError::Handshake(format!("peer hello lacks a valid {k}")))
-        };
-        match peer.extra.get("fabriq.version").map(String::as_str) {
-            Some(HELLO_VERSION) => {}
-            other => {
-                return Err(ChannelError::Handshake(format!(
-                    "peer speaks handshake version {other:?}, we speak {HELLO_VERSION}"
-                )))
-            }
-        }
+    /// The peer's receive ring as the channel core sees it: the credits it grants (at most its
+    /// slots) and its slot size, range-checked.
+    fn peer_geometry(peer: &Hello) -> Result<PeerGeometry, ChannelError> {
         let geo = PeerGeometry {
-            rx_slots: field("fabriq.rx_slots")?,
-            rx_slot_size: field("fabriq.rx_slot_size")?,
+            rx_slots: peer.initial_credits.min(peer.ring.slots),
+            rx_slot_size: peer.ring.slot_size,
         };
         if !(4..=1 << 16).contains(&geo.rx_slots) || !(64..=1 << 24).contains(&geo.rx_slot_size) {
             return Err(ChannelError::Handshake(format!(
@@ -287,148 +281,169 @@ impl Endpoint {
         Ok(geo)
     }
 
+    /// Second half of either side: the peer's hello is known and the QP is in INIT. Post the
+    /// receive ring, then let the handshake finish (no RNR: the peer learns it may send only
+    /// after this), and hand the channel to the worker with its control stream and QP lease.
+    fn finish_pending(&self, w: &WorkerRef, pending: PendingConn) -> Result<Channel, ChannelError> {
+        let cfg = self.channel_config();
+        let geo = match Self::peer_geometry(pending.peer()) {
+            Ok(g) => g,
+            Err(e) => {
+                pending.reject(RejectCode::Unavailable, &e.to_string());
+                return Err(e);
+            }
+        };
+        let mut driver =
+            match ChannelDriver::new(&self.inner.pd, pending.qp().clone(), cfg.clone(), geo) {
+                Ok(d) => d,
+                Err(e) => {
+                    pending.reject(RejectCode::Internal, &e.to_string());
+                    return Err(e);
+                }
+            };
+        if let Err(e) = driver.post_ready(worker::now()) {
+            drop(driver);
+            pending.reject(RejectCode::Internal, &e.to_string());
+            return Err(e);
+        }
+        let (est, control) = pending.finish_owned()?;
+        let lease = w.conn.lease(est.qp);
+        Ok(self.adopt(w, driver, control, lease, &cfg))
+    }
+
     fn adopt(
         &self,
         w: &WorkerRef,
         driver: ChannelDriver,
-        stream: TcpStream,
-        peer: SocketAddr,
+        control: ControlStream,
+        lease: QpLease,
         cfg: &ChannelConfig,
     ) -> Channel {
         let id = driver.qp().qp_num().0;
+        let peer = control.peer_addr();
         let window = u64::from(cfg.max_queued) + u64::from(cfg.rx_slots);
         let shared = Arc::new(ChannelShared::new(id, Arc::clone(&w.shared), window));
         w.shared.submit(Command::Adopt(Box::new(Adopt {
             driver,
             shared: Arc::clone(&shared),
-            control: Some(stream),
+            control: Some(control),
+            lease: Some(lease),
         })));
         Channel::new(shared, self.clone(), peer, cfg.thresholds.eager_max)
     }
 
-    /// Connect to a listening endpoint.
+    /// Connect to a listening endpoint. Errors of the set-up are [`ChannelError::Connect`]
+    /// with the connection manager's typed [`ConnError`] (refused, timeout, version, provider
+    /// or auth-token mismatch, rejected, peer closed mid-handshake).
     pub fn connect(&self, addr: impl ToSocketAddrs) -> Result<Channel, ChannelError> {
         let timeout = self.inner.config.handshake_timeout();
         let addrs: Vec<SocketAddr> = addr
             .to_socket_addrs()
             .map_err(|e| ChannelError::Handshake(format!("resolve: {e}")))?
             .collect();
-        let mut last = None;
-        let mut stream = None;
-        for a in &addrs {
-            match TcpStream::connect_timeout(a, timeout) {
-                Ok(s) => {
-                    stream = Some((s, *a));
-                    break;
-                }
-                Err(e) => last = Some(e),
+        let w = self.pick_worker();
+        let mut refused = None;
+        for a in addrs {
+            match w.conn.connect_pending(a, None, timeout) {
+                Ok(pending) => return self.finish_pending(w, pending),
+                Err(e @ ConnError::Refused { .. }) => refused = Some(e),
+                Err(e) => return Err(e.into()),
             }
         }
-        let Some((mut stream, peer)) = stream else {
-            return Err(ChannelError::Handshake(format!(
-                "connect {addrs:?}: {}",
-                last.map_or_else(|| "no address".into(), |e| e.to_string())
-            )));
+        Err(refused.map_or_else(
+            || ChannelError::Handshake("address resolves to nothing".into()),
+            ChannelError::Connect,
+        ))
+    }
+
+    /// Server side, after the listener read and checked a peer's hello: route it to the worker
+    /// it asked for (else the next one), and finish there.
+    fn accept_incoming(&self, incoming: Incoming) -> Result<Channel, ChannelError> {
+        let workers = &self.inner.workers;
+        let w = match incoming.peer().target_worker {
+            // An unknown worker is refused by the manager (`WrongWorker`).
+            Some(t) => workers.get(t as usize).unwrap_or(&workers[0]),
+            None => self.pick_worker(),
         };
-        stream.set_nodelay(true).ok();
-        stream.set_read_timeout(Some(timeout)).ok();
-        stream.set_write_timeout(Some(timeout)).ok();
-        let w = self.pick_worker();
-        let cfg = self.channel_config();
-        let qp = self.create_qp(w, &cfg)?;
-        oob::write_endpoint(&mut stream, &Self::hello(&qp, &cfg))?;
-        let remote = oob::read_endpoint(&mut stream)?;
-        let geo = Self::peer_geometry(&remote)?;
-        let mut driver = ChannelDriver::new(&self.inner.pd, qp.clone(), cfg.clone(), geo)?;
-        driver.post_ready(worker::now())?;
-        self.connect_qp(&qp, &remote)?;
-        stream
-            .write_all(&[READY])
-            .map_err(|e| ChannelError::Handshake(format!("send ready: {e}")))?;
-        stream.set_read_timeout(None).ok();
-        Ok(self.adopt(w, driver, stream, peer, &cfg))
+        let pending = w.conn.accept_incoming(incoming)?;
+        self.finish_pending(w, pending)
     }
 
-    /// Server half of the handshake on an accepted stream.
-    fn accept_stream(
-        &self,
-        mut stream: TcpStream,
-        peer: SocketAddr,
-    ) -> Result<Channel, ChannelError> {
-        let timeout = self.inner.config.handshake_timeout();
-        stream.set_nodelay(true).ok();
-        stream.set_read_timeout(Some(timeout)).ok();
-        stream.set_write_timeout(Some(timeout)).ok();
-        let remote = oob::read_endpoint(&mut stream)?;
-        let geo = Self::peer_geometry(&remote)?;
-        let w = self.pick_worker();
-        let cfg = self.channel_config();
-        let qp = self.create_qp(w, &cfg)?;
-        let mut driver = ChannelDriver::new(&self.inner.pd, qp.clone(), cfg.clone(), geo)?;
-        driver.post_ready(worker::now())?;
-        self.connect_qp(&qp, &remote)?;
-        oob::write_endpoint(&mut stream, &Self::hello(&qp, &cfg))?;
-        let mut ready = [0u8; 1];
-        stream
-            .read_exact(&mut ready)
-            .map_err(|e| ChannelError::Handshake(format!("waiting for ready: {e}")))?;
-        if ready[0] != READY {
-            return Err(ChannelError::Handshake("bad ready byte".into()));
+    /// Counters of the connection managers of every worker: connects, accepts, failures, QP
+    /// cache hits and misses, QPs created and cached, control streams opened and reused.
+    pub fn conn_stats(&self) -> ConnStats {
+        let mut total = ConnStats::default();
+        for w in &self.inner.workers {
+            total += w.conn.stats();
         }
-        stream.set_read_timeout(None).ok();
-        Ok(self.adopt(w, driver, stream, peer, &cfg))
+        total
     }
 
-    /// Listen for channels on `addr` (port 0: any free port).
+    /// Listen for channels on `addr` (port 0: any free port). Handshakes run on an acceptor
+    /// thread; new TCP connections and control streams kept from closed channels are both
+    /// served.
     pub fn listen(&self, addr: impl ToSocketAddrs) -> Result<Listener, ChannelError> {
-        let l =
-            TcpListener::bind(addr).map_err(|e| ChannelError::Handshake(format!("bind: {e}")))?;
-        let local = l
-            .local_addr()
-            .map_err(|e| ChannelError::Handshake(format!("local_addr: {e}")))?;
+        let l = self.inner.workers[0].conn.listen(addr)?;
+        let local = l.local_addr();
+        let closer = l.closer();
         let (tx, rx) = std::sync::mpsc::channel::<Channel>();
-        let stop = Arc::new(AtomicBool::new(false));
-        let stop2 = Arc::clone(&stop);
+        let (fail_tx, fail_rx) = std::sync::mpsc::sync_channel::<ConnError>(FAILURES_KEPT);
+        let record = move |e: ConnError| {
+            tracing::warn!(%e, "handshake failed");
+            let _ = fail_tx.try_send(e);
+        };
         // The acceptor holds a weak reference: a listener does not keep the endpoint alive.
         let weak = Arc::downgrade(&self.inner);
         let thread = std::thread::Builder::new()
             .name("fabriq-acceptor".into())
-            .spawn(move || {
-                for conn in l.incoming() {
-                    if stop2.load(Ordering::SeqCst) {
-                        break;
+            .spawn(move || loop {
+                let incoming = match l.next_incoming(None) {
+                    Ok(i) => i,
+                    Err(ConnError::Closed) => break,
+                    Err(e @ ConnError::Io { .. }) => {
+                        // The listening socket itself (e.g. out of descriptors): back off.
+                        record(e);
+                        std::thread::sleep(Duration::from_millis(10));
+                        continue;
                     }
-                    let Ok(stream) = conn else { continue };
-                    let Some(inner) = weak.upgrade() else { break };
-                    let ep = Endpoint { inner };
-                    let peer = stream
-                        .peer_addr()
-                        .unwrap_or_else(|_| SocketAddr::from(([0, 0, 0, 0], 0)));
-                    match ep.accept_stream(stream, peer) {
-                        Ok(ch) => {
-                            if tx.send(ch).is_err() {
-                                break;
-                            }
+                    Err(e) => {
+                        record(e);
+                        continue;
+                    }
+                };
+                let Some(inner) = weak.upgrade() else { break };
+                let ep = Endpoint { inner };
+                match ep.accept_incoming(incoming) {
+                    Ok(ch) => {
+                        if tx.send(ch).is_err() {
+                            break;
                         }
-                        Err(e) => tracing::warn!(%e, %peer, "handshake failed"),
                     }
+                    Err(ChannelError::Connect(e)) => record(e),
+                    Err(e) => tracing::warn!(%e, "channel set-up failed"),
                 }
             })
             .map_err(|e| ChannelError::Handshake(format!("spawn acceptor: {e}")))?;
         Ok(Listener {
             local,
             rx: Mutex::new(rx),
-            stop,
+            failures: Mutex::new(fail_rx),
+            closer,
             thread: Some(thread),
         })
     }
 }
 
+/// Handshake failures a [`Listener`] keeps for [`Listener::next_failure`]; older ones are
+/// dropped (logged only) while the queue is full.
+const FAILURES_KEPT: usize = 64;
+
 /// Accepts channels connected to a listening address.
 pub struct Listener {
     local: SocketAddr,
     rx: Mutex<std::sync::mpsc::Receiver<Channel>>,
-    stop: Arc<AtomicBool>,
+    failures: Mutex<std::sync::mpsc::Receiver<ConnError>>,
+    closer: ListenerCloser,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -446,7 +461,8 @@ impl Listener {
         self.local
     }
 
-    /// Wait for the next channel.
+    /// Wait for the next channel. Peers whose handshake fails are not returned here; see
+    /// [`Listener::next_failure`].
     pub fn accept(&self) -> Result<Channel, ChannelError> {
         self.rx.lock().recv().map_err(|_| ChannelError::Closed)
     }
@@ -458,17 +474,18 @@ impl Listener {
             std::sync::mpsc::RecvTimeoutError::Disconnected => ChannelError::Closed,
         })
     }
+
+    /// Wait at most `timeout` for the next handshake that failed on this side (auth token or
+    /// version mismatch, malformed hello, peer gone mid-way, ...): the server's view of a
+    /// refused peer. The most recent failures are kept; `None` if none came in time.
+    pub fn next_failure(&self, timeout: Duration) -> Option<ConnError> {
+        self.failures.lock().recv_timeout(timeout).ok()
+    }
 }
 
 impl Drop for Listener {
     fn drop(&mut self) {
-        self.stop.store(true, Ordering::SeqCst);
-        // Unblock the acceptor's accept().
-        let mut wake = self.local;
-        if wake.ip().is_unspecified() {
-            wake.set_ip(std::net::Ipv4Addr::LOCALHOST.into());
-        }
-        let _ = TcpStream::connect_timeout(&wake, Duration::from_millis(200));
+        self.closer.close();
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }

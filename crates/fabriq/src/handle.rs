@@ -1,19 +1,24 @@
-//! [`Channel`]: the application's handle on one connection. Thread-safe and cheap to clone; every
-//! operation is a hand-off to the worker that owns the connection (its inbox), and waiting is on
-//! the channel's delivery queue or send window — there is no second engine. The async methods
-//! are the same hand-offs awaited through `tokio::sync::Notify`.
+//! [`Channel`]: the application's handle on one connection. Thread-safe and cheap to clone.
+//! A send is posted directly by the calling thread under the worker's lock (always in caller
+//! mode; in thread mode when the worker thread does not hold it), else handed to the worker's
+//! inbox; waiting (delivery queue, send window) goes through the worker's wait loop, which
+//! progresses the worker from the waiting thread — there is no second engine. Zero-copy sends
+//! take a registered buffer with [`Channel::alloc`] and give it back with
+//! [`Channel::send_buf`]. The async methods await `tokio::sync::Notify`.
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use crate::channel::proto::TraceInfo;
 use crate::channel::{ChannelError, ChannelStats, Thresholds};
 use crate::endpoint::Endpoint;
-use crate::message::Message;
+use crate::mempool::PoolBuf;
+use crate::message::{Message, SendBuf};
 use crate::remote::{RegionDescriptor, RemoteRegion};
 use crate::worker::shared::ChannelShared;
-use crate::worker::Command;
+use crate::worker::{alloc_filled, direct_or_submit, Command};
 
 struct Inner {
     shared: Arc<ChannelShared>,
@@ -27,6 +32,15 @@ impl Drop for Inner {
         self.shared.worker.submit(Command::Close {
             chan: self.shared.id,
         });
+    }
+}
+
+/// Counts an async sender waiting for room while it lives (also when its future is dropped).
+struct AsyncWaiter<'a>(&'a AtomicUsize);
+
+impl Drop for AsyncWaiter<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
@@ -81,63 +95,140 @@ impl Channel {
         self.inner.eager_max
     }
 
-    fn submit_send(&self, data: &[u8], trace: TraceInfo) {
+    /// Post `buf` now under the worker's lock, or queue it in the worker's inbox. The send
+    /// window slot is already reserved.
+    fn submit_buf(&self, buf: PoolBuf, trace: TraceInfo) {
         let s = &self.inner.shared;
-        s.worker.submit(Command::Send {
-            chan: s.id,
-            data: data.to_vec(),
-            trace,
-        });
+        let chan = s.id;
+        direct_or_submit(
+            &s.worker,
+            (buf, trace),
+            |g, (buf, trace)| g.enqueue_send(chan, buf, trace),
+            |(buf, trace)| Command::Send { chan, buf, trace },
+        );
+    }
+
+    /// Copy `data` into a registered buffer and submit it (the window slot is reserved).
+    fn submit_send(&self, data: &[u8], trace: TraceInfo) -> Result<(), ChannelError> {
+        let s = &self.inner.shared;
+        let filled = match s.worker.buffers() {
+            Some(b) => alloc_filled(b, &[data]).map_err(ChannelError::Pool),
+            None => Err(ChannelError::Closed),
+        };
+        match filled {
+            Ok(buf) => {
+                self.submit_buf(buf, trace);
+                Ok(())
+            }
+            Err(e) => {
+                s.send_progress(1, data.len() as u64);
+                Err(e)
+            }
+        }
     }
 
     /// Send a message, waiting while the channel is back-pressured (no credit, queue full).
     pub fn send(&self, data: &[u8]) -> Result<(), ChannelError> {
-        self.inner.shared.reserve(None)?;
-        self.submit_send(data, TraceInfo::default());
-        Ok(())
+        self.inner.shared.reserve(data.len(), None)?;
+        self.submit_send(data, TraceInfo::default())
     }
 
     /// Send with a trace id carried in the message's trace header.
     pub fn send_traced(&self, data: &[u8], trace_id: u64) -> Result<(), ChannelError> {
-        self.inner.shared.reserve(None)?;
+        self.inner.shared.reserve(data.len(), None)?;
         self.submit_send(
             data,
             TraceInfo {
                 trace_id,
                 flags: crate::channel::TraceFlags(crate::channel::TraceFlags::SAMPLED),
             },
-        );
-        Ok(())
+        )
     }
 
     /// Send, waiting at most `timeout` for room.
     pub fn send_timeout(&self, data: &[u8], timeout: Duration) -> Result<(), ChannelError> {
-        self.inner.shared.reserve(Some(timeout))?;
-        self.submit_send(data, TraceInfo::default());
-        Ok(())
+        self.inner.shared.reserve(data.len(), Some(timeout))?;
+        self.submit_send(data, TraceInfo::default())
     }
 
     /// Send without waiting: [`ChannelError::WouldBlock`] when back-pressured.
     pub fn try_send(&self, data: &[u8]) -> Result<(), ChannelError> {
-        self.inner.shared.try_reserve()?;
-        self.submit_send(data, TraceInfo::default());
-        Ok(())
+        self.inner.shared.try_reserve(data.len())?;
+        self.submit_send(data, TraceInfo::default())
     }
 
     /// Send from async code, awaiting room.
     pub async fn send_async(&self, data: &[u8]) -> Result<(), ChannelError> {
+        self.reserve_async(data.len()).await?;
+        self.submit_send(data, TraceInfo::default())
+    }
+
+    async fn reserve_async(&self, len: usize) -> Result<(), ChannelError> {
         let s = &self.inner.shared;
+        s.tx_async_waiters.fetch_add(1, Ordering::SeqCst);
+        let _waiting = AsyncWaiter(&s.tx_async_waiters);
         loop {
             let notified = s.tx_notify.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            match s.try_reserve() {
-                Ok(()) => break,
-                Err(ChannelError::WouldBlock) => notified.await,
+            match s.try_reserve(len) {
+                Ok(()) => return Ok(()),
+                Err(ChannelError::WouldBlock) => {
+                    // Caller mode: move the worker along before waiting.
+                    if s.worker.try_progress().is_some_and(|n| n > 0) {
+                        continue;
+                    }
+                    notified.await
+                }
                 Err(e) => return Err(e),
             }
         }
-        self.submit_send(data, TraceInfo::default());
+    }
+
+    /// A registered buffer of `len` bytes to fill and pass to [`Channel::send_buf`]: from the
+    /// worker's pool up to the largest size class, above it a large buffer the worker caches
+    /// and reuses. Usable on any channel of the same endpoint.
+    pub fn alloc(&self, len: usize) -> Result<SendBuf, ChannelError> {
+        let w = &self.inner.shared.worker;
+        let buffers = w.buffers().ok_or(ChannelError::Closed)?;
+        let mut buf = buffers.alloc(len.max(1))?;
+        buf.set_len(len);
+        Ok(SendBuf {
+            buf,
+            domain: buffers.domain(),
+        })
+    }
+
+    fn check_domain(&self, buf: &SendBuf) -> Result<(), ChannelError> {
+        let w = &self.inner.shared.worker;
+        match w.buffers() {
+            Some(b) if b.domain() == buf.domain => Ok(()),
+            _ => Err(ChannelError::NotRegistered),
+        }
+    }
+
+    /// Send a buffer from [`Channel::alloc`] without copying it, waiting while back-pressured.
+    /// [`ChannelError::NotRegistered`] for a buffer of another endpoint.
+    pub fn send_buf(&self, buf: SendBuf) -> Result<(), ChannelError> {
+        self.check_domain(&buf)?;
+        self.inner.shared.reserve(buf.len(), None)?;
+        self.submit_buf(buf.buf, TraceInfo::default());
+        Ok(())
+    }
+
+    /// [`Channel::send_buf`], waiting at most `timeout` for room.
+    pub fn send_buf_timeout(&self, buf: SendBuf, timeout: Duration) -> Result<(), ChannelError> {
+        self.check_domain(&buf)?;
+        self.inner.shared.reserve(buf.len(), Some(timeout))?;
+        self.submit_buf(buf.buf, TraceInfo::default());
+        Ok(())
+    }
+
+    /// [`Channel::send_buf`] from async code.
+    pub async fn send_buf_async(&self, buf: SendBuf) -> Result<(), ChannelError> {
+        self.check_domain(&buf)?;
+        self.reserve_async(buf.len()).await?;
+        self.submit_buf(buf.buf, TraceInfo::default());
         Ok(())
     }
 
@@ -182,6 +273,10 @@ impl Channel {
                 self.released();
                 return Ok(m);
             }
+            // Caller mode: move the worker along before waiting.
+            if s.worker.try_progress().is_some_and(|n| n > 0) {
+                continue;
+            }
             notified.await;
         }
     }
@@ -195,15 +290,13 @@ impl Channel {
         });
     }
 
-    /// Protocol counters of this end (asks the worker).
+    /// Protocol counters of this end. [`ChannelError::WouldBlock`] when called from an RPC
+    /// handler running on this channel's worker.
     pub fn stats(&self) -> Result<ChannelStats, ChannelError> {
         let s = &self.inner.shared;
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        s.worker.submit(Command::Stats {
-            chan: s.id,
-            reply: tx,
-        });
-        rx.blocking_recv().map_err(|_| ChannelError::Closed)
+        let _caller = s.worker.enter_caller();
+        let g = s.worker.lock_state().ok_or(ChannelError::WouldBlock)?;
+        g.stats(s.id).ok_or(ChannelError::Closed)
     }
 
     /// One-sided access to a region the peer exposed.

@@ -34,11 +34,11 @@ pub mod rpc;
 mod worker;
 
 pub use channel::{ChannelError, ChannelStats, Thresholds, TraceHeader};
-pub use config::{Config, ConfigError};
+pub use config::{Config, ConfigError, Progress};
 pub use conn::{ConnConfig, ConnError, ConnManager, ConnPool, Established, PendingConn};
 pub use endpoint::{Endpoint, Listener};
 pub use handle::Channel;
 pub use mempool::{MemPool, PoolBuf, PoolConfig, PoolError, PoolStats, RegCache};
-pub use message::Message;
+pub use message::{Message, SendBuf};
 pub use remote::{CasLock, ExposedRegion, RegionDescriptor, RemoteRegion};
 pub use rpc::{json_handler, Rpc, RpcError};

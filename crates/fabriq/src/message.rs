@@ -72,3 +72,69 @@ impl AsRef<[u8]> for Message {
         self
     }
 }
+
+/// A send buffer in registered memory, from [`crate::Channel::alloc`]: fill it in place and
+/// hand it to [`crate::Channel::send_buf`], which sends it without copying (eager: gathered by
+/// the SEND; rendezvous: READ by the peer straight out of it). Derefs to its `len()` bytes;
+/// dropping it unsent returns it to its pool.
+#[derive(Debug)]
+pub struct SendBuf {
+    pub(crate) buf: PoolBuf,
+    /// Identity of the protection domain it is registered in.
+    pub(crate) domain: usize,
+}
+
+impl SendBuf {
+    /// Bytes that will be sent.
+    pub fn len(&self) -> usize {
+        self.buf.len()
+    }
+
+    /// True when nothing would be sent.
+    pub fn is_empty(&self) -> bool {
+        self.buf.is_empty()
+    }
+
+    /// Bytes the buffer can hold.
+    pub fn capacity(&self) -> usize {
+        self.buf.capacity()
+    }
+
+    /// Change how many bytes will be sent; [`crate::ChannelError::MessageTooLarge`] beyond the
+    /// capacity.
+    pub fn set_len(&mut self, len: usize) -> Result<(), crate::ChannelError> {
+        if len > self.buf.capacity() {
+            return Err(crate::ChannelError::MessageTooLarge {
+                len: len as u64,
+                max: self.buf.capacity() as u64,
+            });
+        }
+        self.buf.set_len(len);
+        Ok(())
+    }
+}
+
+impl std::ops::Deref for SendBuf {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.buf
+    }
+}
+
+impl std::ops::DerefMut for SendBuf {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        &mut self.buf
+    }
+}
+
+impl AsRef<[u8]> for SendBuf {
+    fn as_ref(&self) -> &[u8] {
+        self
+    }
+}
+
+impl AsMut<[u8]> for SendBuf {
+    fn as_mut(&mut self) -> &mut [u8] {
+        self
+    }
+}

@@ -14,7 +14,7 @@ use fabriq_verbs::{MemoryRegion, RemoteAddr, Rkey};
 use tokio::sync::oneshot;
 
 use crate::channel::ChannelError;
-use crate::worker::{Command, OneSidedOp};
+use crate::worker::{direct_or_submit, wait_reply, Command, OneSidedOp};
 use crate::Channel;
 
 /// What a peer needs to reach an exposed region: 24 bytes on the wire.
@@ -149,16 +149,21 @@ impl RemoteRegion {
     fn submit(&self, op: OneSidedOp) -> oneshot::Receiver<Result<Vec<u8>, ChannelError>> {
         let (tx, rx) = oneshot::channel();
         let s = self.channel.shared();
-        s.worker.submit(Command::OneSided {
-            chan: s.id,
-            op,
-            reply: tx,
-        });
+        let chan = s.id;
+        direct_or_submit(
+            &s.worker,
+            (op, tx),
+            |g, (op, reply)| g.enqueue_one_sided(chan, op, reply),
+            |(op, reply)| Command::OneSided { chan, op, reply },
+        );
         rx
     }
 
-    fn wait(rx: oneshot::Receiver<Result<Vec<u8>, ChannelError>>) -> Result<Vec<u8>, ChannelError> {
-        rx.blocking_recv().unwrap_or(Err(ChannelError::Closed))
+    fn wait(
+        &self,
+        rx: oneshot::Receiver<Result<Vec<u8>, ChannelError>>,
+    ) -> Result<Vec<u8>, ChannelError> {
+        wait_reply(&self.channel.shared().worker, rx).unwrap_or(Err(ChannelError::Closed))
     }
 
     fn word(v: Vec<u8>) -> Result<u64, ChannelError> {
@@ -184,13 +189,13 @@ impl RemoteRegion {
     /// RDMA WRITE `data` at `offset`.
     pub fn write(&self, offset: u64, data: &[u8]) -> Result<(), ChannelError> {
         let op = self.write_op(offset, data)?;
-        Self::wait(self.submit(op)).map(|_| ())
+        self.wait(self.submit(op)).map(|_| ())
     }
 
     /// RDMA READ `len` bytes at `offset`.
     pub fn read(&self, offset: u64, len: u32) -> Result<Vec<u8>, ChannelError> {
         let remote = self.remote(offset, u64::from(len), 1)?;
-        Self::wait(self.submit(OneSidedOp::Read { remote, len }))
+        self.wait(self.submit(OneSidedOp::Read { remote, len }))
     }
 
     /// Atomic compare-and-swap of the aligned word at `offset`; returns the value found (the
@@ -202,7 +207,7 @@ impl RemoteRegion {
         swap: u64,
     ) -> Result<u64, ChannelError> {
         let remote = self.remote(offset, 8, 8)?;
-        Self::word(Self::wait(self.submit(OneSidedOp::CompareSwap {
+        Self::word(self.wait(self.submit(OneSidedOp::CompareSwap {
             remote,
             compare,
             swap,
@@ -212,9 +217,7 @@ impl RemoteRegion {
     /// Atomic fetch-and-add on the aligned word at `offset`; returns the value before.
     pub fn fetch_and_add(&self, offset: u64, add: u64) -> Result<u64, ChannelError> {
         let remote = self.remote(offset, 8, 8)?;
-        Self::word(Self::wait(
-            self.submit(OneSidedOp::FetchAdd { remote, add }),
-        )?)
+        Self::word(self.wait(self.submit(OneSidedOp::FetchAdd { remote, add }))?)
     }
 
     /// [`RemoteRegion::write`] from async code.

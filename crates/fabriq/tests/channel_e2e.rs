@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use fabriq::{Config, Endpoint, Rpc, RpcError};
+use fabriq::{Config, Endpoint, Progress, Rpc, RpcError};
 
 const HANG: Duration = Duration::from_secs(30);
 
@@ -85,8 +85,9 @@ fn pair_with(cfg: Config) -> (Endpoint, Endpoint, fabriq::Channel, fabriq::Chann
     (server, client, s, c)
 }
 
-/// Small messages, pipelined: none lost, none duplicated, order kept.
-fn million_messages(device: &str) {
+/// Small messages, pipelined: none lost, none duplicated, order kept. `provider` options go to
+/// the device (tcp: `progress`).
+fn million_messages(device: &str, progress: Progress, provider: &[(&str, &str)]) {
     let n: u64 = if cfg!(debug_assertions) {
         100_000
     } else {
@@ -95,6 +96,11 @@ fn million_messages(device: &str) {
     let (_se, _ce, s, c) = pair_with(Config {
         device: device.into(),
         rnr_retry: 0,
+        progress,
+        device_options: provider
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
         ..Config::default()
     });
     let sender = std::thread::spawn(move || {
@@ -118,23 +124,35 @@ fn million_messages(device: &str) {
 
 #[test]
 fn shm_million_small_messages_in_order() {
-    million_messages("shm0");
+    million_messages("shm0", Progress::Thread, &[]);
+}
+
+/// With the provider's own thread reading the sockets (`progress = thread`); the caller-mode
+/// variant below runs the default (`busy`: pollers read them).
+#[test]
+fn tcp_million_small_messages_in_order() {
+    million_messages("tcp0", Progress::Thread, &[("progress", "thread")]);
 }
 
 #[test]
-fn tcp_million_small_messages_in_order() {
-    million_messages("tcp0");
+fn caller_mode_shm_million_small_messages_in_order() {
+    million_messages("shm0", Progress::Caller, &[]);
+}
+
+#[test]
+fn caller_mode_tcp_million_small_messages_in_order() {
+    million_messages("tcp0", Progress::Caller, &[]);
 }
 
 /// A receiver that does not read back-pressures the sender; with `rnr_retry = 0` a single RNR
 /// would break the channel, so its survival shows the receive queue never ran dry.
-#[test]
-fn slow_receiver_back_pressures_without_rnr() {
+fn slow_receiver_back_pressures_without_rnr(progress: Progress) {
     let (_se, _ce, s, c) = pair_with(Config {
         device: "shm0".into(),
         rnr_retry: 0,
         rx_slots: 8,
         max_queued: 8,
+        progress,
         ..Config::default()
     });
     let mut sent = 0u64;
@@ -163,9 +181,19 @@ fn slow_receiver_back_pressures_without_rnr() {
 }
 
 #[test]
-fn rpc_with_64_concurrent_callers() {
+fn slow_receiver_back_pressures_without_rnr_thread_mode() {
+    slow_receiver_back_pressures_without_rnr(Progress::Thread);
+}
+
+#[test]
+fn slow_receiver_back_pressures_without_rnr_caller_mode() {
+    slow_receiver_back_pressures_without_rnr(Progress::Caller);
+}
+
+fn rpc_with_64_concurrent_callers(progress: Progress) {
     let (se, _ce, _s, c) = pair_with(Config {
         device: "shm0".into(),
+        progress,
         ..Config::default()
     });
     se.serve("add", |req| {
@@ -191,6 +219,19 @@ fn rpc_with_64_concurrent_callers() {
 }
 
 #[test]
+fn rpc_with_64_concurrent_callers_thread_mode() {
+    rpc_with_64_concurrent_callers(Progress::Thread);
+}
+
+/// In caller mode the 64 callers drive both ends' workers between them (the server's handler
+/// runs on whichever thread progresses the server, here its back-stop thread: nobody calls in
+/// on the server side).
+#[test]
+fn rpc_with_64_concurrent_callers_caller_mode() {
+    rpc_with_64_concurrent_callers(Progress::Caller);
+}
+
+#[test]
 fn rpc_reports_peer_gone() {
     let (se, ce, s, c) = pair_with(Config {
         device: "tcp0".into(),
@@ -207,9 +248,12 @@ fn rpc_reports_peer_gone() {
     drop(ce);
 }
 
-#[test]
-fn json_rpc_and_async_api() {
-    let (se, _ce, s, c) = pair("shm0");
+fn json_rpc_and_async_api(progress: Progress) {
+    let (se, _ce, s, c) = pair_with(Config {
+        device: "shm0".into(),
+        progress,
+        ..Config::default()
+    });
     se.serve(
         "sum",
         fabriq::json_handler(|v: Vec<u32>| {
@@ -237,6 +281,133 @@ fn json_rpc_and_async_api() {
             .expect("call_async");
         assert_eq!(r, b"9");
     });
+}
+
+#[test]
+fn json_rpc_and_async_api_thread_mode() {
+    json_rpc_and_async_api(Progress::Thread);
+}
+
+#[test]
+fn json_rpc_and_async_api_caller_mode() {
+    json_rpc_and_async_api(Progress::Caller);
+}
+
+/// Zero-copy sends of every size around the eager threshold and the READ chunk arrive intact,
+/// in order, in both progress modes and on both providers; buffers of another endpoint are
+/// refused.
+fn zero_copy_around_thresholds(device: &str, progress: Progress) {
+    let (_se, _ce, s, c) = pair_with(Config {
+        device: device.into(),
+        progress,
+        ..Config::default()
+    });
+    let eager = c.eager_max() as usize;
+    let chunk = 64 << 10;
+    let sizes = [
+        0,
+        1,
+        eager - 1,
+        eager,
+        eager + 1,
+        chunk - 1,
+        chunk,
+        chunk + 1,
+        4 * chunk + 3,
+        1 << 20,
+        (1 << 20) + 7,
+    ];
+    for round in 0..3u8 {
+        for (i, &len) in sizes.iter().enumerate() {
+            let seed = round.wrapping_mul(31).wrapping_add(i as u8);
+            let mut buf = c.alloc(len).expect("alloc");
+            assert_eq!(buf.len(), len);
+            assert!(buf.capacity() >= len);
+            buf.copy_from_slice(&pattern(len, seed));
+            c.send_buf_timeout(buf, HANG).expect("send_buf");
+        }
+        for (i, &len) in sizes.iter().enumerate() {
+            let seed = round.wrapping_mul(31).wrapping_add(i as u8);
+            let m = s.recv_timeout(HANG).expect("recv");
+            assert_eq!(m.len(), len, "round {round}, message {i}");
+            assert!(
+                m[..] == pattern(len, seed)[..],
+                "round {round}, message {i} of {len} bytes corrupted"
+            );
+        }
+    }
+    let st = c.stats().expect("stats");
+    assert!(st.eager_sent > 0 && st.rendezvous_sent > 0, "{st:?}");
+    // A buffer can be shortened, not grown past its capacity.
+    let mut b = c.alloc(100).expect("alloc");
+    assert!(b.set_len(b.capacity() + 1).is_err());
+    b.set_len(10).expect("shorten");
+    b.copy_from_slice(b"0123456789");
+    c.send_buf(b).expect("send shortened");
+    assert_eq!(&s.recv_timeout(HANG).expect("recv")[..], b"0123456789");
+    // Buffers registered by another endpoint are refused, and the channel stays healthy.
+    let other = Endpoint::new(Config {
+        device: device.into(),
+        ..Config::default()
+    })
+    .expect("other endpoint");
+    let l2 = other.listen("127.0.0.1:0").expect("listen");
+    let c2 = c.endpoint().connect(l2.local_addr()).expect("connect");
+    let s2 = l2.accept_timeout(HANG).expect("accept");
+    let foreign = s2.alloc(64).expect("alloc on the other endpoint");
+    assert!(matches!(
+        c.send_buf(foreign),
+        Err(fabriq::ChannelError::NotRegistered)
+    ));
+    // A buffer of one channel may go out on another channel of the same endpoint.
+    let mut shared = c.alloc(5).expect("alloc");
+    shared.copy_from_slice(b"hello");
+    c2.send_buf(shared).expect("send on a sibling channel");
+    assert_eq!(&s2.recv_timeout(HANG).expect("recv")[..], b"hello");
+    assert!(!c.is_closed() && !s.is_closed());
+}
+
+#[test]
+fn zero_copy_around_thresholds_shm_thread_mode() {
+    zero_copy_around_thresholds("shm0", Progress::Thread);
+}
+
+#[test]
+fn zero_copy_around_thresholds_shm_caller_mode() {
+    zero_copy_around_thresholds("shm0", Progress::Caller);
+}
+
+#[test]
+fn zero_copy_around_thresholds_tcp_caller_mode() {
+    zero_copy_around_thresholds("tcp0", Progress::Caller);
+}
+
+/// Caller mode, a server whose application never calls in: its back-stop thread serves the
+/// RPCs, and a handler that sends on a channel of its own worker (re-entrantly) does not
+/// deadlock — the send is queued and goes out in order.
+#[test]
+fn caller_mode_server_without_calls_serves_and_handlers_may_send() {
+    let cfg = Config {
+        device: "shm0".into(),
+        progress: Progress::Caller,
+        ..Config::default()
+    };
+    let (se, _ce, s, c) = pair_with(cfg);
+    let notify = s.clone();
+    se.serve("note", move |req| {
+        notify.send(req).map_err(|e| e.to_string())?;
+        Ok(b"noted".to_vec())
+    });
+    let rpc = Rpc::new(c.clone());
+    // The notifications share the channel with the replies: read them as they come, so the
+    // client's receive ring (the server's credits) never fills with unread ones.
+    for i in 0..200u32 {
+        let req = i.to_le_bytes();
+        assert_eq!(rpc.call("note", &req, HANG).expect("call"), b"noted");
+        let m = c.recv_timeout(HANG).expect("notification");
+        assert_eq!(m[..], i.to_le_bytes(), "notification {i} out of order");
+    }
+    assert!(!c.is_closed() && !s.is_closed());
 }
 
 #[test]

@@ -90,7 +90,8 @@ impl std::fmt::Debug for ChannelDriver {
 
 impl ChannelDriver {
     /// Register the ring and header slots on `pd` and build the core. Nothing is posted yet:
-    /// call [`ChannelDriver::post`] (the QP must be in INIT or later) before the peer may send.
+    /// call [`ChannelDriver::post_ready`] (the QP must be in INIT or later) before the peer may
+    /// send.
     pub fn new(
         pd: &ProtectionDomain,
         qp: QueuePair,

@@ -62,6 +62,10 @@ pub enum ChannelError {
     /// Connection set-up failed (bad address, refused, malformed or incompatible hello).
     #[error("handshake failed: {0}")]
     Handshake(String),
+    /// The connection manager failed to set the channel up (refused, timed out, version,
+    /// provider or auth-token mismatch, rejected by the peer, peer gone mid-handshake).
+    #[error("connection set-up: {0}")]
+    Connect(#[from] crate::conn::ConnError),
     /// A one-sided access outside the remote region, or a misaligned atomic.
     #[error("access at {offset}+{len} outside the {region_len}-byte region or misaligned")]
     OutOfBounds {

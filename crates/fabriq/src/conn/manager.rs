@@ -14,10 +14,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use fabriq_verbs::{
-    CompletionQueue, ProtectionDomain, QpAttr, QpInitAttr, QueuePair, SharedReceiveQueue,
+    CompletionQueue, ProtectionDomain, QpAttr, QpInitAttr, QpState, QueuePair, SharedReceiveQueue,
 };
 use parking_lot::Mutex;
 
+use super::control::{ControlStream, Home, QpLease};
 use super::handshake::{check_peer_hello, reject_code_for, rejected, send_reject, Step};
 use super::qp_cache::QpCache;
 use super::wire::{Hello, Message, RejectCode, VERSION};
@@ -55,6 +56,22 @@ pub struct ConnStats {
     pub streams_opened: u64,
     /// Handshakes that reused an idle control stream (client side).
     pub stream_reuses: u64,
+}
+
+impl std::ops::AddAssign for ConnStats {
+    /// Sum the counters of several managers (e.g. the workers of one endpoint).
+    fn add_assign(&mut self, o: ConnStats) {
+        self.connects += o.connects;
+        self.accepts += o.accepts;
+        self.failed += o.failed;
+        self.qps_created += o.qps_created;
+        self.qp_cache_hits += o.qp_cache_hits;
+        self.qp_cache_misses += o.qp_cache_misses;
+        self.qps_cached += o.qps_cached;
+        self.qps_dropped += o.qps_dropped;
+        self.streams_opened += o.streams_opened;
+        self.stream_reuses += o.stream_reuses;
+    }
 }
 
 struct Inner {
@@ -278,6 +295,12 @@ impl ConnManager {
         }
     }
 
+    /// A lease on `qp` (a QP of this manager): [`QpLease::drain`] and [`QpLease::release`]
+    /// give it back to the cache when the connection on it ends.
+    pub fn lease(&self, qp: QueuePair) -> QpLease {
+        QpLease::new(self.clone(), qp)
+    }
+
     /// Give a connection's QP back for reuse (RESET, then cached or destroyed). Call it once
     /// the connection is closed, its QP drained of completions, and no clone of the QP is left.
     pub fn release(&self, est: Established) {
@@ -376,9 +399,15 @@ impl ConnManager {
                 deadline,
                 allowed: timeout,
             };
+            // A reused stream may still hold the peer's Close of the previous connection.
             let reply = step("hello")
                 .write_msg(&mut stream, &hello)
-                .and_then(|()| step("hello-ack").read_msg(&mut stream, from_idle));
+                .and_then(|()| loop {
+                    match step("hello-ack").read_msg(&mut stream, from_idle) {
+                        Ok(Some(Message::Close)) => {}
+                        other => break other,
+                    }
+                });
             match reply {
                 Ok(Some(msg)) => {
                     if from_idle {
@@ -389,7 +418,13 @@ impl ConnManager {
                 // An idle stream the server had let go of: open a fresh one.
                 Ok(None) => continue,
                 Err(ConnError::PeerClosed { .. }) if from_idle => continue,
-                Err(e) => return Err(e),
+                Err(e) => {
+                    // Tell a peer we cannot understand (other version, garbage) why we leave.
+                    if let Some(code) = reject_code_for(&e) {
+                        send_reject(&mut stream, code, &self.inner.provider, &e.to_string());
+                    }
+                    return Err(e);
+                }
             }
         })();
         let (mut stream, msg) = match outcome {
@@ -468,7 +503,7 @@ impl ConnManager {
         self.inner.idle_streams.lock().get_mut(&addr)?.pop()
     }
 
-    fn put_idle_stream(&self, addr: SocketAddr, stream: TcpStream) {
+    pub(super) fn put_idle_stream(&self, addr: SocketAddr, stream: TcpStream) {
         if !self.inner.cfg.reuse_control_streams {
             return;
         }
@@ -572,8 +607,37 @@ impl PendingConn {
     /// Finish the handshake: QP to RTR and RTS, then (client) send Ready, or (server) send the
     /// hello-ack and wait for Ready. On return both sides may send.
     pub fn finish(mut self) -> Result<Established, ConnError> {
+        self.finish_counted(false).map(|(est, _)| est)
+    }
+
+    /// [`PendingConn::finish`], keeping the control stream: it becomes the connection's
+    /// liveness signal, and goes back for reuse (after telling the peer) when dropped.
+    pub fn finish_owned(mut self) -> Result<(Established, ControlStream), ConnError> {
+        self.finish_counted(true)
+            .and_then(|(est, control)| match control {
+                Some(c) => Ok((est, c)),
+                None => Err(ConnError::InvalidConfig(
+                    "control stream missing after the handshake".into(),
+                )),
+            })
+    }
+
+    /// Refuse the peer after its hello was read (e.g. its ring geometry does not suit this
+    /// side): it receives `Reject { code, reason }`, and the QP goes back to the cache.
+    pub fn reject(mut self, code: RejectCode, reason: &str) {
+        if let Some(mut stream) = self.stream.take() {
+            send_reject(&mut stream, code, &self.mgr.inner.provider, reason);
+        }
+        self.mgr.inner.failed.fetch_add(1, Ordering::Relaxed);
+        // Drop returns the QP.
+    }
+
+    fn finish_counted(
+        &mut self,
+        keep_stream: bool,
+    ) -> Result<(Established, Option<ControlStream>), ConnError> {
         let mgr = self.mgr.clone();
-        let result = self.finish_inner();
+        let result = self.finish_inner(keep_stream);
         match &result {
             Ok(_) => {
                 let counter = match self.role {
@@ -589,7 +653,10 @@ impl PendingConn {
         result
     }
 
-    fn finish_inner(&mut self) -> Result<Established, ConnError> {
+    fn finish_inner(
+        &mut self,
+        keep_stream: bool,
+    ) -> Result<(Established, Option<ControlStream>), ConnError> {
         let (Some(qp), Some(mut stream)) = (self.qp.take(), self.stream.take()) else {
             unreachable!("PendingConn invariant: finish runs once");
         };
@@ -597,7 +664,15 @@ impl PendingConn {
         let cfg = &mgr.inner.cfg;
         let step = |phase| Step::new(self.peer_addr, phase, cfg.handshake_timeout);
         let run = |stream: &mut TcpStream| -> Result<(), ConnError> {
-            qp.connect(&self.peer.endpoint, cfg.access)?;
+            if qp.state() == QpState::Reset {
+                qp.modify(&QpAttr::init(cfg.access))?;
+            }
+            qp.modify(&QpAttr::rtr(self.peer.endpoint.clone()))?;
+            let rts = match cfg.rnr_retry {
+                Some(n) => QpAttr::rts().with_rnr_retry(n),
+                None => QpAttr::rts(),
+            };
+            qp.modify(&rts)?;
             match self.role {
                 Role::Client => step("ready").write_msg(stream, &Message::Ready),
                 Role::Server => {
@@ -622,30 +697,54 @@ impl PendingConn {
         };
         match run(&mut stream) {
             Ok(()) => {
-                match self.role {
-                    Role::Client => mgr.put_idle_stream(self.peer_addr, stream),
-                    Role::Server => {
+                let mut control = None;
+                match (self.role, keep_stream) {
+                    (Role::Client, false) => mgr.put_idle_stream(self.peer_addr, stream),
+                    (Role::Client, true) => {
+                        control = Some(ControlStream::new(
+                            stream,
+                            self.peer_addr,
+                            Home::Client(mgr.clone()),
+                            cfg.reuse_control_streams,
+                        ))
+                    }
+                    (Role::Server, false) => {
                         if let Some(home) = self.home.take() {
                             if cfg.reuse_control_streams {
                                 home.give_back(stream, self.peer_addr);
                             }
                         }
                     }
+                    (Role::Server, true) => {
+                        control = Some(ControlStream::new(
+                            stream,
+                            self.peer_addr,
+                            Home::Server(self.home.take()),
+                            cfg.reuse_control_streams,
+                        ))
+                    }
                 }
-                Ok(Established {
+                let est = Established {
                     qp,
                     local: self.local.clone(),
                     peer: self.peer.clone(),
                     peer_addr: self.peer_addr,
                     role: self.role,
                     reused_qp: self.reused_qp,
-                })
+                };
+                Ok((est, control))
             }
             Err(e) => {
                 if let Some(code) = reject_code_for(&e) {
                     send_reject(&mut stream, code, &mgr.inner.provider, &e.to_string());
                 }
-                mgr.release_qp(qp);
+                if matches!(qp.state(), QpState::Reset | QpState::Init) {
+                    mgr.release_qp(qp);
+                } else {
+                    // Past RTR the peer may already have sent to it: a completion of this
+                    // failed connection could still surface on the CQ, so it is not reused.
+                    mgr.inner.qp_cache.count_dropped();
+                }
                 Err(e)
             }
         }
@@ -669,7 +768,7 @@ impl Drop for PendingConn {
 }
 
 /// Where a server-side control stream goes back after a handshake, to be polled for the next.
-struct ListenerHome {
+pub(super) struct ListenerHome {
     returned: Mutex<Vec<(TcpStream, SocketAddr)>>,
     wake_tx: UnixStream,
     wake_rx: UnixStream,
@@ -677,7 +776,7 @@ struct ListenerHome {
 }
 
 impl ListenerHome {
-    fn give_back(&self, stream: TcpStream, peer: SocketAddr) {
+    pub(super) fn give_back(&self, stream: TcpStream, peer: SocketAddr) {
         if self.closed.load(Ordering::Acquire) {
             return;
         }
@@ -751,6 +850,15 @@ impl ListenerCloser {
         self.home.closed.store(true, Ordering::Release);
         self.home.wake();
     }
+}
+
+/// What a listener read where it expected a hello.
+enum HelloRead {
+    Hello(Box<Hello>),
+    /// The peer closed the stream before sending anything.
+    Eof,
+    /// A `Close` of the previous connection on a kept stream; the hello may follow.
+    Close,
 }
 
 /// Accepts peers: new TCP connections and further handshakes on control streams kept open
@@ -877,8 +985,13 @@ impl Listener {
             if let Some(i) = ready.iter().skip(2).position(|&r| r) {
                 let (mut stream, peer) = idle.remove(i);
                 match self.read_hello(&mut stream, peer, true) {
-                    Ok(Some(hello)) => return Ok(self.incoming(stream, peer, hello)),
-                    Ok(None) => continue, // the peer let the stream go
+                    Ok(HelloRead::Hello(hello)) => return Ok(self.incoming(stream, peer, *hello)),
+                    Ok(HelloRead::Eof) => continue, // the peer let the stream go
+                    // The peer's Close of the previous connection: wait for its next hello.
+                    Ok(HelloRead::Close) => {
+                        idle.push((stream, peer));
+                        continue;
+                    }
                     Err(e) => return Err(e),
                 }
             }
@@ -897,8 +1010,8 @@ impl Listener {
                     .map_err(|e| ConnError::io("accepted stream blocking", e))?;
                 stream.set_nodelay(true).ok();
                 return match self.read_hello(&mut stream, peer, false)? {
-                    Some(hello) => Ok(self.incoming(stream, peer, hello)),
-                    None => Err(ConnError::PeerClosed {
+                    HelloRead::Hello(hello) => Ok(self.incoming(stream, peer, *hello)),
+                    HelloRead::Eof | HelloRead::Close => Err(ConnError::PeerClosed {
                         peer,
                         phase: "hello",
                     }),
@@ -921,11 +1034,12 @@ impl Listener {
         stream: &mut TcpStream,
         peer: SocketAddr,
         eof_ok: bool,
-    ) -> Result<Option<Hello>, ConnError> {
+    ) -> Result<HelloRead, ConnError> {
         let inner = &self.mgr.inner;
         let step = Step::new(peer, "hello", inner.cfg.handshake_timeout);
         let result = match step.read_msg(stream, eof_ok) {
-            Ok(None) => return Ok(None),
+            Ok(None) => return Ok(HelloRead::Eof),
+            Ok(Some(Message::Close)) if eof_ok => return Ok(HelloRead::Close),
             Ok(Some(Message::Hello(h))) => {
                 check_peer_hello(peer, &inner.provider, &inner.cfg.auth_token, &h).map(|()| h)
             }
@@ -936,12 +1050,14 @@ impl Listener {
             }),
             Err(e) => Err(e),
         };
-        result.map(Some).inspect_err(|e| {
-            inner.failed.fetch_add(1, Ordering::Relaxed);
-            if let Some(code) = reject_code_for(e) {
-                send_reject(stream, code, &inner.provider, &e.to_string());
-            }
-            tracing::debug!(%peer, err = %e, "handshake refused");
-        })
+        result
+            .map(|h| HelloRead::Hello(Box::new(h)))
+            .inspect_err(|e| {
+                inner.failed.fetch_add(1, Ordering::Relaxed);
+                if let Some(code) = reject_code_for(e) {
+                    send_reject(stream, code, &inner.provider, &e.to_string());
+                }
+                tracing::debug!(%peer, err = %e, "handshake refused");
+            })
     }
 }

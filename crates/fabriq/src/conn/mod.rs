@@ -32,6 +32,7 @@
 //! What it does not do: post sends, size rings, or poll completions — the channel does, with
 //! the [`Hello`]s this module hands over. See `docs/arch/conn.md`.
 
+mod control;
 mod handshake;
 mod manager;
 mod pool;
@@ -45,6 +46,7 @@ use std::time::Duration;
 
 use fabriq_verbs::{AccessFlags, PostError, QpCaps, VerbsError};
 
+pub use control::{ControlEvent, ControlStream, QpLease};
 pub use manager::{
     ConnManager, ConnStats, Established, Incoming, Listener, ListenerCloser, PendingConn, Role,
 };
@@ -215,6 +217,10 @@ pub struct ConnConfig {
     pub rndv_chunk_size: u32,
     /// Authentication token sent in the hello and required from peers when non-empty.
     pub auth_token: Vec<u8>,
+    /// RNR retry count set at RTS (0..=7, 7 = forever); `None` keeps the verbs default. A
+    /// channel whose receives are always posted before the peer may send can set 0, so that
+    /// any RNR is a hard error instead of a silent stall.
+    pub rnr_retry: Option<u8>,
 }
 
 impl Default for ConnConfig {
@@ -240,6 +246,7 @@ impl Default for ConnConfig {
             eager_threshold: 4096,
             rndv_chunk_size: 64 * 1024,
             auth_token: Vec::new(),
+            rnr_retry: None,
         }
     }
 }
@@ -273,6 +280,9 @@ impl ConnConfig {
                 self.auth_token.len(),
                 wire::MAX_TOKEN_LEN
             ));
+        }
+        if self.rnr_retry.is_some_and(|n| n > 7) {
+            return bad("rnr_retry must be in 0..=7".into());
         }
         if self.handshake_timeout.is_zero() {
             return bad("handshake_timeout is zero".into());

@@ -71,6 +71,11 @@ impl QpCache {
         true
     }
 
+    /// Count a QP its owner destroyed instead of offering it (see [`QpCache::dropped`]).
+    pub(crate) fn count_dropped(&self) {
+        self.dropped.fetch_add(1, Ordering::Relaxed);
+    }
+
     /// QPs held now.
     pub fn len(&self) -> usize {
         self.qps.lock().len()

@@ -407,7 +407,9 @@ fn peer_closed_mid_handshake_on_either_side() {
         matches!(err, ConnError::PeerClosed { phase: "ready", .. }),
         "{err}"
     );
-    assert_eq!(srv.stats().qps_cached, 1, "QP returned on failure");
+    // The QP had reached RTS: the client could have sent to it, so it is destroyed, not reused.
+    let s = srv.stats();
+    assert_eq!((s.qps_cached, s.qps_dropped), (0, 1), "{s:?}");
 }
 
 #[test]
@@ -690,6 +692,8 @@ fn handles_cross_threads_where_the_design_says_so() {
     send::<PendingConn>();
     send::<Incoming>();
     send::<Established>();
+    send_sync::<ControlStream>();
+    send_sync::<QpLease>();
     send_sync::<crate::mempool::PoolBuf>();
     send_sync::<crate::mempool::RegCache>();
 }
@@ -731,4 +735,137 @@ fn tcp_connect_times_out_against_a_full_accept_queue() {
         "{err}"
     );
     drop((fillers, listener));
+}
+
+/// Wait (bounded) for `poll_peer` to report something other than `Open`.
+fn wait_peer(c: &mut ControlStream) -> ControlEvent {
+    let deadline = std::time::Instant::now() + LONG;
+    loop {
+        match c.poll_peer() {
+            ControlEvent::Open if std::time::Instant::now() < deadline => std::thread::yield_now(),
+            other => return other,
+        }
+    }
+}
+
+#[test]
+fn an_owned_control_stream_says_close_and_serves_the_next_handshake() {
+    let (srv, _) = manager(ConnConfig::default());
+    let listener = srv.listen("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr();
+    // Each round: the server keeps its stream, then closes first (even rounds) or waits for
+    // the client's close (odd rounds); both sides report what they saw.
+    let server = std::thread::spawn(move || {
+        let mut seen = Vec::new();
+        for round in 0..4 {
+            let (est, mut control) = listener
+                .accept_pending(Some(LONG))
+                .unwrap()
+                .finish_owned()
+                .unwrap();
+            control.set_nonblocking(true).unwrap();
+            if round % 2 == 1 {
+                seen.push(wait_peer(&mut control));
+            } else {
+                // The client waits for our Close this round: nothing from it yet.
+                assert_eq!(control.poll_peer(), ControlEvent::Open, "round {round}");
+            }
+            drop(control);
+            listener.manager().release(est);
+        }
+        seen
+    });
+    let (cli, _) = manager(ConnConfig::default());
+    let mut seen = Vec::new();
+    for round in 0..4 {
+        let (est, mut control) = cli
+            .connect_pending(addr, None, LONG)
+            .unwrap()
+            .finish_owned()
+            .unwrap();
+        control.set_nonblocking(true).unwrap();
+        if round % 2 == 0 {
+            seen.push(wait_peer(&mut control));
+        }
+        control.close();
+        cli.release(est);
+    }
+    assert_eq!(seen, vec![ControlEvent::PeerClosed; 2]);
+    assert_eq!(server.join().unwrap(), vec![ControlEvent::PeerClosed; 2]);
+    // One TCP connection served all four handshakes, and nothing failed.
+    let s = cli.stats();
+    assert_eq!((s.streams_opened, s.stream_reuses, s.failed), (1, 3, 0));
+    assert_eq!(srv.stats().failed, 0);
+}
+
+#[test]
+fn a_control_stream_reports_a_vanished_peer_and_garbage() {
+    let (srv, _) = manager(ConnConfig::default());
+    let listener = srv.listen("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr();
+    let server = std::thread::spawn(move || {
+        let mut out = Vec::new();
+        for _ in 0..2 {
+            let (est, mut control) = listener
+                .accept_pending(Some(LONG))
+                .unwrap()
+                .finish_owned()
+                .unwrap();
+            control.set_nonblocking(true).unwrap();
+            out.push(wait_peer(&mut control));
+            listener.manager().release(est);
+        }
+        out
+    });
+    let (cli, _) = manager(ConnConfig {
+        reuse_control_streams: false,
+        ..ConnConfig::default()
+    });
+    // The client end vanishes (stream dropped without reuse: EOF at the server).
+    let (est, control) = cli
+        .connect_pending(addr, None, LONG)
+        .unwrap()
+        .finish_owned()
+        .unwrap();
+    drop(control);
+    cli.release(est);
+    // The client writes something that is not a Close.
+    let (est, control) = cli
+        .connect_pending(addr, None, LONG)
+        .unwrap()
+        .finish_owned()
+        .unwrap();
+    let mut raw = control_stream_clone(&control);
+    raw.write_all(&wire::encode(&Message::Ready)).unwrap();
+    assert_eq!(server.join().unwrap(), vec![ControlEvent::Gone; 2]);
+    drop(control);
+    cli.release(est);
+}
+
+/// A second handle on the stream under `c`, to misbehave through.
+fn control_stream_clone(c: &ControlStream) -> TcpStream {
+    use std::os::fd::AsFd;
+    TcpStream::from(c.as_fd().try_clone_to_owned().unwrap())
+}
+
+#[test]
+fn a_pending_connection_can_be_rejected_with_a_reason() {
+    let (srv, _) = manager(ConnConfig::default());
+    let listener = srv.listen("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr();
+    let server = std::thread::spawn(move || {
+        let pending = listener.accept_pending(Some(LONG)).unwrap();
+        pending.reject(RejectCode::Unavailable, "ring too small");
+        listener.manager().stats()
+    });
+    let (cli, _) = manager(ConnConfig::default());
+    match cli.connect(addr, LONG) {
+        Err(ConnError::Rejected { code, reason, .. }) => {
+            assert_eq!(code, RejectCode::Unavailable);
+            assert_eq!(reason, "ring too small");
+        }
+        other => panic!("expected a rejection, got {other:?}"),
+    }
+    let s = server.join().unwrap();
+    assert_eq!((s.failed, s.qps_cached), (1, 1), "{s:?}");
 }

@@ -32,6 +32,7 @@ const KIND_HELLO: u8 = 1;
 const KIND_HELLO_ACK: u8 = 2;
 const KIND_READY: u8 = 3;
 const KIND_REJECT: u8 = 4;
+const KIND_CLOSE: u8 = 5;
 
 /// Why a frame could not be decoded.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -187,6 +188,10 @@ pub enum Message {
     Ready,
     /// Either side: the handshake is refused.
     Reject(Reject),
+    /// Either side, after a handshake: the connection set up on this control stream is over
+    /// (its channel closed). The stream stays open for the next handshake; a reader waiting for
+    /// a hello or a hello-ack skips it.
+    Close,
 }
 
 impl Message {
@@ -197,6 +202,7 @@ impl Message {
             Message::HelloAck(_) => "hello-ack",
             Message::Ready => "ready",
             Message::Reject(_) => "reject",
+            Message::Close => "close",
         }
     }
 }
@@ -260,6 +266,7 @@ pub fn encode_with_version(msg: &Message, version: u16) -> Vec<u8> {
             put_hello(&mut body, h);
         }
         Message::Ready => body.push(KIND_READY),
+        Message::Close => body.push(KIND_CLOSE),
         Message::Reject(r) => {
             body.push(KIND_REJECT);
             body.push(r.code.to_u8());
@@ -443,6 +450,7 @@ pub fn decode_body(body: &[u8]) -> Result<Message, DecodeError> {
         KIND_HELLO => Message::Hello(get_hello(&mut r)?),
         KIND_HELLO_ACK => Message::HelloAck(get_hello(&mut r)?),
         KIND_READY => Message::Ready,
+        KIND_CLOSE => Message::Close,
         KIND_REJECT => {
             let code = RejectCode::from_u8(r.u8("reject code")?);
             let version = r.u16("reject version")?;
@@ -525,6 +533,7 @@ mod tests {
             Message::Hello(h.clone()),
             Message::HelloAck(h2),
             Message::Ready,
+            Message::Close,
             Message::Reject(Reject {
                 code: RejectCode::ProviderMismatch,
                 version: VERSION,

@@ -1,8 +1,10 @@
 //! Request/response RPC over a [`Channel`]: `call(method, request, timeout)` on the client,
 //! `serve(method, handler)` on the server. Requests and responses are channel messages tagged in
 //! the trace header (`wire` has the 12-byte RPC header). Handlers run to completion on the worker
-//! that received the request and their reply is sent inline from there — no thread hop on the
-//! server. Deadlines are kept by the caller's worker (its timer heap), so a call always ends: with
+//! that received the request (in caller mode: the application thread that progressed it) and
+//! their reply is sent inline from there — no thread hop on the server. A call is posted by the
+//! calling thread when it gets the worker's lock, and the caller progresses the worker while it
+//! waits for the reply. Deadlines are kept by the caller's worker (its timer heap), so a call always ends: with
 //! the reply, [`RpcError::Timeout`], [`RpcError::UnknownMethod`] or [`RpcError::PeerGone`].
 
 pub mod wire;
@@ -13,7 +15,7 @@ use std::time::Duration;
 use tokio::sync::oneshot;
 
 use crate::channel::ChannelError;
-use crate::worker::{now, Command};
+use crate::worker::{alloc_filled, direct_or_submit, now, wait_reply, Call, Command, Worker};
 use crate::Channel;
 
 /// A method handler: request body in, reply body out, or an error text for the caller. Runs on a
@@ -88,13 +90,22 @@ impl Rpc {
                 e => RpcError::Channel(e),
             });
         }
+        let w = &shared.worker;
+        let call_id = w.next_call_id();
+        let head = wire::encode_request_header(call_id, wire::method_id(method));
+        let buffers = w.buffers().ok_or(RpcError::PeerGone)?;
+        let buf = alloc_filled(buffers, &[&head, request])
+            .map_err(|e| RpcError::Channel(ChannelError::Pool(e)))?;
         let (tx, rx) = oneshot::channel();
-        shared.worker.submit(Command::Call {
+        let call = Call {
             chan: shared.id,
-            method: wire::method_id(method),
-            body: request.to_vec(),
+            call_id,
+            buf,
             deadline: now().saturating_add(timeout),
             reply: tx,
+        };
+        direct_or_submit(w, call, Worker::enqueue_call, |c| {
+            Command::Call(Box::new(c))
         });
         Ok(rx)
     }
@@ -108,7 +119,7 @@ impl Rpc {
         timeout: Duration,
     ) -> Result<Vec<u8>, RpcError> {
         let rx = self.submit(method, request, timeout)?;
-        rx.blocking_recv().unwrap_or(Err(RpcError::PeerGone))
+        wait_reply(&self.channel.shared().worker, rx).unwrap_or(Err(RpcError::PeerGone))
     }
 
     /// [`Rpc::call`] with the endpoint's default deadline.

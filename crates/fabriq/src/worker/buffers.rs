@@ -1,35 +1,96 @@
-//! The worker's buffer source: its [`MemPool`] for sizes up to the largest class, plus a bounded
-//! cache of large buffers (rendezvous payloads) so that a stream of large messages reuses a few
-//! registrations instead of registering — and making the peer map — a new region per message.
-//! Large buffers come back from the channel (send completed) or, through a lock-free queue, from
-//! the application thread that dropped a received [`crate::Message`].
+//! The worker's buffer source, usable from every thread that drives the worker or sends on its
+//! channels: send payloads ([`crate::Channel::alloc`], the copy of a `send(&[u8])`, RPC requests
+//! and replies) and rendezvous pull buffers.
+//!
+//! A [`MemPool`] belongs to the thread that created it, so each thread that allocates for this
+//! worker gets its own pool, created on first use and kept in a thread-local table keyed by the
+//! worker's buffer-source id; buffers are `Send` and return to their owning pool from whichever
+//! thread drops them. Above the pool's largest class, buffers (rendezvous payloads) are cached
+//! here, bounded, so that a stream of large messages reuses a few registrations instead of
+//! registering — and making the peer map — a new region per message. Large buffers come back
+//! from the channel (send completed) or, through a lock-free queue, from the application thread
+//! that dropped a received [`crate::Message`].
 
+use std::cell::RefCell;
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use crossbeam_queue::SegQueue;
+use fabriq_verbs::ProtectionDomain;
+use parking_lot::Mutex;
 
 use crate::channel::driver::BufferSource;
-use crate::mempool::{MemPool, PoolBuf, PoolError};
+use crate::mempool::{MemPool, PoolBuf, PoolConfig, PoolError};
 
 /// Bytes of large buffers kept for reuse per worker.
 const MAX_CACHED_BYTES: usize = 64 << 20;
 
-pub(crate) struct Buffers {
+/// One thread's pool for one buffer source; `alive` turns false when the source is dropped so
+/// that the entry can be pruned.
+struct ThreadPool {
+    source: u64,
+    alive: Arc<AtomicBool>,
     pool: MemPool,
-    cache: HashMap<usize, Vec<PoolBuf>>,
-    cached_bytes: usize,
+}
+
+thread_local! {
+    static POOLS: RefCell<Vec<ThreadPool>> = const { RefCell::new(Vec::new()) };
+}
+
+struct Cache {
+    by_cap: HashMap<usize, Vec<PoolBuf>>,
+    bytes: usize,
+}
+
+/// A worker's buffers: per-thread pools plus the shared large-buffer cache.
+pub(crate) struct Buffers {
+    id: u64,
+    alive: Arc<AtomicBool>,
+    pd: ProtectionDomain,
+    config: PoolConfig,
+    max_class: usize,
+    cache: Mutex<Cache>,
     returned: Arc<SegQueue<PoolBuf>>,
 }
 
+impl std::fmt::Debug for Buffers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Buffers")
+            .field("id", &self.id)
+            .field("max_class", &self.max_class)
+            .finish()
+    }
+}
+
+impl Drop for Buffers {
+    fn drop(&mut self) {
+        self.alive.store(false, Ordering::Release);
+    }
+}
+
 impl Buffers {
-    pub(crate) fn new(pool: MemPool) -> Buffers {
-        Buffers {
-            pool,
-            cache: HashMap::new(),
-            cached_bytes: 0,
+    pub(crate) fn new(pd: &ProtectionDomain, config: PoolConfig) -> Result<Buffers, PoolError> {
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        config.validate()?;
+        Ok(Buffers {
+            id: NEXT.fetch_add(1, Ordering::Relaxed),
+            alive: Arc::new(AtomicBool::new(true)),
+            pd: pd.clone(),
+            max_class: config.max_class,
+            config,
+            cache: Mutex::new(Cache {
+                by_cap: HashMap::new(),
+                bytes: 0,
+            }),
             returned: Arc::new(SegQueue::new()),
-        }
+        })
+    }
+
+    /// Identity of the protection domain the buffers are registered in: a buffer may be sent on
+    /// any channel of the same domain.
+    pub(crate) fn domain(&self) -> usize {
+        Arc::as_ptr(self.pd.ops()) as *const () as usize
     }
 
     /// Where other threads return large buffers.
@@ -37,32 +98,72 @@ impl Buffers {
         &self.returned
     }
 
-    /// Keep a large buffer for reuse (within the bound); others go back to the pool on drop.
-    pub(crate) fn recycle(&mut self, buf: PoolBuf) {
-        if !buf.is_large() || self.cached_bytes + buf.capacity() > MAX_CACHED_BYTES {
+    /// Keep a large buffer for reuse (within the bound); others go back to their pool on drop.
+    pub(crate) fn recycle(&self, buf: PoolBuf) {
+        if !buf.is_large() {
             return;
         }
-        self.cached_bytes += buf.capacity();
-        self.cache.entry(buf.capacity()).or_default().push(buf);
+        let mut c = self.cache.lock();
+        if c.bytes + buf.capacity() > MAX_CACHED_BYTES {
+            return;
+        }
+        c.bytes += buf.capacity();
+        c.by_cap.entry(buf.capacity()).or_default().push(buf);
+    }
+
+    /// Run `f` on the calling thread's pool for this source, creating it on first use.
+    fn with_pool<T>(
+        &self,
+        f: impl FnOnce(&mut MemPool) -> Result<T, PoolError>,
+    ) -> Result<T, PoolError> {
+        POOLS.with(|cell| {
+            let mut pools = cell.borrow_mut();
+            if let Some(p) = pools.iter_mut().find(|p| p.source == self.id) {
+                return f(&mut p.pool);
+            }
+            // A new entry: drop the pools of sources that are gone first.
+            pools.retain(|p| p.alive.load(Ordering::Acquire));
+            let pool = MemPool::new(&self.pd, self.config.clone())?;
+            pools.push(ThreadPool {
+                source: self.id,
+                alive: Arc::clone(&self.alive),
+                pool,
+            });
+            match pools.last_mut() {
+                Some(p) => f(&mut p.pool),
+                None => Err(PoolError::InvalidConfig("thread pool table empty".into())),
+            }
+        })
+    }
+
+    /// A registered buffer of length `len` (capacity may be larger).
+    pub(crate) fn alloc(&self, len: usize) -> Result<PoolBuf, PoolError> {
+        if len <= self.max_class {
+            return self.with_pool(|p| p.alloc(len));
+        }
+        let cap = len.checked_next_power_of_two().unwrap_or(len);
+        {
+            let mut c = self.cache.lock();
+            while let Some(b) = self.returned.pop() {
+                if c.bytes + b.capacity() <= MAX_CACHED_BYTES {
+                    c.bytes += b.capacity();
+                    c.by_cap.entry(b.capacity()).or_default().push(b);
+                }
+            }
+            if let Some(mut b) = c.by_cap.get_mut(&cap).and_then(Vec::pop) {
+                c.bytes -= b.capacity();
+                b.set_len(len);
+                return Ok(b);
+            }
+        }
+        let mut b = self.with_pool(|p| p.alloc_large(cap))?;
+        b.set_len(len);
+        Ok(b)
     }
 }
 
-impl BufferSource for Buffers {
+impl BufferSource for &Buffers {
     fn alloc_any(&mut self, len: usize) -> Result<PoolBuf, PoolError> {
-        if len <= self.pool.max_class() {
-            return self.pool.alloc_any(len);
-        }
-        while let Some(b) = self.returned.pop() {
-            self.recycle(b);
-        }
-        let cap = len.checked_next_power_of_two().unwrap_or(len);
-        if let Some(mut b) = self.cache.get_mut(&cap).and_then(Vec::pop) {
-            self.cached_bytes -= b.capacity();
-            b.set_len(len);
-            return Ok(b);
-        }
-        let mut b = self.pool.alloc_large(cap)?;
-        b.set_len(len);
-        Ok(b)
+        Buffers::alloc(self, len)
     }
 }

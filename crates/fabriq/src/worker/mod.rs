@@ -1,17 +1,26 @@
 //! Run-to-completion workers (ARCHITECTURE.md "Threads").
 //!
-//! A worker thread owns a completion queue, a memory pool and the channels adopted onto it;
-//! nothing else touches their protocol state. A completion is polled, fed to its channel's core,
-//! and whatever follows — delivery to the application, an RPC handler and its reply, credit
-//! returns, rendezvous READs — happens on this thread before the next completion, with no lock
-//! and no hand-off. Other threads reach a worker only through its inbox ([`shared`]): a
-//! lock-free queue plus an eventfd written only while the worker sleeps.
+//! A worker owns a completion queue and the channels adopted onto it. Its loop body,
+//! [`Worker::progress`], drains the inbox, polls the CQ, fires timers and pumps every channel
+//! that has something to do: a completion is fed to its channel's core, and whatever follows —
+//! delivery to the application, an RPC handler and its reply, credit returns, rendezvous READs —
+//! happens in the same pass, on the thread that runs it, before the next completion.
 //!
-//! Polling is hybrid: the worker busy-polls while work arrives; after `idle_spin` without work
-//! it arms the CQ, re-polls (a completion racing the arm is not lost), and sleeps in epoll on the
-//! CQ's event fd, its inbox eventfd and the channels' control streams (whose hang-up means the
-//! peer is gone), with a timeout at the earliest deadline of its timer heap. An idle endpoint
-//! costs no CPU.
+//! The state sits behind one lock in [`shared::WorkerShared`], so that pass can be run by more
+//! than one thread, never two at once:
+//!
+//! * [`Progress::Thread`] (default): a worker thread busy-polls while work arrives; after
+//!   `idle_spin` without work it arms the CQ, re-polls (a completion racing the arm is not lost)
+//!   and sleeps in epoll on the CQ's event fd, its inbox eventfd and the channels' control
+//!   streams (whose hang-up means the peer is gone), with a timeout at the earliest timer. An
+//!   application thread that waits runs passes itself whenever the lock is free, and a send
+//!   posts directly when it is, so an idle worker costs no hand-off.
+//! * [`Progress::Caller`]: application threads drive the worker (the UCX / eRPC model). `send`
+//!   posts under the lock; blocking `recv`, `Rpc::call` and one-sided operations poll the CQ
+//!   themselves for the idle budget, then one of them arms the CQ and sleeps in the worker's
+//!   epoll while the others park. The worker thread is only a back-stop: it stays asleep while
+//!   application threads call in and progresses the endpoint (RPC handlers of a server that
+//!   never calls, async tasks, peer hang-ups) once none has for a few milliseconds.
 //!
 //! Not here: protocol decisions (`channel::proto`), connection set-up (`endpoint`), the
 //! application-facing handles (`handle`, `rpc`, `remote`).
@@ -21,9 +30,8 @@ pub(crate) mod shared;
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, VecDeque};
-use std::io::Read;
-use std::net::TcpStream;
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -34,14 +42,16 @@ use parking_lot::RwLock;
 use rustix::event::epoll;
 use tokio::sync::oneshot;
 
-use crate::channel::driver::{BufferSource, ChannelDriver, CoreEvent};
+use crate::channel::driver::{ChannelDriver, CoreEvent};
 use crate::channel::proto::{Instant, Received, TraceInfo};
 use crate::channel::{ChannelError, TraceFlags};
-use crate::mempool::{MemPool, PoolBuf};
+use crate::config::Progress;
+use crate::conn::{ControlEvent, ControlStream, QpLease};
+use crate::mempool::PoolBuf;
 use crate::message::{Message, Payload};
 use crate::rpc::wire as rpcwire;
 use crate::rpc::{Handler, RpcError};
-use buffers::Buffers;
+pub(crate) use buffers::Buffers;
 use shared::{ChannelShared, Failure, WorkerShared};
 
 /// RPC handlers shared by every worker of an endpoint, by method id.
@@ -71,25 +81,21 @@ pub(crate) enum OneSidedOp {
 
 /// Reply of a one-sided operation: the bytes read, or the original 8-byte word of an atomic.
 pub(crate) type OneSidedReply = oneshot::Sender<Result<Vec<u8>, ChannelError>>;
+/// Reply of an RPC call.
+pub(crate) type CallReply = oneshot::Sender<Result<Vec<u8>, RpcError>>;
 
 /// A request to a worker.
 pub(crate) enum Command {
     Adopt(Box<Adopt>),
     Send {
         chan: u32,
-        data: Vec<u8>,
+        buf: PoolBuf,
         trace: TraceInfo,
     },
     Released {
         chan: u32,
     },
-    Call {
-        chan: u32,
-        method: u32,
-        body: Vec<u8>,
-        deadline: Instant,
-        reply: oneshot::Sender<Result<Vec<u8>, RpcError>>,
-    },
+    Call(Box<Call>),
     OneSided {
         chan: u32,
         op: OneSidedOp,
@@ -99,31 +105,40 @@ pub(crate) enum Command {
         chan: u32,
         thresholds: crate::channel::Thresholds,
     },
-    Stats {
-        chan: u32,
-        reply: oneshot::Sender<crate::channel::ChannelStats>,
-    },
     Close {
         chan: u32,
     },
     Shutdown,
 }
 
+/// An RPC request ready to go: `buf` holds the RPC header and the body.
+pub(crate) struct Call {
+    pub(crate) chan: u32,
+    pub(crate) call_id: u64,
+    pub(crate) buf: PoolBuf,
+    pub(crate) deadline: Instant,
+    pub(crate) reply: CallReply,
+}
+
 /// A connected channel handed to a worker.
 pub(crate) struct Adopt {
     pub(crate) driver: ChannelDriver,
     pub(crate) shared: Arc<ChannelShared>,
-    pub(crate) control: Option<TcpStream>,
+    pub(crate) control: Option<ControlStream>,
+    /// The QP's way back to the connection manager's cache once the channel closes.
+    pub(crate) lease: Option<QpLease>,
 }
 
 const WR_ONE_SIDED: u64 = 0x10;
 /// One-sided operations in flight per channel; the QP's send queue has this much room beyond
 /// what the channel protocol uses.
 pub(crate) const ONE_SIDED_DEPTH: u32 = 32;
-const EPOLL_WAKE: u64 = 0;
+pub(crate) const EPOLL_WAKE: u64 = 0;
 const EPOLL_CQ: u64 = 1;
 const EPOLL_CONTROL: u64 = 1 << 40;
 const MAX_ORPHANS: usize = 1 << 16;
+/// Longest a closing channel's QP is given to flush before it is destroyed instead of cached.
+const RETIRE_DRAIN_LIMIT: Duration = Duration::from_millis(100);
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 enum Timer {
@@ -141,10 +156,11 @@ struct ChanState {
     driver: ChannelDriver,
     shared: Arc<ChannelShared>,
     backlog: VecDeque<(PoolBuf, TraceInfo)>,
-    calls: HashMap<u64, oneshot::Sender<Result<Vec<u8>, RpcError>>>,
+    calls: HashMap<u64, CallReply>,
     one_sided_queue: VecDeque<(OneSidedOp, OneSidedReply)>,
     one_sided: HashMap<u64, OneSidedPending>,
-    control: Option<TcpStream>,
+    control: Option<ControlStream>,
+    lease: Option<QpLease>,
     timer_at: Option<Instant>,
     failed: bool,
 }
@@ -156,32 +172,33 @@ pub(crate) fn now() -> Instant {
     Instant::from_nanos((ts.tv_sec as u64).saturating_mul(1_000_000_000) + ts.tv_nsec as u64)
 }
 
-/// Settings of a worker thread.
+/// Settings of a worker.
 #[derive(Debug, Clone)]
 pub(crate) struct WorkerConfig {
     pub(crate) idle_spin: Duration,
     pub(crate) pin_cpu: Option<usize>,
     pub(crate) pool: crate::mempool::PoolConfig,
+    pub(crate) progress: Progress,
 }
 
-/// The thread side of a worker.
+/// The worker state: locked by whoever runs a progress pass.
 pub(crate) struct Worker {
-    shared: Arc<WorkerShared>,
     cq: CompletionQueue,
-    pool: Buffers,
+    buffers: Arc<Buffers>,
     channels: HashMap<u32, ChanState>,
     dirty: Vec<u32>,
     timers: BinaryHeap<Reverse<(Instant, Timer)>>,
     handlers: Arc<Handlers>,
-    epoll: std::os::fd::OwnedFd,
-    idle_spin: Duration,
     orphans: HashMap<u32, Vec<WorkCompletion>>,
-    next_call: u64,
     next_one_sided: u64,
     has_cq_events: bool,
+    wcs: Vec<WorkCompletion>,
+    loops: u64,
+    epoll: OwnedFd,
 }
 
-/// Start a worker thread. Returns once the thread has created its pool.
+/// Start a worker: install its state in `shared` and start its thread (the poller in thread
+/// mode, the back-stop in caller mode).
 pub(crate) fn spawn(
     shared: Arc<WorkerShared>,
     cq: CompletionQueue,
@@ -189,9 +206,40 @@ pub(crate) fn spawn(
     handlers: Arc<Handlers>,
     cfg: WorkerConfig,
 ) -> Result<std::thread::JoinHandle<()>, ChannelError> {
-    let (tx, rx) = std::sync::mpsc::channel::<Result<(), ChannelError>>();
+    let buffers = Arc::new(
+        Buffers::new(&pd, cfg.pool.clone())
+            .map_err(|e| ChannelError::Failed(format!("memory pool: {e}")))?,
+    );
+    let mut has_cq_events = false;
+    if let Some(fd) = cq.event_fd() {
+        epoll::add(
+            &shared.epoll,
+            fd,
+            epoll::EventData::new_u64(EPOLL_CQ),
+            epoll::EventFlags::IN,
+        )
+        .map_err(|e| ChannelError::Verbs(fabriq_verbs::VerbsError::io("epoll add CQ", e)))?;
+        has_cq_events = true;
+    }
+    let epoll = rustix::io::dup(&shared.epoll)
+        .map_err(|e| ChannelError::Verbs(fabriq_verbs::VerbsError::io("dup epoll", e)))?;
+    let worker = Worker {
+        epoll,
+        cq,
+        buffers: Arc::clone(&buffers),
+        channels: HashMap::new(),
+        dirty: Vec::new(),
+        timers: BinaryHeap::new(),
+        handlers,
+        orphans: HashMap::new(),
+        next_one_sided: 1,
+        has_cq_events,
+        wcs: vec![WorkCompletion::EMPTY; 64],
+        loops: 0,
+    };
+    shared.install(worker, buffers, cfg.progress, cfg.idle_spin);
     let name = format!("fabriq-worker-{}", shared.id);
-    let handle = std::thread::Builder::new()
+    std::thread::Builder::new()
         .name(name)
         .spawn(move || {
             if let Some(cpu) = cfg.pin_cpu {
@@ -200,114 +248,238 @@ pub(crate) fn spawn(
                     core_affinity::set_for_current(*id);
                 }
             }
-            let worker = match Worker::new(shared, cq, &pd, handlers, &cfg) {
-                Ok(w) => {
-                    let _ = tx.send(Ok(()));
-                    w
-                }
-                Err(e) => {
-                    let _ = tx.send(Err(e));
-                    return;
-                }
-            };
-            worker.run();
+            match cfg.progress {
+                Progress::Thread => run_thread(&shared, cfg.idle_spin),
+                Progress::Caller => run_backstop(&shared),
+            }
         })
-        .map_err(|e| ChannelError::Verbs(fabriq_verbs::VerbsError::io("spawn worker", e)))?;
-    match rx.recv() {
-        Ok(Ok(())) => Ok(handle),
-        Ok(Err(e)) => Err(e),
-        Err(_) => Err(ChannelError::Failed("worker thread died at start".into())),
-    }
+        .map_err(|e| ChannelError::Verbs(fabriq_verbs::VerbsError::io("spawn worker", e)))
 }
 
-impl Worker {
-    fn new(
-        shared: Arc<WorkerShared>,
-        cq: CompletionQueue,
-        pd: &fabriq_verbs::ProtectionDomain,
-        handlers: Arc<Handlers>,
-        cfg: &WorkerConfig,
-    ) -> Result<Worker, ChannelError> {
-        let pool = MemPool::new(pd, cfg.pool.clone())
-            .map_err(|e| ChannelError::Failed(format!("memory pool: {e}")))?;
-        let io = |what: &str, e: rustix::io::Errno| {
-            ChannelError::Verbs(fabriq_verbs::VerbsError::io(what.to_string(), e))
-        };
-        let ep = epoll::create(epoll::CreateFlags::CLOEXEC).map_err(|e| io("epoll_create", e))?;
-        epoll::add(
-            &ep,
-            shared.wake_fd(),
-            epoll::EventData::new_u64(EPOLL_WAKE),
-            epoll::EventFlags::IN,
-        )
-        .map_err(|e| io("epoll add eventfd", e))?;
-        let mut has_cq_events = false;
-        if let Some(fd) = cq.event_fd() {
-            epoll::add(
-                &ep,
-                fd,
-                epoll::EventData::new_u64(EPOLL_CQ),
-                epoll::EventFlags::IN,
-            )
-            .map_err(|e| io("epoll add CQ", e))?;
-            has_cq_events = true;
+/// Thread mode: busy-poll while work arrives, sleep in epoll after `idle_spin` without work.
+fn run_thread(shared: &WorkerShared, idle_spin: Duration) {
+    let mut idle_since: Option<std::time::Instant> = None;
+    let mut spins: u64 = 0;
+    loop {
+        if shared.stopped.load(Ordering::Acquire) {
+            return;
         }
-        Ok(Worker {
-            shared,
-            cq,
-            pool: Buffers::new(pool),
-            channels: HashMap::new(),
-            dirty: Vec::new(),
-            timers: BinaryHeap::new(),
-            handlers,
-            epoll: ep,
-            idle_spin: cfg.idle_spin,
-            orphans: HashMap::new(),
-            next_call: 1,
-            next_one_sided: 1,
-            has_cq_events,
-        })
-    }
-
-    fn run(mut self) {
-        let mut wcs = vec![WorkCompletion::EMPTY; 64];
-        let mut idle_since: Option<std::time::Instant> = None;
-        let mut loops: u64 = 0;
-        loop {
-            loops = loops.wrapping_add(1);
-            let mut work = 0usize;
-            while let Some(cmd) = self.shared.pop() {
-                work += 1;
-                if !self.command(cmd) {
-                    self.shutdown();
-                    return;
-                }
-            }
-            work += self.poll_cq(&mut wcs);
-            work += self.fire_timers();
-            self.pump_dirty();
-            if work > 0 {
+        match shared.try_progress() {
+            Some(0) => {}
+            Some(_) | None => {
+                // Work done, or an application thread is progressing right now.
                 idle_since = None;
                 continue;
             }
-            if loops % 1024 == 0 {
-                self.wait_events(Some(Duration::ZERO));
-            }
-            let since = *idle_since.get_or_insert_with(std::time::Instant::now);
-            if since.elapsed() < self.idle_spin {
+        }
+        let since = *idle_since.get_or_insert_with(std::time::Instant::now);
+        if since.elapsed() < idle_spin {
+            spins = spins.wrapping_add(1);
+            if spins % 128 == 0 {
+                std::thread::yield_now();
+            } else {
                 std::hint::spin_loop();
-                if loops % 128 == 0 {
-                    std::thread::yield_now();
-                }
-                continue;
             }
-            self.sleep(&mut wcs);
-            idle_since = None;
+            continue;
+        }
+        shared.poll_sleep(None, &mut || None::<()>);
+        idle_since = None;
+    }
+}
+
+/// Caller mode: stay out of the way while application threads call in; once none has for
+/// [`shared::BACKSTOP_GRACE`], progress the worker and sleep in its epoll between events.
+fn run_backstop(shared: &WorkerShared) {
+    loop {
+        if shared.stopped.load(Ordering::Acquire) {
+            return;
+        }
+        if let Err(wait) = shared.callers_quiet() {
+            std::thread::sleep(wait);
+            continue;
+        }
+        if !shared.try_become_poller() {
+            std::thread::sleep(shared::BACKSTOP_GRACE);
+            continue;
+        }
+        // Progress while there is work and nobody else calls in.
+        while let Some(n) = shared.try_progress() {
+            if n == 0 || shared.callers_quiet().is_err() || shared.stopped.load(Ordering::Acquire) {
+                break;
+            }
+        }
+        if shared.callers_quiet().is_ok() && !shared.stopped.load(Ordering::Acquire) {
+            shared.poll_sleep(None, &mut || None::<()>);
+        }
+        shared.release_poller();
+    }
+}
+
+/// Hand `value` to the worker from an application thread: if the worker's lock is free,
+/// `direct` applies it after the inbox, followed by one progress pass; otherwise the command
+/// `queued` makes of it goes to the inbox, for the thread that holds the lock. In caller mode
+/// nobody else may come by soon: unless a waiting thread spins on the worker (and drains the
+/// inbox on its next pass), the caller then waits for the lock and runs the pass itself.
+pub(crate) fn direct_or_submit<V>(
+    w: &WorkerShared,
+    value: V,
+    direct: impl FnOnce(&mut Worker, V),
+    queued: impl FnOnce(V) -> Command,
+) {
+    let _caller = w.enter_caller();
+    if let Some(mut g) = w.try_lock_state() {
+        // Earlier commands of this thread (queued while the state was busy) go first.
+        g.drain_inbox(w);
+        direct(&mut g, value);
+        g.progress(w);
+        drop(g);
+        w.notify_parked();
+        return;
+    }
+    w.submit(queued(value));
+    if w.is_caller_mode() && w.try_progress().is_none() && !w.has_spinner() {
+        // `None` when this thread holds the lock (a handler): its own pass drains the inbox.
+        if let Some(mut g) = w.lock_state() {
+            let n = g.progress(w);
+            drop(g);
+            if n > 0 {
+                w.notify_parked();
+            }
+        }
+    }
+}
+
+/// Wait for a worker's reply on `rx`, progressing the worker from this thread: for the whole
+/// wait in caller mode, for the idle budget in thread mode (then block on `rx`). `None` if the
+/// sender was dropped.
+pub(crate) fn wait_reply<T>(w: &WorkerShared, mut rx: oneshot::Receiver<T>) -> Option<T> {
+    use tokio::sync::oneshot::error::TryRecvError;
+    let mut ready = || match rx.try_recv() {
+        Ok(v) => Some(Some(v)),
+        Err(TryRecvError::Empty) => None,
+        Err(TryRecvError::Closed) => Some(None),
+    };
+    if w.is_caller_mode() {
+        return w.wait_for(None, ready).flatten();
+    }
+    // Thread mode: spin for the idle budget if no other thread spins on this worker, then block
+    // on the reply itself (the worker wakes exactly this thread).
+    if let Some(v) = ready() {
+        return v;
+    }
+    if !w.has_spinner() {
+        let spin_until = std::time::Instant::now() + w.idle_spin();
+        if let Some(v) = w.wait_for(Some(spin_until), &mut ready) {
+            return v;
+        }
+    }
+    rx.blocking_recv().ok()
+}
+
+/// Wait on the worker's epoll set; the keys of what fired.
+fn epoll_wait(ep: &OwnedFd, timeout: Option<Duration>) -> Vec<u64> {
+    let mut events: Vec<epoll::Event> = Vec::with_capacity(16);
+    let ts = timeout.map(|d| rustix::time::Timespec {
+        tv_sec: d.as_secs() as i64,
+        tv_nsec: i64::from(d.subsec_nanos()),
+    });
+    if epoll::wait(ep, rustix::buffer::spare_capacity(&mut events), ts.as_ref()).is_err() {
+        return Vec::new();
+    }
+    events.iter().map(|ev| ev.data.u64()).collect()
+}
+
+impl Worker {
+    /// One pass of the loop body: inbox, CQ, timers, channels. Returns the work done (0: idle).
+    pub(crate) fn progress(&mut self, shared: &WorkerShared) -> usize {
+        if shared.stopped.load(Ordering::Acquire) {
+            return 0;
+        }
+        self.loops = self.loops.wrapping_add(1);
+        let mut work = self.drain_inbox(shared);
+        if shared.stopped.load(Ordering::Acquire) {
+            return work;
+        }
+        work += self.poll_cq();
+        // Timers (acks, deadlines: tens of microseconds and up) are looked at on every pass that
+        // did work and on every 64th idle one (an idle pass takes well under a microsecond),
+        // which keeps clock reads off the spin loop.
+        if work > 0 || self.loops % 64 == 0 {
+            work += self.fire_timers();
+        }
+        self.pump_dirty();
+        if work == 0 && self.loops % 1024 == 0 {
+            // Busy for a while: look at the control streams without sleeping.
+            let keys = epoll_wait(&shared.epoll, Some(Duration::ZERO));
+            self.handle_epoll(&keys);
+        }
+        work
+    }
+
+    /// Handle queued commands (before a direct operation, so a thread's earlier commands keep
+    /// their order).
+    pub(crate) fn drain_inbox(&mut self, shared: &WorkerShared) -> usize {
+        let mut work = 0;
+        while let Some(cmd) = shared.pop() {
+            work += 1;
+            if !self.command(cmd) {
+                self.shutdown();
+                shared.stopped.store(true, Ordering::Release);
+                return work;
+            }
+        }
+        work
+    }
+
+    /// Direct send from an application thread (the inbox drained first).
+    pub(crate) fn enqueue_send(&mut self, chan: u32, buf: PoolBuf, trace: TraceInfo) {
+        self.command_send(chan, buf, trace);
+    }
+
+    /// Direct RPC call from an application thread (the inbox drained first).
+    pub(crate) fn enqueue_call(&mut self, call: Call) {
+        self.command_call(call);
+    }
+
+    /// Direct one-sided operation from an application thread.
+    pub(crate) fn enqueue_one_sided(&mut self, chan: u32, op: OneSidedOp, reply: OneSidedReply) {
+        self.command_one_sided(chan, op, reply);
+    }
+
+    /// Protocol counters of a channel.
+    pub(crate) fn stats(&self, chan: u32) -> Option<crate::channel::ChannelStats> {
+        self.channels.get(&chan).map(|st| st.driver.core().stats())
+    }
+
+    /// Arm the CQ before sleeping; false when the CQ has no event fd.
+    fn arm_cq(&mut self) -> bool {
+        self.has_cq_events && self.cq.req_notify(false).is_ok()
+    }
+
+    fn ack_cq_events(&mut self) {
+        let _ = self.cq.ack_events();
+    }
+
+    /// Time to the earliest timer.
+    fn next_timer_in(&self) -> Option<Duration> {
+        self.timers
+            .peek()
+            .map(|Reverse((t, _))| t.saturating_duration_since(now()))
+    }
+
+    /// Handle what epoll reported: control streams that became readable.
+    fn handle_epoll(&mut self, keys: &[u64]) {
+        for &key in keys {
+            if key & EPOLL_CONTROL != 0 {
+                let id = (key & 0xFFFF_FFFF) as u32;
+                self.check_control(id);
+            }
         }
     }
 
-    fn poll_cq(&mut self, wcs: &mut [WorkCompletion]) -> usize {
-        let n = match self.cq.poll(wcs) {
+    fn poll_cq(&mut self) -> usize {
+        let mut wcs = std::mem::take(&mut self.wcs);
+        let n = match self.cq.poll(&mut wcs) {
             Ok(n) => n,
             Err(e) => {
                 tracing::error!(%e, "completion queue failed");
@@ -315,13 +487,17 @@ impl Worker {
                 for id in ids {
                     self.fail_channel(id, Failure::Error(format!("completion queue: {e}")));
                 }
+                self.wcs = wcs;
                 return 0;
             }
         };
-        let now = now();
-        for wc in wcs.iter().take(n) {
-            self.completion(now, wc);
+        if n > 0 {
+            let now = now();
+            for wc in wcs.iter().take(n) {
+                self.completion(now, wc);
+            }
         }
+        self.wcs = wcs;
         n
     }
 
@@ -367,8 +543,10 @@ impl Worker {
                     driver,
                     shared,
                     control,
+                    lease,
                 } = *a;
                 let id = driver.qp().qp_num().0;
+                shared.set_window(u64::from(driver.core().config().max_queued));
                 if let Some(c) = &control {
                     let _ = c.set_nonblocking(true);
                     let _ = epoll::add(
@@ -388,6 +566,7 @@ impl Worker {
                         one_sided_queue: VecDeque::new(),
                         one_sided: HashMap::new(),
                         control,
+                        lease,
                         timer_at: None,
                         failed: false,
                     },
@@ -400,23 +579,7 @@ impl Worker {
                 }
                 self.mark_dirty(id);
             }
-            Command::Send { chan, data, trace } => {
-                let Some(st) = self.channels.get_mut(&chan) else {
-                    return true;
-                };
-                if st.failed {
-                    st.shared.send_progress(1);
-                    return true;
-                }
-                match alloc_filled(&mut self.pool, &[&data]) {
-                    Ok(buf) => st.backlog.push_back((buf, trace)),
-                    Err(e) => {
-                        tracing::warn!(%e, "no memory for a send");
-                        st.shared.send_progress(1);
-                    }
-                }
-                self.mark_dirty(chan);
-            }
+            Command::Send { chan, buf, trace } => self.command_send(chan, buf, trace),
             Command::Released { chan } => {
                 if let Some(st) = self.channels.get_mut(&chan) {
                     let n = st
@@ -427,64 +590,8 @@ impl Worker {
                     self.mark_dirty(chan);
                 }
             }
-            Command::Call {
-                chan,
-                method,
-                body,
-                deadline,
-                reply,
-            } => {
-                let Some(st) = self.channels.get_mut(&chan) else {
-                    let _ = reply.send(Err(RpcError::PeerGone));
-                    return true;
-                };
-                if st.failed {
-                    let _ = reply.send(Err(RpcError::PeerGone));
-                    return true;
-                }
-                let call_id = self.next_call;
-                self.next_call += 1;
-                let head = rpcwire::encode_request_header(call_id, method);
-                match alloc_filled(&mut self.pool, &[&head, &body]) {
-                    Ok(buf) => {
-                        st.shared
-                            .outstanding
-                            .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
-                        st.backlog.push_back((
-                            buf,
-                            TraceInfo {
-                                trace_id: call_id,
-                                flags: TraceFlags(TraceFlags::RPC_REQUEST),
-                            },
-                        ));
-                        st.calls.insert(call_id, reply);
-                        self.timers
-                            .push(Reverse((deadline, Timer::Call(chan, call_id))));
-                    }
-                    Err(e) => {
-                        let _ = reply.send(Err(RpcError::Channel(ChannelError::Failed(format!(
-                            "no memory for the request: {e}"
-                        )))));
-                    }
-                }
-                self.mark_dirty(chan);
-            }
-            Command::OneSided { chan, op, reply } => {
-                match self.channels.get_mut(&chan) {
-                    Some(st) if !st.failed => st.one_sided_queue.push_back((op, reply)),
-                    Some(st) => {
-                        let err = st
-                            .shared
-                            .failure()
-                            .map_or(ChannelError::Closed, |f| f.to_error());
-                        let _ = reply.send(Err(err));
-                    }
-                    None => {
-                        let _ = reply.send(Err(ChannelError::Closed));
-                    }
-                }
-                self.mark_dirty(chan);
-            }
+            Command::Call(call) => self.command_call(*call),
+            Command::OneSided { chan, op, reply } => self.command_one_sided(chan, op, reply),
             Command::SetThresholds { chan, thresholds } => {
                 if let Some(st) = self.channels.get_mut(&chan) {
                     if let Err(e) = st.driver.core_mut().set_thresholds(thresholds) {
@@ -492,23 +599,74 @@ impl Worker {
                     }
                 }
             }
-            Command::Stats { chan, reply } => {
-                if let Some(st) = self.channels.get(&chan) {
-                    let _ = reply.send(st.driver.core().stats());
-                }
-            }
             Command::Close { chan } => {
                 self.fail_channel(chan, Failure::Closed);
                 if let Some(st) = self.channels.remove(&chan) {
-                    if let Some(c) = &st.control {
-                        let _ = epoll::delete(&self.epoll, c.as_fd());
-                    }
-                    let _ = st.driver.qp().modify(&fabriq_verbs::QpAttr::error());
+                    self.retire(st);
                 }
             }
             Command::Shutdown => return false,
         }
         true
+    }
+
+    fn command_send(&mut self, chan: u32, buf: PoolBuf, trace: TraceInfo) {
+        let Some(st) = self.channels.get_mut(&chan) else {
+            return;
+        };
+        if st.failed {
+            st.shared.send_progress(1, buf.len() as u64);
+            return;
+        }
+        st.backlog.push_back((buf, trace));
+        self.mark_dirty(chan);
+    }
+
+    fn command_call(&mut self, call: Call) {
+        let Call {
+            chan,
+            call_id,
+            buf,
+            deadline,
+            reply,
+        } = call;
+        let Some(st) = self.channels.get_mut(&chan) else {
+            let _ = reply.send(Err(RpcError::PeerGone));
+            return;
+        };
+        if st.failed {
+            let _ = reply.send(Err(RpcError::PeerGone));
+            return;
+        }
+        st.shared.count_in(buf.len() as u64);
+        st.backlog.push_back((
+            buf,
+            TraceInfo {
+                trace_id: call_id,
+                flags: TraceFlags(TraceFlags::RPC_REQUEST),
+            },
+        ));
+        st.calls.insert(call_id, reply);
+        self.timers
+            .push(Reverse((deadline, Timer::Call(chan, call_id))));
+        self.mark_dirty(chan);
+    }
+
+    fn command_one_sided(&mut self, chan: u32, op: OneSidedOp, reply: OneSidedReply) {
+        match self.channels.get_mut(&chan) {
+            Some(st) if !st.failed => st.one_sided_queue.push_back((op, reply)),
+            Some(st) => {
+                let err = st
+                    .shared
+                    .failure()
+                    .map_or(ChannelError::Closed, |f| f.to_error());
+                let _ = reply.send(Err(err));
+            }
+            None => {
+                let _ = reply.send(Err(ChannelError::Closed));
+            }
+        }
+        self.mark_dirty(chan);
     }
 
     fn shutdown(&mut self) {
@@ -597,7 +755,7 @@ impl Worker {
         let now = now();
         let Worker {
             channels,
-            pool,
+            buffers,
             handlers,
             timers,
             next_one_sided,
@@ -617,14 +775,14 @@ impl Worker {
                         st.backlog.push_front((buf, trace));
                         break;
                     }
-                    Err((e, _)) => {
+                    Err((e, buf)) => {
                         tracing::warn!(%e, "message refused by the channel");
-                        st.shared.send_progress(1);
+                        st.shared.send_progress(1, buf.len() as u64);
                     }
                 }
             }
-            progress += post_one_sided(st, pool, next_one_sided);
-            progress += st.driver.pump(now, pool);
+            progress += post_one_sided(st, buffers, next_one_sided);
+            progress += st.driver.pump(now, &mut &**buffers);
             while let Some(ev) = st.driver.poll_event() {
                 progress += 1;
                 match ev {
@@ -632,12 +790,13 @@ impl Worker {
                         seq,
                         trace,
                         payload,
-                    } => on_received(st, pool, handlers, seq, trace, payload),
+                    } => on_received(st, buffers, handlers, seq, trace, payload),
                     CoreEvent::SendComplete { payload, .. } => {
-                        pool.recycle(payload);
-                        st.shared.send_progress(1);
+                        let len = payload.len() as u64;
+                        buffers.recycle(payload);
+                        st.shared.send_progress(1, len);
                     }
-                    CoreEvent::Writable => st.shared.send_progress(0),
+                    CoreEvent::Writable => st.shared.send_progress(0, 0),
                     CoreEvent::Error(e) => {
                         let why = match &e {
                             ChannelError::Completion {
@@ -670,31 +829,7 @@ impl Worker {
         }
     }
 
-    fn wait_events(&mut self, timeout: Option<Duration>) {
-        let mut events: Vec<epoll::Event> = Vec::with_capacity(16);
-        let ts = timeout.map(|d| rustix::time::Timespec {
-            tv_sec: d.as_secs() as i64,
-            tv_nsec: i64::from(d.subsec_nanos()),
-        });
-        let n = match epoll::wait(
-            &self.epoll,
-            rustix::buffer::spare_capacity(&mut events),
-            ts.as_ref(),
-        ) {
-            Ok(n) => n,
-            Err(_) => return,
-        };
-        let _ = n;
-        for ev in &events {
-            let key = ev.data.u64();
-            if key & EPOLL_CONTROL != 0 {
-                let id = (key & 0xFFFF_FFFF) as u32;
-                self.check_control(id);
-            }
-        }
-    }
-
-    /// A control stream became readable: EOF or an error means the peer is gone.
+    /// A control stream became readable: the peer closed its end, or vanished.
     fn check_control(&mut self, id: u32) {
         let Some(st) = self.channels.get_mut(&id) else {
             return;
@@ -702,53 +837,54 @@ impl Worker {
         let Some(c) = st.control.as_mut() else {
             return;
         };
-        let mut buf = [0u8; 64];
-        let gone = match c.read(&mut buf) {
-            Ok(0) => true,
-            Ok(_) => false,
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => false,
-            Err(_) => true,
-        };
-        if gone {
-            self.fail_channel(id, Failure::PeerGone);
+        match c.poll_peer() {
+            ControlEvent::Open => {}
+            ControlEvent::PeerClosed | ControlEvent::Gone => {
+                self.fail_channel(id, Failure::PeerGone)
+            }
         }
     }
 
-    fn sleep(&mut self, wcs: &mut [WorkCompletion]) {
-        if !self.shared.prepare_sleep() {
-            return;
+    /// A closed channel leaves the worker: its QP is stopped and drained of every completion it
+    /// still owes (completions of other QPs polled meanwhile are handled), then goes back to the
+    /// connection manager's cache; the driver (ring, buffers in flight) is dropped in between.
+    fn retire(&mut self, st: ChanState) {
+        let ChanState {
+            driver,
+            control,
+            lease,
+            ..
+        } = st;
+        if let Some(c) = &control {
+            let _ = epoll::delete(&self.epoll, c.as_fd());
         }
-        let armed = self.has_cq_events && self.cq.req_notify(false).is_ok();
-        // Re-poll after arming: a completion that raced the arm is handled now.
-        if self.poll_cq(wcs) > 0 {
-            self.shared.woke();
-            return;
-        }
-        let mut timeout = self
-            .timers
-            .peek()
-            .map(|Reverse((t, _))| t.saturating_duration_since(now()));
-        if !armed {
-            // No CQ events: wake now and then to poll.
-            timeout = Some(timeout.map_or(Duration::from_millis(1), |t| {
-                t.min(Duration::from_millis(1))
-            }));
-        }
-        self.wait_events(timeout);
-        self.shared.woke();
-        if armed {
-            let _ = self.cq.ack_events();
+        drop(control);
+        match lease {
+            Some(lease) => {
+                let mut others = Vec::new();
+                let drained = lease.drain(&self.cq, RETIRE_DRAIN_LIMIT, &mut others);
+                drop(driver);
+                if drained {
+                    lease.release();
+                }
+                let now = now();
+                for wc in &others {
+                    self.completion(now, wc);
+                }
+            }
+            None => {
+                let _ = driver.qp().modify(&fabriq_verbs::QpAttr::error());
+            }
         }
     }
 }
 
-/// A pool buffer holding the concatenation of `parts`.
-fn alloc_filled(
-    pool: &mut impl BufferSource,
+pub(crate) fn alloc_filled(
+    buffers: &Buffers,
     parts: &[&[u8]],
 ) -> Result<PoolBuf, crate::mempool::PoolError> {
     let len: usize = parts.iter().map(|p| p.len()).sum();
-    let mut buf = pool.alloc_any(len.max(1))?;
+    let mut buf = buffers.alloc(len.max(1))?;
     buf.set_len(len);
     let mut at = 0;
     for p in parts {
@@ -772,7 +908,7 @@ fn into_payload(payload: Received<PoolBuf>) -> Payload {
 
 fn on_received(
     st: &mut ChanState,
-    pool: &mut Buffers,
+    pool: &Buffers,
     handlers: &Handlers,
     seq: u64,
     trace: crate::channel::TraceHeader,
@@ -811,9 +947,7 @@ fn on_received(
         let head = rpcwire::encode_response_header(call_id, status);
         match alloc_filled(pool, &[&head, &reply]) {
             Ok(buf) => {
-                st.shared
-                    .outstanding
-                    .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+                st.shared.count_in(buf.len() as u64);
                 st.backlog.push_back((
                     buf,
                     TraceInfo {
@@ -856,7 +990,7 @@ fn on_received(
     }
 }
 
-fn post_one_sided(st: &mut ChanState, pool: &mut Buffers, next: &mut u64) -> usize {
+fn post_one_sided(st: &mut ChanState, pool: &Buffers, next: &mut u64) -> usize {
     let mut posted = 0;
     while (st.one_sided.len() as u32) < ONE_SIDED_DEPTH {
         let Some((op, reply)) = st.one_sided_queue.pop_front() else {
@@ -867,7 +1001,7 @@ fn post_one_sided(st: &mut ChanState, pool: &mut Buffers, next: &mut u64) -> usi
             OneSidedOp::Read { len, .. } => (*len as usize, *len as usize),
             OneSidedOp::CompareSwap { .. } | OneSidedOp::FetchAdd { .. } => (8, 8),
         };
-        let mut buf = match pool.alloc_any(len.max(8)) {
+        let mut buf = match pool.alloc(len.max(8)) {
             Ok(b) => b,
             Err(e) => {
                 let _ = reply.send(Err(ChannelError::Failed(format!("no memory: {e}"))));

@@ -1,33 +1,143 @@
-//! State shared between a worker thread and the application threads: the worker's inbox and
-//! wake-up (a lock-free queue plus an eventfd written only when the worker sleeps), and each
-//! channel's delivery queue and send window. Only the worker mutates protocol state; these are
-//! the hand-off points.
+//! State shared between whoever drives a worker and the application threads.
+//!
+//! * The worker state ([`super::Worker`]: CQ, channels, timers) sits behind one lock. Its loop
+//!   body, [`super::Worker::progress`], is run by the worker thread and by application threads
+//!   alike: an application thread that waits takes the lock when it is free and progresses the
+//!   worker itself (in [`Progress::Caller`] mode it is the only one that does, apart from a
+//!   back-stop thread that serves the endpoint while no application thread calls in).
+//! * The inbox (a lock-free queue plus an eventfd written only while someone sleeps in the
+//!   worker's epoll) carries what cannot be done at once: a send while another thread holds the
+//!   lock (thread mode), commands from inside a handler, adoption of new channels.
+//! * Each channel's delivery queue and send window ([`ChannelShared`]). Blocking waits of every
+//!   kind go through [`WorkerShared::wait_for`]: progress if possible, spin for the idle budget,
+//!   then sleep — in the worker's epoll (caller mode, one thread at a time) or on the worker's
+//!   park condvar, which every progress pass that did work notifies.
 
 use std::collections::VecDeque;
 use std::os::fd::OwnedFd;
-use std::sync::atomic::{fence, AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::atomic::{fence, AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant as StdInstant};
 
 use crossbeam_queue::SegQueue;
-use parking_lot::{Condvar, Mutex};
+use parking_lot::{Condvar, Mutex, MutexGuard};
+use rustix::event::epoll;
 
-use super::Command;
+use super::buffers::Buffers;
+use super::{Command, Worker};
 use crate::channel::ChannelError;
+use crate::config::Progress;
 use crate::message::Message;
 
-/// How long a receiving thread polls its delivery queue before sleeping on the condvar.
-const RECV_SPIN: Duration = Duration::from_micros(20);
+/// Longest a parked waiter sleeps before it looks again (guards against a missed notification;
+/// in caller mode it also lets a parked waiter take over polling from one that left).
+const PARK_CAP_THREAD: Duration = Duration::from_millis(100);
+const PARK_CAP_CALLER: Duration = Duration::from_millis(1);
+/// Caller mode: how long no application thread must have called in before the back-stop thread
+/// starts progressing the worker.
+pub(crate) const BACKSTOP_GRACE: Duration = Duration::from_millis(10);
+/// Payload bytes in flight per channel before `send` waits (see `outstanding_bytes`).
+pub(crate) const WINDOW_BYTES: u64 = 16 << 20;
+/// Spin rounds between clock reads in [`WorkerShared::wait_for`].
+const CLOCK_EVERY: u32 = 16;
 
-/// The worker's side of the hand-off: inbox and wake-up.
+/// A token unique to the calling thread for the life of the process.
+fn thread_token() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    thread_local! {
+        static TOKEN: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+    }
+    TOKEN.with(|t| {
+        let v = t.get();
+        if v != 0 {
+            return v;
+        }
+        let v = NEXT.fetch_add(1, Ordering::Relaxed);
+        t.set(v);
+        v
+    })
+}
+
+/// The coarse monotonic clock (a few milliseconds' resolution, far cheaper to read): enough
+/// for the back-stop's grace period, read on every call.
+fn coarse_nanos() -> u64 {
+    let ts = rustix::time::clock_gettime(rustix::time::ClockId::MonotonicCoarse);
+    (ts.tv_sec as u64)
+        .saturating_mul(1_000_000_000)
+        .saturating_add(ts.tv_nsec as u64)
+}
+
+/// The worker state, locked; remembers the holding thread so that a re-entrant call (a handler
+/// running under the lock that sends on a channel of the same worker) is detected instead of
+/// deadlocking.
+pub(crate) struct StateGuard<'a> {
+    guard: MutexGuard<'a, Worker>,
+    holder: &'a AtomicU64,
+}
+
+impl std::ops::Deref for StateGuard<'_> {
+    type Target = Worker;
+    fn deref(&self) -> &Worker {
+        &self.guard
+    }
+}
+
+impl std::ops::DerefMut for StateGuard<'_> {
+    fn deref_mut(&mut self) -> &mut Worker {
+        &mut self.guard
+    }
+}
+
+impl Drop for StateGuard<'_> {
+    fn drop(&mut self) {
+        self.holder.store(0, Ordering::Release);
+    }
+}
+
+/// Counts an application thread inside a call while it lives (caller mode).
+pub(crate) struct CallerGuard<'a> {
+    shared: Option<&'a WorkerShared>,
+}
+
+impl Drop for CallerGuard<'_> {
+    fn drop(&mut self) {
+        if let Some(s) = self.shared {
+            s.last_call_ns.store(coarse_nanos(), Ordering::Relaxed);
+            s.callers.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+}
+
+/// The worker's shared side.
 pub(crate) struct WorkerShared {
     pub(crate) id: usize,
     inbox: SegQueue<Command>,
-    /// True while the worker is (about to be) asleep in epoll.
+    /// True while someone is (about to be) asleep in the worker's epoll.
     sleeping: AtomicBool,
     wake_fd: OwnedFd,
     /// Wake-ups written (for tests and stats).
     pub(crate) wakeups: AtomicU64,
+    /// The worker's epoll set: its CQ event fd, `wake_fd`, the channels' control streams.
+    pub(crate) epoll: OwnedFd,
+    state: OnceLock<Mutex<Worker>>,
+    buffers: OnceLock<Arc<Buffers>>,
+    holder: AtomicU64,
+    caller_mode: AtomicBool,
+    idle_spin_ns: AtomicU64,
+    /// A thread is in the epoll sleep of [`WorkerShared::poll_sleep`].
+    poller: AtomicBool,
+    /// An application thread spins in [`WorkerShared::wait_for`].
+    spinner: AtomicBool,
+    parked: AtomicUsize,
+    park: Mutex<u64>,
+    park_cv: Condvar,
+    /// Application threads inside a call (caller mode), and when the last one left.
+    callers: AtomicUsize,
+    last_call_ns: AtomicU64,
+    /// Set once the worker processed `Shutdown`.
+    pub(crate) stopped: AtomicBool,
+    /// RPC call ids, unique per worker.
+    next_call: AtomicU64,
 }
 
 impl WorkerShared {
@@ -36,23 +146,110 @@ impl WorkerShared {
             0,
             rustix::event::EventfdFlags::CLOEXEC | rustix::event::EventfdFlags::NONBLOCK,
         )?;
+        let ep = epoll::create(epoll::CreateFlags::CLOEXEC)?;
+        epoll::add(
+            &ep,
+            &wake_fd,
+            epoll::EventData::new_u64(super::EPOLL_WAKE),
+            epoll::EventFlags::IN,
+        )?;
         Ok(WorkerShared {
             id,
             inbox: SegQueue::new(),
             sleeping: AtomicBool::new(false),
             wake_fd,
             wakeups: AtomicU64::new(0),
+            epoll: ep,
+            state: OnceLock::new(),
+            buffers: OnceLock::new(),
+            holder: AtomicU64::new(0),
+            caller_mode: AtomicBool::new(false),
+            idle_spin_ns: AtomicU64::new(50_000),
+            poller: AtomicBool::new(false),
+            spinner: AtomicBool::new(false),
+            parked: AtomicUsize::new(0),
+            park: Mutex::new(0),
+            park_cv: Condvar::new(),
+            callers: AtomicUsize::new(0),
+            last_call_ns: AtomicU64::new(0),
+            stopped: AtomicBool::new(false),
+            next_call: AtomicU64::new(1),
+        })
+    }
+
+    /// Install the worker state (once, at start).
+    pub(crate) fn install(
+        &self,
+        worker: Worker,
+        buffers: Arc<Buffers>,
+        progress: Progress,
+        idle_spin: Duration,
+    ) {
+        self.caller_mode
+            .store(progress == Progress::Caller, Ordering::Relaxed);
+        self.idle_spin_ns.store(
+            u64::try_from(idle_spin.as_nanos()).unwrap_or(u64::MAX),
+            Ordering::Relaxed,
+        );
+        let _ = self.buffers.set(buffers);
+        let _ = self.state.set(Mutex::new(worker));
+    }
+
+    /// True in [`Progress::Caller`] mode.
+    pub(crate) fn is_caller_mode(&self) -> bool {
+        self.caller_mode.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn idle_spin(&self) -> Duration {
+        Duration::from_nanos(self.idle_spin_ns.load(Ordering::Relaxed))
+    }
+
+    /// The worker's buffers (for sends prepared on application threads).
+    pub(crate) fn buffers(&self) -> Option<&Arc<Buffers>> {
+        self.buffers.get()
+    }
+
+    /// A fresh RPC call id.
+    pub(crate) fn next_call_id(&self) -> u64 {
+        self.next_call.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// The state if it is free now.
+    pub(crate) fn try_lock_state(&self) -> Option<StateGuard<'_>> {
+        let guard = self.state.get()?.try_lock()?;
+        self.holder.store(thread_token(), Ordering::Release);
+        Some(StateGuard {
+            guard,
+            holder: &self.holder,
+        })
+    }
+
+    /// The state, waiting for it; `None` when this thread already holds it (a handler calling
+    /// back into its own worker) or the worker is not started.
+    pub(crate) fn lock_state(&self) -> Option<StateGuard<'_>> {
+        if self.holder.load(Ordering::Acquire) == thread_token() {
+            return None;
+        }
+        let guard = self.state.get()?.lock();
+        self.holder.store(thread_token(), Ordering::Release);
+        Some(StateGuard {
+            guard,
+            holder: &self.holder,
         })
     }
 
     /// Hand a command to the worker, waking it if it sleeps.
     pub(crate) fn submit(&self, cmd: Command) {
         self.inbox.push(cmd);
-        // Pairs with the fence in `prepare_sleep`: either the worker sees the command, or we
+        // Pairs with the fence in `prepare_sleep`: either the sleeper sees the command, or we
         // see it sleeping and wake it.
         fence(Ordering::SeqCst);
         if self.sleeping.load(Ordering::SeqCst) {
             self.wake();
+        }
+        // A parked caller-mode waiter may be the only one who will progress.
+        if self.is_caller_mode() {
+            self.notify_parked();
         }
     }
 
@@ -67,7 +264,7 @@ impl WorkerShared {
     }
 
     /// Announce sleep; false if work arrived meanwhile (then don't sleep).
-    pub(crate) fn prepare_sleep(&self) -> bool {
+    fn prepare_sleep(&self) -> bool {
         self.sleeping.store(true, Ordering::SeqCst);
         fence(Ordering::SeqCst);
         if !self.inbox.is_empty() {
@@ -77,14 +274,253 @@ impl WorkerShared {
         true
     }
 
-    pub(crate) fn woke(&self) {
+    fn woke(&self) {
         self.sleeping.store(false, Ordering::SeqCst);
         let mut buf = [0u8; 8];
         let _ = rustix::io::read(&self.wake_fd, &mut buf);
     }
 
-    pub(crate) fn wake_fd(&self) -> &OwnedFd {
-        &self.wake_fd
+    /// Wake threads parked in [`WorkerShared::wait_for`]: called after any progress that did
+    /// work.
+    pub(crate) fn notify_parked(&self) {
+        fence(Ordering::SeqCst);
+        if self.parked.load(Ordering::SeqCst) > 0 {
+            let mut epoch = self.park.lock();
+            *epoch = epoch.wrapping_add(1);
+            self.park_cv.notify_all();
+        }
+    }
+
+    /// One progress pass if the state is free: `Some(work done)`, `None` if someone else holds
+    /// it.
+    pub(crate) fn try_progress(&self) -> Option<usize> {
+        let mut g = self.try_lock_state()?;
+        let n = g.progress(self);
+        drop(g);
+        if n > 0 {
+            self.notify_parked();
+        }
+        Some(n)
+    }
+
+    /// Count the calling application thread as active while the guard lives (caller mode: the
+    /// back-stop thread stays out of the way).
+    pub(crate) fn enter_caller(&self) -> CallerGuard<'_> {
+        // Not counted: thread mode, and calls from a handler on the thread that progresses.
+        if !self.is_caller_mode() || self.holder.load(Ordering::Acquire) == thread_token() {
+            return CallerGuard { shared: None };
+        }
+        self.callers.fetch_add(1, Ordering::AcqRel);
+        CallerGuard { shared: Some(self) }
+    }
+
+    /// True when no application thread has called in for `BACKSTOP_GRACE`; otherwise how long
+    /// to wait before asking again.
+    pub(crate) fn callers_quiet(&self) -> Result<(), Duration> {
+        if self.callers.load(Ordering::Acquire) > 0 {
+            return Err(BACKSTOP_GRACE);
+        }
+        let since = Duration::from_nanos(
+            coarse_nanos().saturating_sub(self.last_call_ns.load(Ordering::Relaxed)),
+        );
+        if since >= BACKSTOP_GRACE {
+            Ok(())
+        } else {
+            Err(BACKSTOP_GRACE - since)
+        }
+    }
+
+    /// Try to become the one thread that sleeps in the worker's epoll.
+    pub(crate) fn try_become_poller(&self) -> bool {
+        self.poller
+            .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+    }
+
+    pub(crate) fn release_poller(&self) {
+        self.poller.store(false, Ordering::Release);
+        self.notify_parked();
+    }
+
+    /// One sleep of the worker: announce it, arm the CQ, re-poll (a completion racing the arm
+    /// is handled now), check `ready` (under the lock, after the re-poll), sleep in epoll until
+    /// an event, the next timer or `deadline`, then handle what woke it. The caller must hold the
+    /// poller role (or be the worker thread in thread mode). Returns what `ready` produced.
+    pub(crate) fn poll_sleep<T>(
+        &self,
+        deadline: Option<StdInstant>,
+        ready: &mut impl FnMut() -> Option<T>,
+    ) -> Option<T> {
+        let (armed, timeout) = {
+            let mut g = self.lock_state()?;
+            if !self.prepare_sleep() {
+                let n = g.progress(self);
+                drop(g);
+                if n > 0 {
+                    self.notify_parked();
+                }
+                return None;
+            }
+            let armed = g.arm_cq();
+            let n = g.progress(self);
+            if n > 0 {
+                self.woke();
+                drop(g);
+                self.notify_parked();
+                return None;
+            }
+            if let Some(v) = ready() {
+                self.woke();
+                return Some(v);
+            }
+            let mut timeout = g.next_timer_in();
+            if let Some(d) = deadline {
+                let left = d.saturating_duration_since(StdInstant::now());
+                timeout = Some(timeout.map_or(left, |t| t.min(left)));
+            }
+            if !armed {
+                // No CQ events: wake now and then to poll.
+                timeout = Some(timeout.map_or(Duration::from_millis(1), |t| {
+                    t.min(Duration::from_millis(1))
+                }));
+            }
+            (armed, timeout)
+        };
+        let keys = super::epoll_wait(&self.epoll, timeout);
+        if let Some(mut g) = self.lock_state() {
+            self.woke();
+            g.handle_epoll(&keys);
+            if armed {
+                g.ack_cq_events();
+            }
+            g.progress(self);
+        } else {
+            self.woke();
+        }
+        self.notify_parked();
+        None
+    }
+
+    /// Wait until `ready` produces a value or `deadline` passes (`None`). One waiting thread at a
+    /// time is the spinner: it progresses the worker whenever it can, spins for the idle budget
+    /// after the last work, and then — in caller mode — sleeps in the worker's epoll (thread
+    /// mode: parks; the worker thread polls). Every other waiter parks on the worker's condvar,
+    /// which every pass that did work notifies, and takes the spinner role when it is free: on
+    /// few cores, many spinning threads would only steal time from the one that progresses.
+    pub(crate) fn wait_for<T>(
+        &self,
+        deadline: Option<StdInstant>,
+        mut ready: impl FnMut() -> Option<T>,
+    ) -> Option<T> {
+        let _caller = self.enter_caller();
+        let budget = self.idle_spin();
+        let caller_mode = self.is_caller_mode();
+        let mut spinner = self.take_spinner();
+        let mut last_work = StdInstant::now();
+        let mut now = last_work;
+        let mut spins = 0u32;
+        loop {
+            if let Some(v) = ready() {
+                return Some(v);
+            }
+            if spinner.is_some() {
+                spins = spins.wrapping_add(1);
+                // The clock is read every few rounds only: a round is well under a microsecond.
+                if spins % CLOCK_EVERY == 0 {
+                    now = StdInstant::now();
+                    if deadline.is_some_and(|d| now >= d) {
+                        return None;
+                    }
+                }
+                if let Some(n) = self.try_progress() {
+                    if n > 0 {
+                        last_work = now;
+                        continue;
+                    }
+                }
+                if now.saturating_duration_since(last_work) < budget {
+                    if spins % 256 == 0 {
+                        std::thread::yield_now();
+                    } else {
+                        std::hint::spin_loop();
+                    }
+                    continue;
+                }
+            } else if self.try_progress().is_some_and(|n| n > 0) {
+                continue;
+            }
+            now = StdInstant::now();
+            if deadline.is_some_and(|d| now >= d) {
+                return None;
+            }
+            if caller_mode && spinner.is_some() && self.try_become_poller() {
+                let got = self.poll_sleep(deadline, &mut ready);
+                self.release_poller();
+                if got.is_some() {
+                    return got;
+                }
+                last_work = StdInstant::now();
+                continue;
+            }
+            // Park until a progress pass did work (or the cap, or the deadline). A spinner gives
+            // its role up while parked.
+            drop(spinner.take());
+            self.parked.fetch_add(1, Ordering::SeqCst);
+            let mut epoch = self.park.lock();
+            let seen = *epoch;
+            fence(Ordering::SeqCst);
+            if let Some(v) = ready() {
+                drop(epoch);
+                self.parked.fetch_sub(1, Ordering::SeqCst);
+                return Some(v);
+            }
+            let cap = if caller_mode {
+                PARK_CAP_CALLER
+            } else {
+                PARK_CAP_THREAD
+            };
+            let mut until = StdInstant::now() + cap;
+            if let Some(d) = deadline {
+                until = until.min(d);
+            }
+            while *epoch == seen {
+                if self.park_cv.wait_until(&mut epoch, until).timed_out() {
+                    break;
+                }
+            }
+            drop(epoch);
+            self.parked.fetch_sub(1, Ordering::SeqCst);
+            // Back from a park: take the spinner role if it is free, and spin again only after
+            // new work.
+            spinner = self.take_spinner();
+            now = StdInstant::now();
+            last_work = now.checked_sub(budget).unwrap_or(now);
+        }
+    }
+
+    /// The spinner role of [`WorkerShared::wait_for`], if free.
+    fn take_spinner(&self) -> Option<SpinnerGuard<'_>> {
+        self.spinner
+            .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
+            .ok()
+            .map(|_| SpinnerGuard { shared: self })
+    }
+
+    /// True when a thread holds the spinner role.
+    pub(crate) fn has_spinner(&self) -> bool {
+        self.spinner.load(Ordering::Acquire)
+    }
+}
+
+/// Holds the spinner role; giving it up wakes parked waiters so that one can take it.
+struct SpinnerGuard<'a> {
+    shared: &'a WorkerShared,
+}
+
+impl Drop for SpinnerGuard<'_> {
+    fn drop(&mut self) {
+        self.shared.spinner.store(false, Ordering::Release);
+        self.shared.notify_parked();
     }
 }
 
@@ -116,15 +552,23 @@ pub(crate) struct ChannelShared {
     pub(crate) id: u32,
     pub(crate) worker: Arc<WorkerShared>,
     rx: Mutex<Rx>,
-    rx_cv: Condvar,
+    /// Messages in `rx.queue` (read without the lock by waiters that poll).
+    rx_len: AtomicUsize,
     pub(crate) rx_notify: tokio::sync::Notify,
     /// Messages accepted from this handle (or by the worker for RPC) and not yet completed.
     pub(crate) outstanding: AtomicU64,
-    /// Most outstanding messages before `send` blocks.
-    pub(crate) window: u64,
-    tx_lock: Mutex<()>,
-    tx_cv: Condvar,
+    /// Most outstanding (accepted, not yet acknowledged) messages before `send` blocks. Set to
+    /// the channel's `max_queued` when the worker adopts it: messages the peer acknowledged
+    /// but its application has not read hold the peer's receive slots (at most its ring), so
+    /// with nobody reading a sender holds at most ring + `max_queued` messages.
+    window: AtomicU64,
+    /// Payload bytes of the outstanding messages: `send` blocks beyond [`WINDOW_BYTES`] (one
+    /// message of any size is always let through), so a stream of large messages keeps a few
+    /// in flight — enough to pipeline the peer's pulls — instead of `window` of them.
+    outstanding_bytes: AtomicU64,
     pub(crate) tx_notify: tokio::sync::Notify,
+    /// Async senders waiting on `tx_notify` (it is only notified when there are some).
+    pub(crate) tx_async_waiters: AtomicUsize,
     failed: AtomicBool,
     /// Messages the application consumed whose credits the worker has not yet taken; a
     /// `Released` command is sent only when this leaves zero, so a stream of receives costs
@@ -141,22 +585,23 @@ impl ChannelShared {
                 queue: VecDeque::new(),
                 failure: None,
             }),
-            rx_cv: Condvar::new(),
+            rx_len: AtomicUsize::new(0),
             rx_notify: tokio::sync::Notify::new(),
             outstanding: AtomicU64::new(0),
-            window,
-            tx_lock: Mutex::new(()),
-            tx_cv: Condvar::new(),
+            window: AtomicU64::new(window),
+            outstanding_bytes: AtomicU64::new(0),
             tx_notify: tokio::sync::Notify::new(),
+            tx_async_waiters: AtomicUsize::new(0),
             failed: AtomicBool::new(false),
             released: AtomicU64::new(0),
         }
     }
 
-    /// Worker: a message for the application.
+    /// Worker: a message for the application (blocking waiters are woken by the progress pass
+    /// that delivered it).
     pub(crate) fn deliver(&self, m: Message) {
         self.rx.lock().queue.push_back(m);
-        self.rx_cv.notify_one();
+        self.rx_len.fetch_add(1, Ordering::Release);
         self.rx_notify.notify_one();
     }
 
@@ -169,10 +614,10 @@ impl ChannelShared {
             }
         }
         self.failed.store(true, Ordering::SeqCst);
-        self.rx_cv.notify_all();
         self.rx_notify.notify_waiters();
         self.rx_notify.notify_one();
-        self.send_progress(0);
+        self.tx_notify.notify_waiters();
+        self.worker.notify_parked();
     }
 
     pub(crate) fn is_failed(&self) -> bool {
@@ -183,25 +628,42 @@ impl ChannelShared {
         self.rx.lock().failure.clone()
     }
 
-    /// Worker: `n` sends completed.
-    pub(crate) fn send_progress(&self, n: u64) {
-        if n > 0 {
-            self.outstanding.fetch_sub(n, Ordering::AcqRel);
-        }
-        let _g = self.tx_lock.lock();
-        self.tx_cv.notify_all();
-        drop(_g);
-        self.tx_notify.notify_waiters();
+    /// Worker: the window, once the channel's settings are known.
+    pub(crate) fn set_window(&self, messages: u64) {
+        self.window.store(messages.max(1), Ordering::Relaxed);
     }
 
-    /// Application: reserve a send slot, or `WouldBlock`.
-    pub(crate) fn try_reserve(&self) -> Result<(), ChannelError> {
+    /// Worker: `n` sends of `bytes` payload bytes completed (or room opened: 0, 0).
+    pub(crate) fn send_progress(&self, n: u64, bytes: u64) {
+        if n > 0 {
+            self.outstanding.fetch_sub(n, Ordering::AcqRel);
+            self.outstanding_bytes.fetch_sub(bytes, Ordering::AcqRel);
+        }
+        if self.tx_async_waiters.load(Ordering::SeqCst) > 0 {
+            self.tx_notify.notify_waiters();
+        }
+    }
+
+    /// Worker: a message of `bytes` it queued itself (RPC request or reply) counts in the window.
+    pub(crate) fn count_in(&self, bytes: u64) {
+        self.outstanding.fetch_add(1, Ordering::AcqRel);
+        self.outstanding_bytes.fetch_add(bytes, Ordering::AcqRel);
+    }
+
+    /// Application: reserve a send slot for `len` payload bytes, or `WouldBlock`.
+    pub(crate) fn try_reserve(&self, len: usize) -> Result<(), ChannelError> {
         if let Some(f) = self.failure_if_failed() {
             return Err(f.to_error());
         }
+        let len = len as u64;
+        let bytes = self.outstanding_bytes.load(Ordering::Acquire);
+        if bytes > 0 && bytes.saturating_add(len) > WINDOW_BYTES {
+            return Err(ChannelError::WouldBlock);
+        }
+        let window = self.window.load(Ordering::Relaxed);
         let mut cur = self.outstanding.load(Ordering::Acquire);
         loop {
-            if cur >= self.window {
+            if cur >= window {
                 return Err(ChannelError::WouldBlock);
             }
             match self.outstanding.compare_exchange_weak(
@@ -210,36 +672,35 @@ impl ChannelShared {
                 Ordering::AcqRel,
                 Ordering::Acquire,
             ) {
-                Ok(_) => return Ok(()),
+                Ok(_) => {
+                    // Racing reservations may overshoot the byte bound by a message each: it
+                    // is a soft bound.
+                    self.outstanding_bytes.fetch_add(len, Ordering::AcqRel);
+                    return Ok(());
+                }
                 Err(v) => cur = v,
             }
         }
     }
 
-    /// Application: reserve, waiting up to `timeout` for room.
-    pub(crate) fn reserve(&self, timeout: Option<Duration>) -> Result<(), ChannelError> {
-        let deadline = timeout.map(|t| std::time::Instant::now() + t);
-        loop {
-            match self.try_reserve() {
-                Err(ChannelError::WouldBlock) => {}
-                other => return other,
-            }
-            let mut g = self.tx_lock.lock();
-            if self.outstanding.load(Ordering::Acquire) < self.window || self.is_failed() {
-                continue;
-            }
-            match deadline {
-                Some(d) => {
-                    if self.tx_cv.wait_until(&mut g, d).timed_out() {
-                        return Err(ChannelError::Timeout);
-                    }
-                }
-                None => {
-                    // A bounded wait guards against a missed notification.
-                    self.tx_cv.wait_for(&mut g, Duration::from_millis(100));
-                }
-            }
+    /// Application: reserve room for `len` bytes, waiting up to `timeout` (progressing the
+    /// worker meanwhile where it can).
+    pub(crate) fn reserve(
+        &self,
+        len: usize,
+        timeout: Option<Duration>,
+    ) -> Result<(), ChannelError> {
+        match self.try_reserve(len) {
+            Err(ChannelError::WouldBlock) => {}
+            other => return other,
         }
+        let deadline = timeout.map(|t| StdInstant::now() + t);
+        self.worker
+            .wait_for(deadline, || match self.try_reserve(len) {
+                Err(ChannelError::WouldBlock) => None,
+                other => Some(other),
+            })
+            .unwrap_or(Err(ChannelError::Timeout))
     }
 
     fn failure_if_failed(&self) -> Option<Failure> {
@@ -252,8 +713,12 @@ impl ChannelShared {
 
     /// Application: take a delivered message without waiting.
     pub(crate) fn try_take(&self) -> Result<Option<Message>, ChannelError> {
+        if self.rx_len.load(Ordering::Acquire) == 0 && !self.is_failed() {
+            return Ok(None);
+        }
         let mut rx = self.rx.lock();
         if let Some(m) = rx.queue.pop_front() {
+            self.rx_len.fetch_sub(1, Ordering::Release);
             return Ok(Some(m));
         }
         match &rx.failure {
@@ -264,41 +729,12 @@ impl ChannelShared {
 
     /// Application: take a delivered message, waiting up to `timeout` (`None`: forever).
     pub(crate) fn take(&self, timeout: Option<Duration>) -> Result<Message, ChannelError> {
-        let start = std::time::Instant::now();
-        let deadline = timeout.map(|t| start + t);
-        // Spin briefly before sleeping: a reply usually arrives within microseconds, and a
-        // condvar wake-up costs more than that.
-        let mut spins = 0u32;
-        while start.elapsed() < RECV_SPIN {
-            if let Some(m) = self.try_take()? {
-                return Ok(m);
-            }
-            spins += 1;
-            if spins % 64 == 0 {
-                std::thread::yield_now();
-            } else {
-                std::hint::spin_loop();
-            }
+        if let Some(m) = self.try_take()? {
+            return Ok(m);
         }
-        let mut rx = self.rx.lock();
-        loop {
-            if let Some(m) = rx.queue.pop_front() {
-                return Ok(m);
-            }
-            if let Some(f) = &rx.failure {
-                return Err(f.to_error());
-            }
-            match deadline {
-                Some(d) => {
-                    if self.rx_cv.wait_until(&mut rx, d).timed_out() && rx.queue.is_empty() {
-                        if let Some(f) = &rx.failure {
-                            return Err(f.to_error());
-                        }
-                        return Err(ChannelError::Timeout);
-                    }
-                }
-                None => self.rx_cv.wait(&mut rx),
-            }
-        }
+        let deadline = timeout.map(|t| StdInstant::now() + t);
+        self.worker
+            .wait_for(deadline, || self.try_take().transpose())
+            .unwrap_or(Err(ChannelError::Timeout))
     }
 }

@@ -283,6 +283,10 @@ pub struct Args {
     /// Concurrent callers in rpc_rate.
     #[arg(long, default_value_t = 8, value_name = "N")]
     pub callers: u32,
+    /// Middleware layers: who drives the endpoint's worker — the calling thread ("caller":
+    /// send posts, recv/call poll the CQ) or a worker thread ("thread"). Both sides.
+    #[arg(long, value_name = "caller|thread", default_value = "caller", value_parser = parse_progress_arg)]
+    pub progress: fabriq::Progress,
     /// Run the plain kernel-TCP ping-pong baseline instead of a device test (same as -t tcp_lat).
     #[arg(long)]
     pub tcp_baseline: bool,
@@ -318,6 +322,10 @@ pub struct Args {
     pub json: bool,
 }
 
+fn parse_progress_arg(s: &str) -> Result<fabriq::Progress, String> {
+    s.parse()
+}
+
 /// Entry point of `fabriq perf`.
 pub fn run(args: Args) -> anyhow::Result<()> {
     affinity::capture_original();
@@ -325,6 +333,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         let opts = mw::ServerOpts {
             bind: args.bind.clone(),
             device: args.device.clone(),
+            progress: args.progress,
             once: args.once,
             cpu: args.cpu,
             quiet: args.quiet,
@@ -440,6 +449,7 @@ fn run_middleware(args: &Args) -> anyhow::Result<()> {
         iters,
         warmup,
         callers: args.callers,
+        progress: args.progress,
         local,
         client_cpu,
         server_cpu,
@@ -450,6 +460,8 @@ fn run_middleware(args: &Args) -> anyhow::Result<()> {
             layer.name().to_string(),
             "--device".to_string(),
             args.device.clone(),
+            "--progress".to_string(),
+            args.progress.to_string(),
         ];
         with_local_server(args, &extra, |addr, client_cpu, server_cpu| {
             mw::run_client(&plan(addr, true, client_cpu, server_cpu))

@@ -22,16 +22,20 @@
 //! `Run`, a wrong message length) becomes an error or a counted data-check failure, never a
 //! panic.
 //!
-//! Threads: the middleware's worker threads (spawned by `Endpoint::new`, outside the pinned
-//! CPU, see [`affinity::unpinned`]) move the bytes; the benchmark thread blocks in
-//! `recv_timeout` / `Rpc::call`. `rpc_rate` adds `--callers` caller threads.
+//! Threads: with `--progress caller` (the default) the benchmark thread drives its endpoint's
+//! worker itself — `send` posts, `recv_timeout` / `Rpc::call` poll the CQ — and the worker
+//! thread (spawned by `Endpoint::new`, outside the pinned CPU, see [`affinity::unpinned`]) only
+//! stands by; with `--progress thread` the worker threads move the bytes and the benchmark
+//! thread waits on them. `rpc_rate` adds `--callers` caller threads. `send_bw` sends buffers
+//! taken from the channel (`Channel::alloc` + `send_buf`): no copy per message, and — as in
+//! perftest — the payload is written once per buffer, not per message.
 
 use std::io::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
-use fabriq::{Channel, Config, Endpoint, Rpc};
+use fabriq::{Channel, Config, Endpoint, Progress, Rpc};
 use hdrhistogram::Histogram;
 use serde::{Deserialize, Serialize};
 
@@ -150,11 +154,12 @@ pub fn validate(layer: Layer, test: TestKind, size: u32, iters: u64, warmup: u64
     Ok(())
 }
 
-fn open_endpoint(device: &str) -> Result<Endpoint> {
-    let config = Config {
-        device: device.to_string(),
-        ..Config::default()
-    };
+/// The endpoint's configuration: `FABRIQ_*` variables (and `FABRIQ_CONFIG`) tune it, the
+/// command line sets device and progress.
+fn open_endpoint(device: &str, progress: Progress) -> Result<Endpoint> {
+    let mut config = Config::from_env().map_err(|e| PerfError::Unsupported(format!("{e}")))?;
+    config.device = device.to_string();
+    config.progress = progress;
     // Worker threads must not inherit a benchmark thread's single-CPU mask.
     affinity::unpinned(|| Endpoint::new(config))
         .map_err(chan_err(format!("open a middleware endpoint on {device}")))
@@ -167,6 +172,8 @@ pub struct ServerOpts {
     pub bind: String,
     /// Device.
     pub device: String,
+    /// Who drives the worker.
+    pub progress: Progress,
     /// Serve one session, then exit.
     pub once: bool,
     /// CPU to pin the serving thread to.
@@ -177,7 +184,7 @@ pub struct ServerOpts {
 
 /// Run the middleware-layer server: print the listen address, serve sessions.
 pub fn serve(opts: &ServerOpts) -> Result<()> {
-    let ep = open_endpoint(&opts.device)?;
+    let ep = open_endpoint(&opts.device, opts.progress)?;
     ep.serve(ECHO, |req| Ok(req.to_vec()));
     let listener = ep
         .listen(opts.bind.as_str())
@@ -324,6 +331,8 @@ pub struct ClientPlan {
     pub warmup: u64,
     /// Concurrent callers (rpc_rate).
     pub callers: u32,
+    /// Who drives the worker.
+    pub progress: Progress,
     /// Started the server as a local child?
     pub local: bool,
     /// Client CPU, if pinned.
@@ -346,7 +355,7 @@ fn payload(size: u32) -> Vec<u8> {
 
 /// Run a middleware-layer session against a server.
 pub fn run_client(plan: &ClientPlan) -> Result<PerfReport> {
-    let ep = open_endpoint(&plan.device)?;
+    let ep = open_endpoint(&plan.device, plan.progress)?;
     let ch = ep
         .connect(plan.server.as_str())
         .map_err(chan_err(format!("connect to {}", plan.server)))?;
@@ -402,7 +411,7 @@ pub fn run_client(plan: &ClientPlan) -> Result<PerfReport> {
         device: plan.device.clone(),
         device_options: Default::default(),
         provider: provider_of(&plan.device),
-        mode: "worker".into(),
+        mode: plan.progress.to_string(),
         server: plan.server.clone(),
         local: plan.local,
         client_cpu: plan.client_cpu,
@@ -474,18 +483,34 @@ fn count_gap(ch: &Channel, expected: u64) -> Result<u64> {
     }
 }
 
+/// One message of a stream in a buffer taken from the channel, sent without a copy. The pool
+/// and the large-buffer cache hand the same few buffers out again and again: each gets the
+/// payload written the first time it is seen (`filled`, by address; nothing else is sent from
+/// this thread during the stream, so a filled buffer still holds it).
+fn send_zero_copy(
+    ch: &Channel,
+    payload: &[u8],
+    filled: &mut std::collections::HashSet<usize>,
+    context: &'static str,
+) -> Result<()> {
+    let mut buf = ch.alloc(payload.len()).map_err(chan_err(context))?;
+    if filled.insert(buf.as_ptr() as usize) {
+        buf.copy_from_slice(payload);
+    }
+    ch.send_buf_timeout(buf, STALL).map_err(chan_err(context))
+}
+
 fn send_bw(ch: &Channel, size: u32, iters: u64, warmup: u64) -> Result<RunResult> {
     let buf = payload(size);
+    let mut filled = std::collections::HashSet::new();
     for _ in 0..warmup {
-        ch.send_timeout(&buf, STALL)
-            .map_err(chan_err("send_bw: send (warm-up)"))?;
+        send_zero_copy(ch, &buf, &mut filled, "send_bw: send (warm-up)")?;
     }
     // Wrong lengths come back in Done; the counts check completeness.
     let warm_gap = count_gap(ch, warmup)?;
     let t0 = Instant::now();
     for _ in 0..iters {
-        ch.send_timeout(&buf, STALL)
-            .map_err(chan_err("send_bw: send"))?;
+        send_zero_copy(ch, &buf, &mut filled, "send_bw: send")?;
     }
     let missing = count_gap(ch, iters)?;
     let elapsed = t0.elapsed().as_secs_f64();

@@ -1,0 +1,309 @@
+//! What a finished handshake hands to the connection that runs on it, and takes back when that
+//! connection ends: the TCP control stream ([`ControlStream`]) and the QP ([`QpLease`]).
+//!
+//! **Control stream.** While the connection lives, the stream is its liveness signal: the
+//! owner polls it (non-blocking) and [`ControlStream::poll_peer`] says whether the peer is still
+//! there, closed its end of the connection (a [`Message::Close`] frame), or vanished (EOF,
+//! reset, garbage). When the owner drops it, the stream tells the peer (a `Close` frame, unless
+//! the peer closed first) and goes back where it came from — the client manager's idle set or
+//! the server's [`super::Listener`] — ready for the next handshake, so a reconnect skips the TCP
+//! handshake. Frames are read exactly (prefix, then body), never past the `Close`: a hello the
+//! peer sends right after it stays in the socket for the listener.
+//!
+//! **QP lease.** The QP goes back to its manager's cache only once no completion of it can
+//! still surface: [`QpLease::drain`] moves it to ERROR, posts one marker on each work queue, and
+//! polls the owner's CQ until both markers come back flushed (completions of a queue arrive in
+//! order, so every earlier request has completed by then); [`QpLease::release`] then resets it
+//! into the cache. Completions of other QPs polled meanwhile are handed back to the caller.
+//!
+//! Not here: the handshake itself (`manager`), framing (`wire`).
+
+use std::io::{ErrorKind, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::os::fd::{AsFd, BorrowedFd};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use fabriq_verbs::{
+    CompletionQueue, QpAttr, QpState, QueuePair, RecvWr, SendFlags, SendWr, WorkCompletion,
+    WrOpcode,
+};
+
+use super::manager::{ConnManager, ListenerHome};
+use super::wire::{self, Message, MAX_FRAME_LEN};
+
+/// What [`ControlStream::poll_peer`] saw.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ControlEvent {
+    /// Nothing new: the peer is there.
+    Open,
+    /// The peer closed its end of the connection; the stream is clean and will be reused.
+    PeerClosed,
+    /// The peer is gone (EOF, reset, or bytes that are not a `Close`).
+    Gone,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    Open,
+    PeerClosed,
+    Broken,
+}
+
+/// Where the stream goes back to.
+pub(super) enum Home {
+    /// Client side: the manager's idle set for this peer address.
+    Client(ConnManager),
+    /// Server side: the listener that accepted it (if any, and if reuse is on).
+    Server(Option<Arc<ListenerHome>>),
+}
+
+/// The control stream of an established connection. See the [module docs](self).
+pub struct ControlStream {
+    stream: Option<TcpStream>,
+    peer_addr: SocketAddr,
+    home: Home,
+    reuse: bool,
+    state: State,
+    /// Bytes of a frame read so far: `rx.len() < 4 + body length`.
+    rx: Vec<u8>,
+}
+
+impl std::fmt::Debug for ControlStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ControlStream")
+            .field("peer_addr", &self.peer_addr)
+            .field("state", &self.state)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ControlStream {
+    pub(super) fn new(
+        stream: TcpStream,
+        peer_addr: SocketAddr,
+        home: Home,
+        reuse: bool,
+    ) -> ControlStream {
+        ControlStream {
+            stream: Some(stream),
+            peer_addr,
+            home,
+            reuse,
+            state: State::Open,
+            rx: Vec::new(),
+        }
+    }
+
+    /// The peer's control address.
+    pub fn peer_addr(&self) -> SocketAddr {
+        self.peer_addr
+    }
+
+    /// Switch the stream to non-blocking mode (for an owner that polls it with epoll).
+    pub fn set_nonblocking(&self, on: bool) -> std::io::Result<()> {
+        match &self.stream {
+            Some(s) => s.set_nonblocking(on),
+            None => Ok(()),
+        }
+    }
+
+    /// Read what the peer sent, without blocking (the stream must be non-blocking), and say
+    /// whether the peer is still there. Reads at most up to the end of a `Close` frame.
+    pub fn poll_peer(&mut self) -> ControlEvent {
+        loop {
+            match self.state {
+                State::PeerClosed => return ControlEvent::PeerClosed,
+                State::Broken => return ControlEvent::Gone,
+                State::Open => {}
+            }
+            let Some(stream) = self.stream.as_mut() else {
+                self.state = State::Broken;
+                continue;
+            };
+            let want = match self.rx.get(..4) {
+                None => 4 - self.rx.len(),
+                Some(prefix) => {
+                    let mut p = [0u8; 4];
+                    p.copy_from_slice(prefix);
+                    match wire::frame_len(p) {
+                        Ok(len) => 4 + len - self.rx.len(),
+                        Err(_) => {
+                            self.state = State::Broken;
+                            continue;
+                        }
+                    }
+                }
+            };
+            let mut buf = [0u8; 64];
+            let n = want.min(buf.len());
+            let Some(dst) = buf.get_mut(..n) else {
+                self.state = State::Broken;
+                continue;
+            };
+            match stream.read(dst) {
+                Ok(0) => self.state = State::Broken,
+                Ok(got) => {
+                    self.rx
+                        .extend_from_slice(dst.get(..got).unwrap_or_default());
+                    match wire::decode_frame(&self.rx) {
+                        Ok(None) if self.rx.len() <= 4 + MAX_FRAME_LEN => {}
+                        Ok(Some((Message::Close, _))) => {
+                            self.rx.clear();
+                            self.state = State::PeerClosed;
+                        }
+                        Ok(Some((other, _))) => {
+                            tracing::debug!(peer = %self.peer_addr, got = other.name(),
+                                "unexpected message on a live control stream");
+                            self.state = State::Broken;
+                        }
+                        Ok(None) | Err(_) => self.state = State::Broken,
+                    }
+                }
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == ErrorKind::WouldBlock => return ControlEvent::Open,
+                Err(_) => self.state = State::Broken,
+            }
+        }
+    }
+
+    /// Tell the peer the connection is over (unless it said so first) and hand the stream back
+    /// for reuse. Dropping the stream does the same.
+    pub fn close(self) {}
+
+    fn finish(&mut self) {
+        let Some(mut stream) = self.stream.take() else {
+            return;
+        };
+        if !self.reuse || self.state == State::Broken || !self.rx.is_empty() {
+            return; // dropped: the peer sees EOF
+        }
+        if stream.set_nonblocking(false).is_err() {
+            return;
+        }
+        if self.state == State::Open {
+            let sent = stream
+                .set_write_timeout(Some(Duration::from_millis(200)))
+                .and_then(|()| stream.write_all(&wire::encode(&Message::Close)));
+            if sent.is_err() {
+                return;
+            }
+        }
+        match &self.home {
+            Home::Client(mgr) => mgr.put_idle_stream(self.peer_addr, stream),
+            Home::Server(Some(home)) => home.give_back(stream, self.peer_addr),
+            Home::Server(None) => {}
+        }
+    }
+}
+
+impl AsFd for ControlStream {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        match &self.stream {
+            Some(s) => s.as_fd(),
+            // The stream is only taken in drop; no caller can hold `self` then.
+            None => unreachable!("ControlStream invariant: the stream is present until drop"),
+        }
+    }
+}
+
+impl Drop for ControlStream {
+    fn drop(&mut self) {
+        self.finish();
+    }
+}
+
+/// `wr_id` of the markers [`QpLease::drain`] posts; no other user of a QP may use it.
+pub const DRAIN_MARKER_WR_ID: u64 = 0xFFFF_FFFF_FFFF_FFFF;
+
+/// The QP of an established connection, to be given back to its manager when the connection
+/// ends. Dropping a lease without [`QpLease::release`] destroys the QP.
+pub struct QpLease {
+    mgr: ConnManager,
+    qp: QueuePair,
+}
+
+impl std::fmt::Debug for QpLease {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("QpLease").field("qp", &self.qp).finish()
+    }
+}
+
+impl QpLease {
+    pub(super) fn new(mgr: ConnManager, qp: QueuePair) -> QpLease {
+        QpLease { mgr, qp }
+    }
+
+    /// The QP.
+    pub fn qp(&self) -> &QueuePair {
+        &self.qp
+    }
+
+    /// Stop the QP and collect every completion it still owes: ERROR, one flushed marker per
+    /// work queue, polled from `cq` (the CQ its requests complete on) for at most `limit`.
+    /// Completions of other QPs polled meanwhile are appended to `others`. True when both
+    /// markers came back, i.e. the QP can serve another connection.
+    pub fn drain(
+        &self,
+        cq: &CompletionQueue,
+        limit: Duration,
+        others: &mut Vec<WorkCompletion>,
+    ) -> bool {
+        let qp = &self.qp;
+        if qp.state() == QpState::Reset {
+            return true; // nothing posted can complete
+        }
+        if qp.state() != QpState::Error && qp.modify(&QpAttr::error()).is_err() {
+            return false;
+        }
+        let mut pending = 0;
+        if qp
+            .post_recv(&[RecvWr::new(DRAIN_MARKER_WR_ID, &[])])
+            .is_ok()
+        {
+            pending += 1;
+        }
+        let marker =
+            SendWr::new(DRAIN_MARKER_WR_ID, &[], WrOpcode::Send).with_flags(SendFlags::SIGNALED);
+        if qp.post_send(&[marker]).is_ok() {
+            pending += 1;
+        }
+        if pending < 2 {
+            return false;
+        }
+        let me = qp.qp_num();
+        let deadline = Instant::now() + limit;
+        let mut wcs = [WorkCompletion::EMPTY; 32];
+        let mut spins = 0u32;
+        while pending > 0 {
+            let n = match cq.poll(&mut wcs) {
+                Ok(n) => n,
+                Err(_) => return false,
+            };
+            for wc in wcs.iter().take(n) {
+                if wc.qp_num != me {
+                    others.push(*wc);
+                } else if wc.wr_id == DRAIN_MARKER_WR_ID {
+                    pending -= 1;
+                }
+            }
+            if n == 0 {
+                if Instant::now() >= deadline {
+                    tracing::warn!(qp = me.0, "QP did not flush in {limit:?}; not reused");
+                    return false;
+                }
+                spins += 1;
+                if spins % 64 == 0 {
+                    std::thread::yield_now();
+                }
+            }
+        }
+        true
+    }
+
+    /// Give the QP back to its manager's cache (reset first). Call after a successful
+    /// [`QpLease::drain`], once every other handle on the QP is dropped. True if it was cached.
+    pub fn release(self) -> bool {
+        self.mgr.release_qp(self.qp)
+    }
+}

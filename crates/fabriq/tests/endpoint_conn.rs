@@ -1,0 +1,346 @@
+//! Channel set-up through the connection manager, at the `Endpoint` level, on the real
+//! providers (`shm0`, `tcp0`; `FABRIQ_TEST_DEVICES` to choose): auth-token and version
+//! mismatches fail with typed errors on both sides, a refused or half-finished handshake is a
+//! typed error, a closed channel's QP and control stream serve the next connect (seen in the
+//! connection counters), a peer's close fails the other end with `PeerGone`, and failures never
+//! disturb an established channel. Waits are bounded by generous timeouts that only catch hangs.
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::time::{Duration, Instant};
+
+use fabriq::conn::wire::{self, Hello, Message, RingGeometry};
+use fabriq::conn::{ConnError, ConnStats, RejectCode};
+use fabriq::{Channel, ChannelError, Config, Endpoint};
+use fabriq_verbs::{QpEndpoint, QpNum};
+
+const HANG: Duration = Duration::from_secs(30);
+
+fn devices() -> Vec<String> {
+    std::env::var("FABRIQ_TEST_DEVICES")
+        .unwrap_or_else(|_| "tcp0,shm0".into())
+        .split(',')
+        .map(|d| d.trim().to_string())
+        .filter(|d| !d.is_empty())
+        .collect()
+}
+
+fn endpoint(device: &str, token: &str) -> Option<Endpoint> {
+    let cfg = Config {
+        device: device.into(),
+        auth_token: token.into(),
+        handshake_timeout_ms: 10_000,
+        ..Config::default()
+    };
+    match Endpoint::new(cfg) {
+        Ok(e) => Some(e),
+        Err(e) => {
+            eprintln!("skipping {device}: {e}");
+            None
+        }
+    }
+}
+
+fn ping(a: &Channel, b: &Channel, what: &[u8]) {
+    a.send(what).expect("send");
+    assert_eq!(&b.recv_timeout(HANG).expect("recv")[..], what);
+}
+
+/// Wait (bounded) until `cond` holds on the endpoint's connection counters.
+fn wait_stats(ep: &Endpoint, what: &str, cond: impl Fn(&ConnStats) -> bool) -> ConnStats {
+    let deadline = Instant::now() + HANG;
+    loop {
+        let s = ep.conn_stats();
+        if cond(&s) {
+            return s;
+        }
+        assert!(Instant::now() < deadline, "{what}: counters stuck at {s:?}");
+        std::thread::yield_now();
+    }
+}
+
+fn is_auth_error(e: &ConnError) -> bool {
+    matches!(
+        e,
+        ConnError::AuthFailed { .. }
+            | ConnError::Rejected {
+                code: RejectCode::AuthFailed,
+                ..
+            }
+    )
+}
+
+#[test]
+fn auth_token_mismatch_fails_on_both_sides_and_a_matching_token_connects() {
+    for device in devices() {
+        // The server requires a token the client does not have.
+        let Some(server) = endpoint(&device, "s3cret") else {
+            continue;
+        };
+        let listener = server.listen("127.0.0.1:0").expect("listen");
+        let addr = listener.local_addr();
+        let wrong = endpoint(&device, "guess").expect("client");
+        match wrong.connect(addr) {
+            Err(ChannelError::Connect(e)) => assert!(is_auth_error(&e), "{device}: {e}"),
+            other => panic!("{device}: wrong token connected: {other:?}"),
+        }
+        let seen = listener.next_failure(HANG).expect("server-side failure");
+        assert!(
+            matches!(seen, ConnError::AuthFailed { .. }),
+            "{device}: {seen}"
+        );
+        // The client requires a token the server does not present.
+        let open = endpoint(&device, "").expect("server without token");
+        let open_listener = open.listen("127.0.0.1:0").expect("listen");
+        match wrong.connect(open_listener.local_addr()) {
+            Err(ChannelError::Connect(e)) => assert!(is_auth_error(&e), "{device}: {e}"),
+            other => panic!("{device}: unauthenticated server accepted: {other:?}"),
+        }
+        let seen = open_listener
+            .next_failure(HANG)
+            .expect("server-side failure");
+        assert!(is_auth_error(&seen), "{device}: {seen}");
+        // The right token works, on the same listener.
+        let right = endpoint(&device, "s3cret").expect("client");
+        let c = right.connect(addr).expect("connect with the right token");
+        let s = listener.accept_timeout(HANG).expect("accept");
+        ping(&c, &s, b"authenticated");
+        ping(&s, &c, b"both ways");
+    }
+}
+
+/// A hello for `provider` with a plausible (never connected) endpoint.
+fn raw_hello(provider: &str) -> Hello {
+    Hello {
+        version: wire::VERSION,
+        provider: provider.into(),
+        device: format!("{provider}0"),
+        endpoint: QpEndpoint {
+            provider: provider.into(),
+            device: format!("{provider}0"),
+            address: "127.0.0.1:1".into(),
+            qp_num: QpNum(1),
+            psn: 0,
+            lid: 0,
+            gid: [0; 16],
+            mtu: 4096,
+            extra: Default::default(),
+        },
+        ring: RingGeometry {
+            slots: 64,
+            slot_size: 8224,
+        },
+        initial_credits: 64,
+        eager_threshold: 4096,
+        rndv_chunk_size: 65536,
+        worker_id: 0,
+        target_worker: None,
+        auth_token: Vec::new(),
+    }
+}
+
+fn read_frame(s: &mut TcpStream) -> Message {
+    s.set_read_timeout(Some(HANG)).unwrap();
+    let mut prefix = [0u8; 4];
+    s.read_exact(&mut prefix).expect("frame prefix");
+    let len = wire::frame_len(prefix).expect("frame length");
+    let mut body = vec![0u8; len];
+    s.read_exact(&mut body).expect("frame body");
+    wire::decode_body(&body).expect("decodes")
+}
+
+#[test]
+fn version_mismatch_is_typed_on_both_sides() {
+    for device in devices() {
+        let Some(server) = endpoint(&device, "") else {
+            continue;
+        };
+        let provider = device.trim_end_matches(char::is_numeric).to_string();
+        // A client of another version: the endpoint answers with its own version.
+        let listener = server.listen("127.0.0.1:0").expect("listen");
+        let mut raw = TcpStream::connect(listener.local_addr()).expect("tcp");
+        raw.write_all(&wire::encode_with_version(
+            &Message::Hello(raw_hello(&provider)),
+            wire::VERSION + 1,
+        ))
+        .unwrap();
+        match read_frame(&mut raw) {
+            Message::Reject(r) => {
+                assert_eq!(r.code, RejectCode::VersionMismatch, "{device}");
+                assert_eq!(r.version, wire::VERSION, "{device}");
+            }
+            other => panic!("{device}: expected a reject, got {other:?}"),
+        }
+        let seen = listener.next_failure(HANG).expect("server-side failure");
+        assert!(
+            matches!(seen, ConnError::VersionMismatch { peer, .. } if peer == wire::VERSION + 1),
+            "{device}: {seen}"
+        );
+        // A server of another version: the endpoint's connect says so.
+        let fake = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = fake.local_addr().unwrap();
+        let peer = std::thread::spawn(move || {
+            let (mut s, _) = fake.accept().unwrap();
+            let hello = read_frame(&mut s);
+            assert!(matches!(hello, Message::Hello(_)), "{hello:?}");
+            let mut h = raw_hello(&provider);
+            h.version = wire::VERSION + 1;
+            s.write_all(&wire::encode_with_version(
+                &Message::HelloAck(h),
+                wire::VERSION + 1,
+            ))
+            .unwrap();
+            // The client tells us why it gives up.
+            read_frame(&mut s)
+        });
+        let client = endpoint(&device, "").expect("client");
+        match client.connect(addr) {
+            Err(ChannelError::Connect(ConnError::VersionMismatch { local, peer })) => {
+                assert_eq!(
+                    (local, peer),
+                    (wire::VERSION, wire::VERSION + 1),
+                    "{device}"
+                );
+            }
+            other => panic!("{device}: expected a version mismatch, got {other:?}"),
+        }
+        match peer.join().unwrap() {
+            Message::Reject(r) => assert_eq!(r.code, RejectCode::VersionMismatch, "{device}"),
+            other => panic!("{device}: expected a reject, got {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn connect_to_nothing_and_handshakes_cut_short_are_typed_errors() {
+    for device in devices() {
+        let Some(client) = endpoint(&device, "") else {
+            continue;
+        };
+        // Nothing listens.
+        let closed = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap();
+        assert!(
+            matches!(
+                client.connect(closed),
+                Err(ChannelError::Connect(ConnError::Refused { .. }))
+            ),
+            "{device}"
+        );
+        // A server that reads the hello and hangs up before answering.
+        let fake = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = fake.local_addr().unwrap();
+        let peer = std::thread::spawn(move || {
+            let (mut s, _) = fake.accept().unwrap();
+            let _ = read_frame(&mut s);
+        });
+        match client.connect(addr) {
+            Err(ChannelError::Connect(ConnError::PeerClosed { phase, .. })) => {
+                assert_eq!(phase, "hello-ack", "{device}")
+            }
+            other => panic!("{device}: expected PeerClosed, got {other:?}"),
+        }
+        peer.join().unwrap();
+        // A client that sends half a hello and hangs up: the server reports it, and a
+        // channel established before keeps working.
+        let server = endpoint(&device, "").expect("server");
+        let listener = server.listen("127.0.0.1:0").expect("listen");
+        let c = client.connect(listener.local_addr()).expect("connect");
+        let s = listener.accept_timeout(HANG).expect("accept");
+        let provider = device.trim_end_matches(char::is_numeric).to_string();
+        let frame = wire::encode(&Message::Hello(raw_hello(&provider)));
+        let mut raw = TcpStream::connect(listener.local_addr()).expect("tcp");
+        raw.write_all(&frame[..frame.len() / 2]).unwrap();
+        drop(raw);
+        let seen = listener.next_failure(HANG).expect("server-side failure");
+        assert!(
+            matches!(seen, ConnError::PeerClosed { phase: "hello", .. }),
+            "{device}: {seen}"
+        );
+        // Garbage from another client: reported, and the listener goes on.
+        let mut raw = TcpStream::connect(listener.local_addr()).expect("tcp");
+        raw.write_all(b"GET / HTTP/1.1\r\n\r\n").unwrap();
+        let seen = listener.next_failure(HANG).expect("server-side failure");
+        assert!(
+            matches!(seen, ConnError::Malformed { .. }),
+            "{device}: {seen}"
+        );
+        drop(raw);
+        ping(&c, &s, b"still here");
+        ping(&s, &c, b"and back");
+        let c2 = client
+            .connect(listener.local_addr())
+            .expect("connect again");
+        let s2 = listener.accept_timeout(HANG).expect("accept again");
+        ping(&c2, &s2, b"second channel");
+        ping(&c, &s, b"first channel unaffected");
+    }
+}
+
+#[test]
+fn a_closed_channels_qp_and_control_stream_serve_the_next_connect() {
+    for device in devices() {
+        let Some(server) = endpoint(&device, "") else {
+            continue;
+        };
+        let client = endpoint(&device, "").expect("client");
+        let listener = server.listen("127.0.0.1:0").expect("listen");
+        let addr = listener.local_addr();
+        // Rounds alternate which side closes first.
+        for round in 0..4u8 {
+            let c = client.connect(addr).expect("connect");
+            let s = listener.accept_timeout(HANG).expect("accept");
+            ping(&c, &s, &[round; 100]);
+            ping(&s, &c, &[round; 5000]);
+            let (first, second) = if round % 2 == 0 { (c, s) } else { (s, c) };
+            drop(first);
+            // The peer's close reaches the other end as PeerGone.
+            match second.recv_timeout(HANG) {
+                Err(ChannelError::PeerGone) => {}
+                other => panic!("{device} round {round}: expected PeerGone, got {other:?}"),
+            }
+            drop(second);
+            let want = u64::from(round) + 1;
+            wait_stats(&client, "client QP back in the cache", |s| {
+                s.qps_cached >= 1 && s.connects >= want
+            });
+            wait_stats(&server, "server QP back in the cache", |s| {
+                s.qps_cached >= 1 && s.accepts >= want
+            });
+        }
+        let cs = client.conn_stats();
+        let ss = server.conn_stats();
+        // One QP per side served every round; the control stream was reused.
+        assert_eq!(cs.qps_created, 1, "{device}: client {cs:?}");
+        assert_eq!(ss.qps_created, 1, "{device}: server {ss:?}");
+        assert_eq!(cs.qp_cache_hits, 3, "{device}: client {cs:?}");
+        assert_eq!(ss.qp_cache_hits, 3, "{device}: server {ss:?}");
+        assert!(cs.stream_reuses >= 1, "{device}: client {cs:?}");
+        assert_eq!(cs.failed + ss.failed, 0, "{device}: {cs:?} {ss:?}");
+    }
+}
+
+#[test]
+fn a_dying_peer_process_fails_the_channel_with_peer_gone() {
+    for device in devices() {
+        let Some(server) = endpoint(&device, "") else {
+            continue;
+        };
+        let client = endpoint(&device, "").expect("client");
+        let listener = server.listen("127.0.0.1:0").expect("listen");
+        let c = client.connect(listener.local_addr()).expect("connect");
+        let s = listener.accept_timeout(HANG).expect("accept");
+        ping(&c, &s, b"alive");
+        // The whole server endpoint goes away (its workers stop, its streams close).
+        drop(listener);
+        drop(s);
+        drop(server);
+        match c.recv_timeout(HANG) {
+            Err(ChannelError::PeerGone) => {}
+            other => panic!("{device}: expected PeerGone, got {other:?}"),
+        }
+        assert!(c.is_closed(), "{device}");
+    }
+}

@@ -8,14 +8,27 @@
 //!
 //! A provider that progresses from the polling thread (busy-poll mode) installs a
 //! [`ProgressHook`]; `poll` calls it before looking at the queue.
+//!
+//! Waking: the eventfd is what `epoll`-based consumers watch (one consumer per CQ, the
+//! `ibv_get_cq_event` model). [`CqOps::wait_event`] does not rely on it alone: several threads
+//! may block on one CQ (`CompletionQueue::poll_blocking` from many threads), and one eventfd
+//! write consumed by the first waiter's `ack_events` must not leave the others asleep while
+//! completions are queued. A waiter therefore sleeps on a condition variable and wakes when the
+//! eventfd holds an unconsumed event, or when completions are queued and the arm was already
+//! used up (by a completion whose event another waiter may have consumed). A producer disarms
+//! and writes the eventfd under the waiters' lock, so a waiter never sees the arm used up
+//! without the event written. The queue length, the arm word and the sleeper count are
+//! `SeqCst`: a producer stores the length and then reads the arm / sleepers, a consumer stores
+//! the arm / sleepers and then reads the length, and one of the two must see the other.
 
 use std::any::Any;
 use std::collections::VecDeque;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
+use std::time::{Duration, Instant};
 
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex};
 
 use crate::provider::CqOps;
 use crate::{Result, VerbsError, WorkCompletion};
@@ -54,6 +67,10 @@ pub struct CqInner {
     armed: AtomicU8,
     event: OwnedFd,
     hook: OnceLock<Weak<dyn ProgressHook>>,
+    /// Threads inside `wait_event`.
+    sleepers: AtomicUsize,
+    sleep_lock: Mutex<()>,
+    sleep_cv: Condvar,
 }
 
 impl std::fmt::Debug for CqInner {
@@ -87,6 +104,9 @@ impl SoftCq {
                 armed: AtomicU8::new(UNARMED),
                 event,
                 hook: OnceLock::new(),
+                sleepers: AtomicUsize::new(0),
+                sleep_lock: Mutex::new(()),
+                sleep_cv: Condvar::new(),
             }),
         })
     }
@@ -108,7 +128,7 @@ impl CqInner {
                 false
             } else {
                 q.push_back(wc);
-                self.len.store(q.len(), Ordering::Release);
+                self.len.store(q.len(), Ordering::SeqCst);
                 true
             }
         };
@@ -120,17 +140,21 @@ impl CqInner {
             );
         }
         self.notify(solicited || !wc.status.is_success() || !ok);
+        self.wake_sleepers();
         ok
     }
 
     fn notify(&self, solicited: bool) {
-        let armed = self.armed.load(Ordering::Acquire);
+        let armed = self.armed.load(Ordering::SeqCst);
         if armed == UNARMED || (armed == ARMED_SOLICITED && !solicited) {
             return;
         }
+        // Disarm and write under `sleep_lock`: a thread in `wait_event` that finds the CQ
+        // disarmed with completions queued then also finds the event on the fd.
+        let _guard = self.sleep_lock.lock();
         if self
             .armed
-            .compare_exchange(armed, UNARMED, Ordering::AcqRel, Ordering::Acquire)
+            .compare_exchange(armed, UNARMED, Ordering::SeqCst, Ordering::SeqCst)
             .is_ok()
         {
             // A full counter (never in practice) only means the fd is already readable.
@@ -138,9 +162,32 @@ impl CqInner {
         }
     }
 
+    /// Wake the threads blocked in `wait_event`, if any (after the queue or the eventfd
+    /// changed).
+    fn wake_sleepers(&self) {
+        if self.sleepers.load(Ordering::SeqCst) > 0 {
+            let _guard = self.sleep_lock.lock();
+            self.sleep_cv.notify_all();
+        }
+    }
+
+    /// Whether a thread in `wait_event` (holding `sleep_lock`) may stop waiting: the queue
+    /// overflowed, completions are queued and the arm is used up (its event fired, perhaps
+    /// consumed by another waiter; a solicited-only arm stays until a solicited completion), or
+    /// an event is unconsumed.
+    fn waiter_ready(&self) -> Result<bool> {
+        if self.overflowed.load(Ordering::SeqCst) {
+            return Ok(true);
+        }
+        if self.len.load(Ordering::SeqCst) > 0 && self.armed.load(Ordering::SeqCst) == UNARMED {
+            return Ok(true);
+        }
+        crate::provider::wait_readable(self.event.as_fd(), Some(Duration::ZERO))
+    }
+
     /// Queued completions.
     pub fn len(&self) -> usize {
-        self.len.load(Ordering::Acquire)
+        self.len.load(Ordering::SeqCst)
     }
 
     /// True when nothing is queued.
@@ -160,7 +207,7 @@ impl CqInner {
                 capacity: self.capacity,
             });
         }
-        if wc.is_empty() || self.len.load(Ordering::Acquire) == 0 {
+        if wc.is_empty() || self.len.load(Ordering::SeqCst) == 0 {
             return Ok(0);
         }
         let mut q = self.queue.lock();
@@ -168,7 +215,7 @@ impl CqInner {
         for (slot, c) in wc.iter_mut().zip(q.drain(..n)) {
             *slot = c;
         }
-        self.len.store(q.len(), Ordering::Release);
+        self.len.store(q.len(), Ordering::SeqCst);
         Ok(n)
     }
 }
@@ -182,7 +229,7 @@ impl CqOps for SoftCq {
     fn poll(&self, wc: &mut [WorkCompletion]) -> Result<usize> {
         // Drive progress only when the queue alone cannot fill the caller's array: queued
         // completions are returned without a system call.
-        if self.len.load(Ordering::Acquire) < wc.len() {
+        if self.len.load(Ordering::SeqCst) < wc.len() {
             if let Some(hook) = self.hook.get().and_then(Weak::upgrade) {
                 hook.drive();
             }
@@ -197,8 +244,33 @@ impl CqOps for SoftCq {
             ARMED_ALL
         };
         // Arming for all completions widens an existing solicited-only arm, never narrows it.
-        self.armed.fetch_max(want, Ordering::AcqRel);
+        self.armed.fetch_max(want, Ordering::SeqCst);
         Ok(())
+    }
+
+    fn wait_event(&self, timeout: Option<Duration>) -> Result<bool> {
+        let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
+        let mut guard = self.sleep_lock.lock();
+        // Announce the sleeper before the first check: a producer that queues after the check
+        // sees the count and takes `sleep_lock` to notify, so the wake-up cannot fall between
+        // the check and the wait.
+        self.sleepers.fetch_add(1, Ordering::SeqCst);
+        let ready = loop {
+            match self.waiter_ready() {
+                Ok(false) => {}
+                done => break done,
+            }
+            match deadline {
+                Some(d) => {
+                    if self.sleep_cv.wait_until(&mut guard, d).timed_out() {
+                        break self.waiter_ready();
+                    }
+                }
+                None => self.sleep_cv.wait(&mut guard),
+            }
+        };
+        self.sleepers.fetch_sub(1, Ordering::SeqCst);
+        ready
     }
 
     fn event_fd(&self) -> Option<BorrowedFd<'_>> {
@@ -224,7 +296,6 @@ impl CqOps for SoftCq {
 mod tests {
     use super::*;
     use crate::{QpNum, WcOpcode, WcStatus};
-    use std::time::Duration;
 
     fn wc(id: u64) -> WorkCompletion {
         WorkCompletion {
@@ -291,6 +362,34 @@ mod tests {
         err.opcode = WcOpcode::Recv;
         cq.push(err, false);
         assert_eq!(cq.ack_events().unwrap(), 1);
+    }
+
+    /// Two threads armed and waiting: the first completion's event is consumed by one of them
+    /// (`ack_events`), and a second completion arrives while the CQ is no longer armed. The
+    /// other waiter still wakes for it instead of sleeping with a completion queued.
+    #[test]
+    fn a_waiter_wakes_for_a_completion_whose_event_another_waiter_consumed() {
+        let cq = SoftCq::new(8).unwrap();
+        cq.req_notify(false).unwrap();
+        let waiter = {
+            let cq = cq.clone();
+            std::thread::spawn(move || {
+                let deadline = std::time::Instant::now() + Duration::from_secs(20);
+                let woke = cq.wait_event(Some(Duration::from_secs(20))).unwrap();
+                (woke, std::time::Instant::now() < deadline)
+            })
+        };
+        assert!(cq.push(wc(1), false));
+        // The other waiter: takes the event and the first completion.
+        assert!(cq.wait_event(Some(Duration::from_secs(20))).unwrap());
+        cq.ack_events().unwrap();
+        let mut out = [WorkCompletion::EMPTY; 1];
+        assert_eq!(cq.poll(&mut out).unwrap(), 1);
+        // Not armed any more: no event for this one.
+        assert!(cq.push(wc(2), false));
+        assert_eq!(waiter.join().unwrap(), (true, true));
+        assert_eq!(cq.poll(&mut out).unwrap(), 1);
+        assert_eq!(out[0].wr_id, 2);
     }
 
     #[test]

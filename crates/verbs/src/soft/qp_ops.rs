@@ -13,6 +13,11 @@ use crate::{PostError, QpAttr, QpEndpoint, QpInfo, QpNum, QpState, RecvWr, Resul
 pub(crate) trait SoftQpDriver: Send + Sync + 'static {
     /// The endpoint the QP advertises (its number included).
     fn advertised(&self) -> &QpEndpoint;
+    /// The endpoint as a peer should get it now: [`SoftQpDriver::advertised`] unless the
+    /// provider adds what changes over the QP's life (the tcp provider: its incarnation).
+    fn current_endpoint(&self) -> QpEndpoint {
+        self.advertised().clone()
+    }
     /// Run `f` on the core under the QP's lock.
     fn with_core<R>(&self, f: impl FnOnce(&mut QpCore) -> R) -> R;
     /// INIT → RTR: check the remote endpoint, connect, and apply the transition.
@@ -37,7 +42,7 @@ impl<T: SoftQpDriver> QpOps for T {
     }
 
     fn endpoint(&self) -> QpEndpoint {
-        self.advertised().clone()
+        self.current_endpoint()
     }
 
     fn modify(&self, attr: &QpAttr) -> Result<()> {

@@ -28,7 +28,7 @@ pub const HEADER_LEN: usize = 16;
 pub const DEFAULT_MAX_PAYLOAD: usize = 64 << 20;
 
 /// Wire protocol version carried in [`Frame::Hello`].
-pub const PROTOCOL_VERSION: u16 = 1;
+pub const PROTOCOL_VERSION: u16 = 2;
 
 /// Frame flag: the receiver should raise a solicited event for the receive completion.
 pub const FLAG_SOLICITED: u8 = 1 << 0;
@@ -128,6 +128,11 @@ pub enum Frame<'a> {
         src_qpn: u32,
         /// Sender's protocol version.
         version: u16,
+        /// The incarnation of the sender's QP (a QP's incarnation changes at every RESET).
+        src_incarnation: u32,
+        /// The incarnation of the receiver's QP the sender was connected to (from the endpoint
+        /// it got at RTR); 0 when that endpoint named none.
+        dst_incarnation: u32,
     },
 }
 
@@ -474,11 +479,15 @@ fn decode_frame<'a>(bytes: &'a [u8], max_payload: usize) -> Result<Frame<'a>, Wi
             let src_qpn = r.u32().ok_or(short(op))?;
             let version = r.u16().ok_or(short(op))?;
             let _reserved = r.u16().ok_or(short(op))?;
-            exact(&r, 8)?;
+            let src_incarnation = r.u32().ok_or(short(op))?;
+            let dst_incarnation = r.u32().ok_or(short(op))?;
+            exact(&r, 16)?;
             Frame::Hello {
                 dst_qpn: qpn,
                 src_qpn,
                 version,
+                src_incarnation,
+                dst_incarnation,
             }
         }
     })
@@ -613,9 +622,15 @@ pub fn encode(frame: &Frame<'_>, out: &mut Vec<u8>) -> usize {
             dst_qpn,
             src_qpn,
             version,
+            src_incarnation,
+            dst_incarnation,
         } => {
             let mut w = FrameWriter::begin(out, Opcode::Hello, 0, *dst_qpn, 0);
-            w.u32(*src_qpn).u16(*version).u16(0);
+            w.u32(*src_qpn)
+                .u16(*version)
+                .u16(0)
+                .u32(*src_incarnation)
+                .u32(*dst_incarnation);
             w.finish()
         }
     }
@@ -730,6 +745,8 @@ mod tests {
             dst_qpn: 1,
             src_qpn: 2,
             version: PROTOCOL_VERSION,
+            src_incarnation: 3,
+            dst_incarnation: 4,
         });
     }
 
@@ -837,7 +854,7 @@ mod tests {
                 Frame::Request(Request { qpn, psn, solicited: false, op: RequestOp::FetchAdd { addr, rkey, add: a } }),
                 Frame::Response(Response { qpn, psn, kind: ResponseKind::AtomicResp { orig: b } }),
                 Frame::Response(Response { qpn, psn, kind: ResponseKind::Nak { code: NakCode::PsnSequence, rnr_timer: t } }),
-                Frame::Hello { dst_qpn: qpn, src_qpn: rkey, version: 1 },
+                Frame::Hello { dst_qpn: qpn, src_qpn: rkey, version: 1, src_incarnation: len, dst_incarnation: psn },
             ];
             for f in frames {
                 let mut buf = Vec::new();

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 use rustix::event::epoll;
 
-use super::qp::{Lock, TcpQp};
+use super::qp::{HelloIds, Lock, TcpQp};
 use super::{Options, DEVICE};
 use crate::soft::cq::ProgressHook;
 use crate::soft::poller::{self, Poller, SleepTimer};
@@ -46,7 +46,7 @@ pub(crate) const BUSY_GRACE: Duration = Duration::from_millis(1);
 const MAX_PENDING: usize = 1024;
 /// An accepted connection must send its HELLO within this time.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
-const HELLO_LEN: usize = wire::HEADER_LEN + 8;
+const HELLO_LEN: usize = wire::HEADER_LEN + 16;
 
 struct PendingConn {
     accepted_at: Instant,
@@ -306,6 +306,11 @@ impl Engine {
                 Ok(0) => break None,
                 Ok(n) => {
                     p.got += n;
+                    let announced = p.buf.get(..p.got).and_then(wire::peek_len);
+                    if announced.is_some_and(|len| len != HELLO_LEN) {
+                        // Another protocol version, or not a HELLO at all.
+                        break Some(Err(format!("first frame of {announced:?} bytes")));
+                    }
                     if p.got == HELLO_LEN {
                         break Some(match wire::decode(&p.buf, 0) {
                             Ok(Some((
@@ -313,9 +318,18 @@ impl Engine {
                                     dst_qpn,
                                     src_qpn,
                                     version,
+                                    src_incarnation,
+                                    dst_incarnation,
                                 },
                                 _,
-                            ))) if version == wire::PROTOCOL_VERSION => Ok((dst_qpn, src_qpn)),
+                            ))) if version == wire::PROTOCOL_VERSION => Ok((
+                                dst_qpn,
+                                HelloIds {
+                                    src_qpn,
+                                    src_incarnation,
+                                    dst_incarnation,
+                                },
+                            )),
                             other => Err(format!("{other:?}")),
                         });
                     }
@@ -330,8 +344,8 @@ impl Engine {
         self.poller.delete(&p.stream);
         let peer = p.stream.peer_addr().ok();
         match hello {
-            Some(Ok((dst_qpn, src_qpn))) => match self.qps.get(dst_qpn) {
-                Some(qp) => qp.accept_incoming(src_qpn, p.stream),
+            Some(Ok((dst_qpn, hello))) => match self.qps.get(dst_qpn) {
+                Some(qp) => qp.accept_incoming(hello, p.stream),
                 None => {
                     tracing::warn!(?peer, dst_qpn, "tcp0: HELLO for an unknown QP; closed")
                 }

@@ -5,6 +5,14 @@
 //! then `side` (the QP core, the write side and its output buffer; held by posters too).
 //! Posting writes frames straight to the socket from the posting thread; only when the socket
 //! buffer is full does the rest wait for EPOLLOUT on the progress thread.
+//!
+//! Incarnations: a QP's incarnation is a number that changes at every RESET (random at
+//! creation, then +1, never 0). The endpoint carries it (`extra["incarnation"]`), the HELLO of a
+//! data connection names both the connecting QP's incarnation and the one of the target QP it
+//! was given at RTR, and the accepting side attaches a connection only to that incarnation and
+//! only from the incarnation of the peer named at its own RTR. A connection opened by an
+//! earlier incarnation of either QP (a HELLO still unread when both QPs were reset and
+//! connected again) is closed instead of being taken for the new one.
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream};
@@ -35,6 +43,53 @@ const MAX_READS_PER_DRIVE: usize = 16;
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// Busy mode: how long a lone ACK may wait for a request to ride along with.
 const ACK_HOLD: Duration = Duration::from_micros(100);
+/// The endpoint key naming the QP's incarnation.
+pub(crate) const INCARNATION_KEY: &str = "incarnation";
+/// Accepted connections kept for a QP that has not reached RTR yet, at most.
+const MAX_PARKED: usize = 4;
+
+/// An accepted connection waiting for its QP to reach RTR.
+struct Parked {
+    src_qpn: u32,
+    src_incarnation: u32,
+    stream: TcpStream,
+}
+
+/// What the HELLO of an accepted connection says about both ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct HelloIds {
+    pub src_qpn: u32,
+    pub src_incarnation: u32,
+    /// 0: the connecting QP did not know this QP's incarnation.
+    pub dst_incarnation: u32,
+}
+
+/// The incarnation after `i` (never 0, which means "unknown" in a HELLO).
+fn next_incarnation(i: u32) -> u32 {
+    i.wrapping_add(1).max(1)
+}
+
+/// Whether a connection from incarnation `got` may serve a QP that expects `expected` (`None`:
+/// the peer's endpoint named no incarnation, so any).
+fn incarnation_matches(expected: Option<u32>, got: u32) -> bool {
+    match expected {
+        Some(i) => i == got,
+        None => true,
+    }
+}
+
+/// The incarnation a remote endpoint names, if any.
+fn remote_incarnation(remote: &QpEndpoint) -> Result<Option<u32>> {
+    match remote.extra.get(INCARNATION_KEY) {
+        None => Ok(None),
+        Some(v) => match v.parse::<u32>() {
+            Ok(i) if i != 0 => Ok(Some(i)),
+            _ => Err(VerbsError::InvalidArgument(format!(
+                "remote endpoint {INCARNATION_KEY} = {v:?}"
+            ))),
+        },
+    }
+}
 
 /// How `drive_rx` takes the read lock.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -48,8 +103,12 @@ pub(crate) enum Lock {
 struct Side {
     core: QpCore,
     conn: Option<Arc<TcpStream>>,
-    /// An accepted connection that arrived before this QP knew its peer: (peer QPN, stream).
-    parked: Option<(u32, TcpStream)>,
+    /// Accepted connections for this incarnation that arrived before it knew its peer.
+    parked: Vec<Parked>,
+    /// This QP's incarnation.
+    incarnation: u32,
+    /// The peer's incarnation named at RTR (`None`: its endpoint named none).
+    remote_incarnation: Option<u32>,
     tx: TxQueue,
     out_armed: bool,
     /// Busy mode: `tx` holds only a coalesced ACK, unsent since then (it leaves with the next
@@ -102,7 +161,9 @@ impl TcpQp {
             side: Mutex::new(Side {
                 core,
                 conn: None,
-                parked: None,
+                parked: Vec::new(),
+                incarnation: next_incarnation(rand::random::<u32>()),
+                remote_incarnation: None,
                 tx: TxQueue::new(),
                 out_armed: false,
                 held_at: None,
@@ -326,11 +387,23 @@ impl TcpQp {
     }
 
     /// The listener accepted a connection whose HELLO names this QP.
-    pub fn accept_incoming(&self, src_qpn: u32, stream: TcpStream) {
+    pub fn accept_incoming(&self, hello: HelloIds, stream: TcpStream) {
         let mut rx = self.rx.lock();
         let mut side = self.side.lock();
+        let src_qpn = hello.src_qpn;
+        if hello.dst_incarnation != 0 && hello.dst_incarnation != side.incarnation {
+            // Opened towards an earlier incarnation of this QP (reset since).
+            tracing::debug!(
+                qp = self.qp_num.0,
+                src_qpn,
+                incarnation = side.incarnation,
+                hello_incarnation = hello.dst_incarnation,
+                "tcp0: connection for an earlier incarnation of the QP; closed"
+            );
+            return;
+        }
         let state = side.core.state();
-        if state == QpState::Error || side.conn.is_some() || side.parked.is_some() {
+        if state == QpState::Error || side.conn.is_some() {
             tracing::warn!(
                 qp = self.qp_num.0,
                 src_qpn,
@@ -340,16 +413,30 @@ impl TcpQp {
             return;
         }
         match side.core.remote().map(|r| r.qp_num.0) {
-            Some(remote) if remote == src_qpn => {
+            Some(remote)
+                if remote == src_qpn
+                    && incarnation_matches(side.remote_incarnation, hello.src_incarnation) =>
+            {
                 self.attach(&mut rx, &mut side, stream);
             }
             Some(remote) => tracing::warn!(
                 qp = self.qp_num.0,
                 src_qpn,
+                src_incarnation = hello.src_incarnation,
                 remote,
-                "tcp0: connection from a QP other than the peer; closed"
+                remote_incarnation = ?side.remote_incarnation,
+                "tcp0: connection from a QP (or incarnation) other than the peer; closed"
             ),
-            None => side.parked = Some((src_qpn, stream)),
+            None => {
+                if side.parked.len() >= MAX_PARKED {
+                    side.parked.remove(0);
+                }
+                side.parked.push(Parked {
+                    src_qpn,
+                    src_incarnation: hello.src_incarnation,
+                    stream,
+                });
+            }
         }
     }
 
@@ -370,7 +457,7 @@ impl TcpQp {
 }
 
 /// Open the connection to the peer's listener and introduce it.
-fn connect(addr: SocketAddr, dst_qpn: u32, src_qpn: u32) -> Result<TcpStream> {
+fn connect(addr: SocketAddr, dst: (u32, u32), src: (u32, u32)) -> Result<TcpStream> {
     let mut s = TcpStream::connect_timeout(&addr, CONNECT_TIMEOUT)
         .map_err(|e| VerbsError::Connect(format!("tcp connect to {addr}: {e}")))?;
     s.set_nodelay(true)
@@ -378,9 +465,11 @@ fn connect(addr: SocketAddr, dst_qpn: u32, src_qpn: u32) -> Result<TcpStream> {
     let mut hello = Vec::with_capacity(32);
     wire::encode(
         &Frame::Hello {
-            dst_qpn,
-            src_qpn,
+            dst_qpn: dst.0,
+            src_qpn: src.0,
             version: wire::PROTOCOL_VERSION,
+            src_incarnation: src.1,
+            dst_incarnation: dst.1,
         },
         &mut hello,
     );
@@ -395,7 +484,7 @@ fn close_side(side: &mut Side) {
     if let Some(c) = side.conn.take() {
         let _ = c.shutdown(Shutdown::Both);
     }
-    side.parked = None;
+    side.parked.clear();
     side.tx.clear();
     side.out_armed = false;
     side.held_at = None;
@@ -454,17 +543,26 @@ impl SoftQpDriver for TcpQp {
         &self.endpoint
     }
 
+    fn current_endpoint(&self) -> QpEndpoint {
+        let incarnation = self.side.lock().incarnation;
+        let mut ep = self.endpoint.clone();
+        ep.extra
+            .insert(INCARNATION_KEY.to_string(), incarnation.to_string());
+        ep
+    }
+
     fn with_core<R>(&self, f: impl FnOnce(&mut QpCore) -> R) -> R {
         f(&mut self.side.lock().core)
     }
 
     fn modify_rtr(&self, attr: &QpAttr) -> Result<()> {
-        self.side
-            .lock()
-            .core
-            .state()
-            .check_transition(QpState::Rtr)?;
+        let incarnation = {
+            let side = self.side.lock();
+            side.core.state().check_transition(QpState::Rtr)?;
+            side.incarnation
+        };
         let (remote, raddr) = rtr_remote(attr, PROVIDER)?;
+        let remote_inc = remote_incarnation(remote)?;
         let me = (self.engine.local_addr, self.qp_num.0);
         let peer = (raddr, remote.qp_num.0);
         if me == peer {
@@ -473,28 +571,48 @@ impl SoftQpDriver for TcpQp {
             ));
         }
         let stream = if me < peer {
-            Some(connect(raddr, remote.qp_num.0, self.qp_num.0)?)
+            Some(connect(
+                raddr,
+                (remote.qp_num.0, remote_inc.unwrap_or(0)),
+                (self.qp_num.0, incarnation),
+            )?)
         } else {
             None
         };
         let mut rx = self.rx.lock();
         let mut side = self.side.lock();
+        if side.incarnation != incarnation {
+            return Err(VerbsError::Connect(
+                "QP was reset while it connected".into(),
+            ));
+        }
         side.core.modify(attr)?;
+        side.remote_incarnation = remote_inc;
+        let parked = std::mem::take(&mut side.parked);
         if let Some(s) = stream {
             if side.conn.is_some() {
                 return Err(VerbsError::Connect("QP is already connected".into()));
             }
-            side.parked = None;
             self.attach(&mut rx, &mut side, s);
-        } else if let Some((src, s)) = side.parked.take() {
-            if src == remote.qp_num.0 {
+        } else {
+            // The latest connection from the peer's incarnation; the others are closed.
+            let mut chosen = None;
+            for p in parked.into_iter().rev() {
+                let from_peer = p.src_qpn == remote.qp_num.0
+                    && incarnation_matches(remote_inc, p.src_incarnation);
+                if from_peer && chosen.is_none() {
+                    chosen = Some(p.stream);
+                } else {
+                    tracing::debug!(
+                        qp = self.qp_num.0,
+                        src = p.src_qpn,
+                        src_incarnation = p.src_incarnation,
+                        "tcp0: parked connection from another QP or incarnation; closed"
+                    );
+                }
+            }
+            if let Some(s) = chosen {
                 self.attach(&mut rx, &mut side, s);
-            } else {
-                tracing::warn!(
-                    qp = self.qp_num.0,
-                    src,
-                    "tcp0: parked connection came from another QP; closed"
-                );
             }
         }
         Ok(())
@@ -504,7 +622,15 @@ impl SoftQpDriver for TcpQp {
         let mut rx = self.rx.lock();
         let mut side = self.side.lock();
         match side.core.modify(attr)? {
-            Transition::Error | Transition::Reset => {
+            Transition::Reset => {
+                close_side(&mut side);
+                side.incarnation = next_incarnation(side.incarnation);
+                side.remote_incarnation = None;
+                rx.conn = None;
+                rx.start = 0;
+                rx.end = 0;
+            }
+            Transition::Error => {
                 close_side(&mut side);
                 rx.conn = None;
                 rx.start = 0;

@@ -529,7 +529,7 @@ fn fake_peer(qp: &QueuePair) -> TcpStream {
     qp.modify(&QpAttr::rtr(fake)).unwrap();
     qp.modify(&QpAttr::rts()).unwrap();
     let (mut s, _) = listener.accept().unwrap();
-    let mut hello = [0u8; wire::HEADER_LEN + 8];
+    let mut hello = [0u8; wire::HEADER_LEN + 16];
     s.read_exact(&mut hello).unwrap();
     match wire::decode(&hello, 0).unwrap().unwrap().0 {
         Frame::Hello {
@@ -616,6 +616,8 @@ fn hello_for_unknown_qp_and_garbage_connections_are_dropped() {
             dst_qpn: 0x00ff_fff0,
             src_qpn: 1,
             version: wire::PROTOCOL_VERSION,
+            src_incarnation: 1,
+            dst_incarnation: 0,
         },
         &mut hello,
     );
@@ -823,4 +825,204 @@ fn bad_bind_settings_are_refused() {
         Context::open_with("tcp0", &cfg),
         Err(VerbsError::InvalidArgument(_))
     ));
+}
+
+/// Take `a` and `b` (RESET or INIT) to RTS towards each other, `b` first (as a server does:
+/// RTR and RTS before it answers, then the client).
+fn connect_qps(a: &QueuePair, b: &QueuePair) {
+    for qp in [a, b] {
+        if qp.state() == QpState::Reset {
+            qp.modify(&QpAttr::init(AccessFlags::ALL)).unwrap();
+        }
+    }
+    let (ea, eb) = (a.endpoint(), b.endpoint());
+    for (qp, remote) in [(b, ea), (a, eb)] {
+        qp.modify(&QpAttr::rtr(remote)).unwrap();
+        qp.modify(&QpAttr::rts()).unwrap();
+    }
+}
+
+/// Many QPs complete into one CQ while several threads wait on it with `poll_blocking` (arm,
+/// poll again, sleep): a completion that is queued always ends a wait. Each round delivers
+/// exactly one receive completion per waiter, so a waiter that sleeps while a completion is
+/// queued waits until the hang timeout.
+#[test]
+fn blocking_waiters_on_a_shared_cq_miss_no_completion() {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use std::sync::{Arc, Barrier};
+    use std::time::Instant;
+    const QPS: usize = 16;
+    const WAITERS: usize = 4;
+    const ROUNDS: usize = 300;
+    let (ca, cb) = (open("thread"), open("thread"));
+    let (pa, pb) = (ca.alloc_pd().unwrap(), cb.alloc_pd().unwrap());
+    let (cqa, cqb) = (ca.create_cq(4096).unwrap(), cb.create_cq(4096).unwrap());
+    let mra = pa.alloc_mr(4096, AccessFlags::ALL).unwrap();
+    let mrb = pb.alloc_mr(4096, AccessFlags::ALL).unwrap();
+    let qps: Vec<(QueuePair, QueuePair)> = (0..QPS)
+        .map(|_| {
+            let a = pa.create_qp(&QpInitAttr::new(&cqa)).unwrap();
+            let b = pb.create_qp(&QpInitAttr::new(&cqb)).unwrap();
+            connect_qps(&a, &b);
+            (a, b)
+        })
+        .collect();
+    let start = Arc::new(Barrier::new(WAITERS + 1));
+    let end = Arc::new(Barrier::new(WAITERS + 1));
+    let stranded = Arc::new(AtomicBool::new(false));
+    let received = Arc::new(AtomicUsize::new(0));
+    let waiters: Vec<_> = (0..WAITERS)
+        .map(|_| {
+            let (cq, start, end) = (cqb.clone(), start.clone(), end.clone());
+            let (stranded, received) = (stranded.clone(), received.clone());
+            std::thread::spawn(move || loop {
+                start.wait();
+                if stranded.load(Ordering::Acquire) {
+                    return;
+                }
+                let deadline = Instant::now() + WAIT;
+                let mut wc = [WorkCompletion::EMPTY; 1];
+                let n = cq.poll_blocking(&mut wc, WAIT).unwrap();
+                if n == 1 && wc[0].status == WcStatus::Success && Instant::now() < deadline {
+                    received.fetch_add(1, Ordering::AcqRel);
+                } else {
+                    stranded.store(true, Ordering::Release);
+                }
+                end.wait();
+            })
+        })
+        .collect();
+    let sge = [mra.sge(0, 64).unwrap()];
+    let mut rounds = 0;
+    for round in 0..ROUNDS {
+        start.wait();
+        if stranded.load(Ordering::Acquire) {
+            break;
+        }
+        for i in 0..WAITERS {
+            let (a, b) = &qps[(round * WAITERS + i) % QPS];
+            b.post_recv(&[RecvWr::new(i as u64, &[mrb.sge(0, 64).unwrap()])])
+                .unwrap();
+            a.post_send(&[SendWr::new(i as u64, &sge, WrOpcode::Send)])
+                .unwrap();
+        }
+        assert!(wait(&cqa, WAITERS).iter().all(|w| w.status.is_success()));
+        end.wait();
+        rounds += 1;
+    }
+    if rounds == ROUNDS {
+        // Release the waiters, which are at the start barrier.
+        stranded.store(true, Ordering::Release);
+        start.wait();
+    }
+    for w in waiters {
+        w.join().unwrap();
+    }
+    assert_eq!(
+        (rounds, received.load(Ordering::Acquire)),
+        (ROUNDS, ROUNDS * WAITERS),
+        "a waiter slept while its completion was queued"
+    );
+}
+
+/// The same QP pair reset and connected again, round after round, the way a QP cache reuses
+/// QPs: rounds without traffic (the listening side may not even have read the connection's
+/// HELLO before both QPs are reset) alternate with rounds whose traffic must flow. A connection
+/// of an earlier incarnation must never be taken for the current one.
+#[test]
+fn reset_and_reconnect_of_the_same_pair_ignores_earlier_incarnations() {
+    const ROUNDS: usize = 2000;
+    let (ca, cb) = (open("thread"), open("thread"));
+    let a = side(&ca, QpCaps::default(), AccessFlags::ALL);
+    let b = side(&cb, QpCaps::default(), AccessFlags::ALL);
+    let sge = [a.mr.sge(0, 32).unwrap()];
+    for round in 0..ROUNDS {
+        for s in [&a, &b] {
+            if s.qp.state() != QpState::Reset {
+                s.qp.modify(&QpAttr::reset()).unwrap();
+            }
+        }
+        // Either side connects first in turn.
+        if round % 4 < 2 {
+            connect_qps(&a.qp, &b.qp);
+        } else {
+            connect_qps(&b.qp, &a.qp);
+        }
+        if round % 2 == 0 {
+            continue;
+        }
+        let id = round as u64;
+        b.qp.post_recv(&[RecvWr::new(id, &[b.mr.sge(0, 64).unwrap()])])
+            .unwrap();
+        a.qp.post_send(&[SendWr::new(id, &sge, WrOpcode::Send)])
+            .unwrap();
+        let (sent, got) = (wait(&a.cq, 1)[0], wait(&b.cq, 1)[0]);
+        assert_eq!(
+            (sent.wr_id, sent.status, got.wr_id, got.status),
+            (id, WcStatus::Success, id, WcStatus::Success),
+            "round {round}: QP states {:?} / {:?}",
+            a.qp.state(),
+            b.qp.state()
+        );
+    }
+}
+
+/// The accepting side checks both incarnations a HELLO names: a connection opened towards an
+/// earlier incarnation of its QP (reset since) is closed even before RTR, one from an
+/// incarnation of the peer other than the one named at RTR is closed, and the right one is
+/// attached (its close then fails the QP).
+#[test]
+fn hello_for_or_from_another_incarnation_is_closed() {
+    let ctx = open("thread");
+    let b = side(&ctx, QpCaps::default(), AccessFlags::ALL);
+    let addr = ctx.query_port(1).unwrap().address;
+    let incarnation = |ep: &QpEndpoint| ep.extra["incarnation"].parse::<u32>().unwrap();
+    let before = incarnation(&b.qp.endpoint());
+    b.qp.modify(&QpAttr::init(AccessFlags::ALL)).unwrap();
+    b.qp.modify(&QpAttr::reset()).unwrap();
+    let now = incarnation(&b.qp.endpoint());
+    assert_ne!(before, now, "RESET gives the QP a new incarnation");
+    const PEER_QPN: u32 = 0x00ff_fff1;
+    let hello = |src_incarnation: u32, dst_incarnation: u32| {
+        let mut s = TcpStream::connect(&addr).unwrap();
+        let mut buf = Vec::new();
+        wire::encode(
+            &Frame::Hello {
+                dst_qpn: b.qp.qp_num().0,
+                src_qpn: PEER_QPN,
+                version: wire::PROTOCOL_VERSION,
+                src_incarnation,
+                dst_incarnation,
+            },
+            &mut buf,
+        );
+        s.write_all(&buf).unwrap();
+        s.set_read_timeout(Some(WAIT)).unwrap();
+        s
+    };
+    let closed_by_context = |mut s: TcpStream| s.read(&mut [0u8; 1]).unwrap_or(0) == 0;
+    b.qp.modify(&QpAttr::init(AccessFlags::ALL)).unwrap();
+    assert!(
+        closed_by_context(hello(7, before)),
+        "HELLO for the earlier incarnation"
+    );
+    // The peer: a lower address than the context's, so the context waits for its connection.
+    let mut peer = QpEndpoint {
+        address: "127.0.0.1:1".into(),
+        qp_num: QpNum(PEER_QPN),
+        ..b.qp.endpoint()
+    };
+    peer.extra.insert("incarnation".into(), "7".into());
+    b.qp.modify(&QpAttr::rtr(peer)).unwrap();
+    assert!(
+        closed_by_context(hello(8, now)),
+        "HELLO from another incarnation of the peer"
+    );
+    assert_eq!(b.qp.state(), QpState::Rtr);
+    let s = hello(7, now);
+    b.qp.post_recv(&[RecvWr::new(1, &[])]).unwrap();
+    drop(s);
+    let wc = wait(&b.cq, 1)[0];
+    assert_eq!((wc.wr_id, wc.status), (1, WcStatus::WrFlushed));
+    wait_state(&b.qp, QpState::Error);
 }

@@ -63,13 +63,24 @@ step "middleware: connection manager, QP cache on rxe0"
 FABRIQ_TEST_DEVICES=rxe0 ./mw-conn --test-threads=1 || fail=1
 step "perf: fabriq beside perftest (sanity comparison, TCG-emulated CPU)"
 gi=$(gid_index)
+# perftest pair: the server in the background (bounded), the client retried while the server is
+# not listening yet (a slow emulated guest can take more than a second to start it).
+perftest_pair() { # OUT TOOL ARGS...
+  out=$1; shift
+  timeout 300 "$@" > /dev/null 2>&1 &
+  srv=$!
+  for try in 1 2 3 4 5 6 7 8 9 10; do
+    sleep 1
+    timeout 300 "$@" 127.0.0.1 > "$out" 2>&1 && break
+    grep -q "Couldn't connect" "$out" || break
+  done
+  kill "$srv" 2>/dev/null; wait "$srv" 2>/dev/null
+}
 {
-  ./fabriq perf --local -d rxe0 -t send_lat -s 8 -n 2000 --json > perf-fabriq-send_lat.json 2> perf-fabriq-send_lat.err
-  ./fabriq perf --local -d rxe0 -t write_bw -s 65536 -n 2000 --json > perf-fabriq-write_bw.json 2> perf-fabriq-write_bw.err
-  ib_send_lat -d rxe0 -x "$gi" -s 8 -n 2000 -F > /dev/null 2>&1 &
-  sleep 1; ib_send_lat -d rxe0 -x "$gi" -s 8 -n 2000 -F 127.0.0.1 > perf-ib_send_lat.txt 2>&1; wait
-  ib_write_bw -d rxe0 -x "$gi" -s 65536 -n 2000 -F --report_gbits > /dev/null 2>&1 &
-  sleep 1; ib_write_bw -d rxe0 -x "$gi" -s 65536 -n 2000 -F --report_gbits 127.0.0.1 > perf-ib_write_bw.txt 2>&1; wait
+  timeout 300 ./fabriq perf --local -d rxe0 -t send_lat -s 8 -n 2000 --json > perf-fabriq-send_lat.json 2> perf-fabriq-send_lat.err
+  timeout 300 ./fabriq perf --local -d rxe0 -t write_bw -s 65536 -n 2000 --json > perf-fabriq-write_bw.json 2> perf-fabriq-write_bw.err
+  perftest_pair perf-ib_send_lat.txt ib_send_lat -d rxe0 -x "$gi" -s 8 -n 2000 -F
+  perftest_pair perf-ib_write_bw.txt ib_write_bw -d rxe0 -x "$gi" -s 65536 -n 2000 -F --report_gbits
 } || true
 cat perf-ib_send_lat.txt perf-ib_write_bw.txt 2>/dev/null | grep -E '^ *[0-9]' || true
 exit $fail

@@ -2,40 +2,10 @@
 //! provider, and the error paths a user meets (bad size, unknown test, unreachable server).
 //! They check structure and sanity of the output, never speed.
 
-use std::process::{Command, Output};
-use std::sync::Mutex;
+mod common;
 
+use common::{fabriq, perf_json, PERF};
 use serde_json::Value;
-
-/// `perf` runs busy-poll two pinned processes; run them one at a time.
-static PERF: Mutex<()> = Mutex::new(());
-
-fn fabriq(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_fabriq"))
-        .args(args)
-        .output()
-        .expect("spawn fabriq")
-}
-
-fn perf_json(args: &[&str]) -> Value {
-    let _one_at_a_time = PERF.lock().unwrap_or_else(|e| e.into_inner());
-    let mut all = vec!["perf", "--local", "--json"];
-    all.extend_from_slice(args);
-    let out = fabriq(&all);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        out.status.success(),
-        "fabriq {all:?} failed: {}\nstderr: {stderr}",
-        out.status
-    );
-    assert!(!stderr.contains("panicked"), "{stderr}");
-    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
-        panic!(
-            "fabriq {all:?} printed no JSON ({e}): {}",
-            String::from_utf8_lossy(&out.stdout)
-        )
-    })
-}
 
 fn assert_latency(v: &Value, test: &str, device: &str, iters: u64, kind: &str) {
     assert_eq!(v["tool"], "fabriq perf");

@@ -4,43 +4,15 @@
 //! the absence of errors, never speed.
 
 use std::io::{BufRead, BufReader};
-use std::process::{Command, Output, Stdio};
-use std::sync::Mutex;
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
+mod common;
+
+use common::{fabriq, perf_json, PERF};
 use serde_json::Value;
 
-/// Each run is two processes plus middleware worker threads; run them one at a time.
-static PERF: Mutex<()> = Mutex::new(());
-
 const HANG: Duration = Duration::from_secs(30);
-
-fn fabriq(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_fabriq"))
-        .args(args)
-        .output()
-        .expect("spawn fabriq")
-}
-
-fn perf_json(args: &[&str]) -> Value {
-    let _one_at_a_time = PERF.lock().unwrap_or_else(|e| e.into_inner());
-    let mut all = vec!["perf", "--local", "--json"];
-    all.extend_from_slice(args);
-    let out = fabriq(&all);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        out.status.success(),
-        "fabriq {all:?} failed: {}\nstderr: {stderr}",
-        out.status
-    );
-    assert!(!stderr.contains("panicked"), "{stderr}");
-    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
-        panic!(
-            "fabriq {all:?} printed no JSON ({e}): {}",
-            String::from_utf8_lossy(&out.stdout)
-        )
-    })
-}
 
 fn assert_header(v: &Value, layer: &str, test: &str, device: &str) {
     assert_eq!(v["tool"], "fabriq perf");

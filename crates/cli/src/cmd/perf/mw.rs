@@ -445,19 +445,21 @@ fn record(h: &mut Histogram<u64>, d: Duration) {
     h.saturating_record(ns);
 }
 
-fn send_lat(ch: &Channel, size: u32, iters: u64, warmup: u64) -> Result<RunResult> {
-    let buf = payload(size);
+/// `warmup + iters` timed exchanges; `exchange` does one and says whether its reply was intact.
+fn latency_loop(
+    size: u32,
+    iters: u64,
+    warmup: u64,
+    kind: LatencyKind,
+    mut exchange: impl FnMut() -> Result<bool>,
+) -> Result<RunResult> {
     let mut h = histogram()?;
     let mut errors = 0;
     for i in 0..warmup + iters {
         let t0 = Instant::now();
-        ch.send_timeout(&buf, STALL)
-            .map_err(chan_err("send_lat: send a ping"))?;
-        let m = ch
-            .recv_timeout(STALL)
-            .map_err(chan_err("send_lat: wait for the pong"))?;
+        let intact = exchange()?;
         let rtt = t0.elapsed();
-        if m[..] != buf[..] {
+        if !intact {
             errors += 1;
         }
         if i >= warmup {
@@ -465,12 +467,20 @@ fn send_lat(ch: &Channel, size: u32, iters: u64, warmup: u64) -> Result<RunResul
         }
     }
     Ok(RunResult::Latency(LatStats::from_rtt(
-        size,
-        warmup,
-        LatencyKind::OneWay,
-        &h,
-        errors,
+        size, warmup, kind, &h, errors,
     )))
+}
+
+fn send_lat(ch: &Channel, size: u32, iters: u64, warmup: u64) -> Result<RunResult> {
+    let buf = payload(size);
+    latency_loop(size, iters, warmup, LatencyKind::OneWay, || {
+        ch.send_timeout(&buf, STALL)
+            .map_err(chan_err("send_lat: send a ping"))?;
+        let m = ch
+            .recv_timeout(STALL)
+            .map_err(chan_err("send_lat: wait for the pong"))?;
+        Ok(m[..] == buf[..])
+    })
 }
 
 /// Missing (or extra) messages according to the receiver's count.
@@ -529,28 +539,12 @@ fn rpc_err(context: &'static str) -> impl FnOnce(fabriq::RpcError) -> PerfError 
 
 fn rpc_lat(rpc: &Rpc, size: u32, iters: u64, warmup: u64) -> Result<RunResult> {
     let buf = payload(size);
-    let mut h = histogram()?;
-    let mut errors = 0;
-    for i in 0..warmup + iters {
-        let t0 = Instant::now();
+    latency_loop(size, iters, warmup, LatencyKind::RoundTrip, || {
         let reply = rpc
             .call(ECHO, &buf, STALL)
             .map_err(rpc_err("rpc_lat: call echo"))?;
-        let rtt = t0.elapsed();
-        if reply != buf {
-            errors += 1;
-        }
-        if i >= warmup {
-            record(&mut h, rtt);
-        }
-    }
-    Ok(RunResult::Latency(LatStats::from_rtt(
-        size,
-        warmup,
-        LatencyKind::RoundTrip,
-        &h,
-        errors,
-    )))
+        Ok(reply == buf)
+    })
 }
 
 fn rpc_rate(rpc: &Rpc, size: u32, iters: u64, warmup: u64, callers: u32) -> Result<RunResult> {

@@ -79,10 +79,6 @@ pub enum ConfigError {
     Invalid(String),
 }
 
-/// How long a busy-mode provider (tcp) keeps treating a poller as active after its last poll,
-/// plus a margin (see [`Config::idle_spin_on`]).
-const BUSY_PROVIDER_GRACE: Duration = Duration::from_micros(1100);
-
 /// Who drives a worker's event loop (its progress pass: inbox, CQ, timers, channels).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -347,23 +343,6 @@ impl Config {
                 .map(|(k, v)| (k.clone(), v.clone())),
         );
         cfg
-    }
-
-    /// The busy-poll budget of pollers on `device`: `idle_spin_us`, but at least the time a
-    /// provider polled in busy mode (`progress = busy`, the tcp default) keeps treating a poller
-    /// as active after its last poll — its own thread leaves the sockets alone that long, so a
-    /// poller that slept sooner would only see its next completion after that grace.
-    pub fn idle_spin_on(&self, device: &str) -> Duration {
-        let busy = self
-            .device_config(device)
-            .options
-            .get("progress")
-            .is_some_and(|v| v == "busy");
-        if busy {
-            self.idle_spin().max(BUSY_PROVIDER_GRACE)
-        } else {
-            self.idle_spin()
-        }
     }
 
     /// The RPC default deadline.

@@ -145,7 +145,7 @@ impl Endpoint {
                     ChannelError::Verbs(fabriq_verbs::VerbsError::io("eventfd", e))
                 })?);
             let wcfg = WorkerConfig {
-                idle_spin: config.idle_spin_on(&ctx.device().name),
+                idle_spin: config.idle_spin(),
                 pin_cpu: config.pin_workers.then_some(i),
                 pool: crate::mempool::PoolConfig::default().with_chunk_size(chunk),
                 progress: config.progress,

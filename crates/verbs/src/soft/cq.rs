@@ -37,6 +37,14 @@ use crate::{Result, VerbsError, WorkCompletion};
 pub trait ProgressHook: Send + Sync + 'static {
     /// Make progress without blocking.
     fn drive(&self);
+    /// Make progress for a poller that has armed the CQ: it is about to sleep (the re-poll of
+    /// poll → arm → poll → wait), so it must not count as a poller that stays.
+    fn drive_armed(&self) {
+        self.drive();
+    }
+    /// A poller armed the CQ to sleep on its event: whatever the engine left to pollers it must
+    /// take back now.
+    fn poller_leaving(&self) {}
 }
 
 const UNARMED: u8 = 0;
@@ -231,7 +239,11 @@ impl CqOps for SoftCq {
         // completions are returned without a system call.
         if self.len.load(Ordering::SeqCst) < wc.len() {
             if let Some(hook) = self.hook.get().and_then(Weak::upgrade) {
-                hook.drive();
+                if self.armed.load(Ordering::Relaxed) == UNARMED {
+                    hook.drive();
+                } else {
+                    hook.drive_armed();
+                }
             }
         }
         self.poll_queue(wc)
@@ -245,6 +257,9 @@ impl CqOps for SoftCq {
         };
         // Arming for all completions widens an existing solicited-only arm, never narrows it.
         self.armed.fetch_max(want, Ordering::SeqCst);
+        if let Some(hook) = self.hook.get().and_then(Weak::upgrade) {
+            hook.poller_leaving();
+        }
         Ok(())
     }
 

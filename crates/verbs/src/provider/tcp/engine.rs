@@ -162,7 +162,7 @@ impl Engine {
             .as_micros() as u64
     }
 
-    fn poller_active(&self, now: Instant) -> bool {
+    pub(super) fn poller_active(&self, now: Instant) -> bool {
         let last = self.last_drive_us.load(Ordering::Relaxed);
         last != 0 && self.now_us(now).saturating_sub(last) < BUSY_GRACE.as_micros() as u64
     }
@@ -358,8 +358,10 @@ impl Engine {
     }
 }
 
-impl ProgressHook for Engine {
-    fn drive(&self) {
+impl Engine {
+    /// One busy-mode pass over every QP; `stays`: the poller keeps polling, so the thread
+    /// leaves the sockets to it for [`BUSY_GRACE`].
+    fn drive_pass(&self, stays: bool) {
         thread_local! {
             static SCRATCH: std::cell::RefCell<Vec<Arc<TcpQp>>> =
                 const { std::cell::RefCell::new(Vec::new()) };
@@ -372,8 +374,10 @@ impl ProgressHook for Engine {
             // here takes the write lock.
             self.qps.extend_live(&mut qps);
             let now = Instant::now();
-            self.last_drive_us
-                .store(self.now_us(now).max(1), Ordering::Relaxed);
+            if stays {
+                self.last_drive_us
+                    .store(self.now_us(now).max(1), Ordering::Relaxed);
+            }
             for qp in qps.iter() {
                 qp.drive_rx(Lock::Try);
                 qp.flush_held_ack(now, false);
@@ -383,6 +387,24 @@ impl ProgressHook for Engine {
             }
             qps.clear();
         });
+    }
+}
+
+impl ProgressHook for Engine {
+    fn drive(&self) {
+        self.drive_pass(true);
+    }
+
+    fn drive_armed(&self) {
+        self.drive_pass(false);
+    }
+
+    /// The poller goes to sleep on the CQ's event: end its grace at once and let the thread
+    /// take the deferred sockets back, instead of leaving them unread for [`BUSY_GRACE`].
+    fn poller_leaving(&self) {
+        if self.mode == ProgressMode::Busy && self.last_drive_us.swap(0, Ordering::Relaxed) != 0 {
+            self.poller.wake();
+        }
     }
 }
 

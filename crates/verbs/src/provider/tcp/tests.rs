@@ -727,6 +727,34 @@ fn busy_mode_progresses_from_poll_and_still_serves_one_sided_ops() {
     assert_eq!(&got, b"fallback");
 }
 
+/// A busy poller owns the sockets while it polls; once it arms its CQ to sleep, the progress
+/// thread takes them back at once (not after the grace period), and the canonical re-poll of
+/// an armed CQ does not claim them again.
+#[test]
+fn a_busy_poller_that_arms_its_cq_hands_the_sockets_back_at_once() {
+    let cb = open("busy");
+    let (a, b) = pair_in(&open("busy"), &cb);
+    let engine = cb
+        .ops()
+        .as_any()
+        .downcast_ref::<super::engine::Engine>()
+        .expect("a tcp0 context is its engine");
+    let mut wc = [WorkCompletion::EMPTY; 1];
+    assert_eq!(b.cq.poll(&mut wc).unwrap(), 0);
+    assert!(engine.poller_active(std::time::Instant::now()));
+    b.cq.req_notify(false).unwrap();
+    assert!(!engine.poller_active(std::time::Instant::now()));
+    assert_eq!(b.cq.poll(&mut wc).unwrap(), 0);
+    assert!(!engine.poller_active(std::time::Instant::now()));
+    // The sleeping poller is woken by its event, served by the thread.
+    b.qp.post_recv(&[RecvWr::new(1, &[])]).unwrap();
+    a.qp.post_send(&[SendWr::new(1, &[], WrOpcode::Send)])
+        .unwrap();
+    assert!(b.cq.wait_event(Some(WAIT)).unwrap());
+    b.cq.ack_events().unwrap();
+    assert_eq!(wait(&b.cq, 1)[0].wr_id, 1);
+}
+
 #[test]
 fn fence_orders_a_send_after_a_read() {
     let (a, b) = pair();

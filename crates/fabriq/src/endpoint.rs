@@ -18,14 +18,22 @@
 //! adopt on the worker (may send now)
 //! ```
 //!
-//! The TCP control stream stays with the channel: the worker polls it, and its hang-up (or the
-//! peer's `Close`) fails the channel with `PeerGone`. When a channel closes, the worker drains
-//! its QP and gives it back to the worker's QP cache, and the control stream goes back to the
-//! client's idle set or the server's listener; the next connect to that peer reuses both.
+//! That sets up a *connection*; channels are streams on it (`worker::streams`). Each worker keeps
+//! a [`ConnPool`]: one connection per peer address, shared by every channel this endpoint opens
+//! to that peer on that worker, so connections grow with peers × workers, not with channels or
+//! threads. A connect that finds a live pooled connection costs no round trip: it names a new
+//! stream and sends `STREAM_OPEN` in order before the stream's first message; on the other side
+//! the worker hands the stream to [`Listener::accept`].
+//!
+//! The TCP control stream stays with the connection: the worker polls it, and its hang-up (or
+//! the peer's `Close`) fails every channel on it with `PeerGone`. When the last channel of a
+//! connection closes on the connecting side, the worker drains the QP and gives it back to the
+//! worker's QP cache, and the control stream goes back to the client's idle set or the server's
+//! listener; the next connect to that peer reuses both.
 
 use std::net::{SocketAddr, ToSocketAddrs};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -37,13 +45,16 @@ use crate::channel::proto::ChannelConfig;
 use crate::channel::{ChannelError, PeerGeometry};
 use crate::config::Config;
 use crate::conn::{
-    ConnConfig, ConnError, ConnManager, ConnStats, ControlStream, Hello, Incoming, ListenerCloser,
-    PendingConn, QpLease, RejectCode, RingGeometry,
+    ConnConfig, ConnError, ConnManager, ConnPool, ConnPoolStats, ConnStats, Hello, Incoming,
+    ListenerCloser, PeerKey, PendingConn, RejectCode, RingGeometry,
 };
 use crate::handle::Channel;
 use crate::remote::ExposedRegion;
 use crate::worker::shared::{ChannelShared, WorkerShared};
-use crate::worker::{self, Adopt, Command, Handlers, WorkerConfig, ONE_SIDED_DEPTH};
+use crate::worker::streams::{stream_key, Accepted, ConnHandle};
+use crate::worker::{
+    self, direct_or_submit, Adopt, Command, Handlers, WorkerConfig, ONE_SIDED_DEPTH,
+};
 
 const ACCESS: AccessFlags = AccessFlags::all();
 
@@ -52,6 +63,8 @@ struct WorkerRef {
     /// The worker's connection manager: QPs on the worker's CQ, its QP cache, its idle
     /// control streams.
     conn: ConnManager,
+    /// Connections this endpoint opened from this worker, by peer address.
+    pool: ConnPool<ConnHandle>,
 }
 
 struct Inner {
@@ -161,7 +174,11 @@ impl Endpoint {
             let conn_cfg =
                 Self::conn_config(&config, &config.channel_config(device_gbps), &attr, i)?;
             let conn = ConnManager::new(&pd, &cq, conn_cfg)?;
-            workers.push(WorkerRef { shared, conn });
+            workers.push(WorkerRef {
+                shared,
+                conn,
+                pool: ConnPool::new(),
+            });
         }
         Ok(Endpoint {
             inner: Arc::new(Inner {
@@ -283,8 +300,14 @@ impl Endpoint {
 
     /// Second half of either side: the peer's hello is known and the QP is in INIT. Post the
     /// receive ring, then let the handshake finish (no RNR: the peer learns it may send only
-    /// after this), and hand the channel to the worker with its control stream and QP lease.
-    fn finish_pending(&self, w: &WorkerRef, pending: PendingConn) -> Result<Channel, ChannelError> {
+    /// after this), and hand the connection to the worker with its control stream and QP lease.
+    /// `accept`: the accepting side's queue for the streams the peer will open.
+    fn finish_pending(
+        &self,
+        w: &WorkerRef,
+        pending: PendingConn,
+        accept: Option<std::sync::mpsc::Sender<Accepted>>,
+    ) -> Result<Adopted, ChannelError> {
         let cfg = self.channel_config();
         let geo = match Self::peer_geometry(pending.peer()) {
             Ok(g) => g,
@@ -308,35 +331,89 @@ impl Endpoint {
         }
         let (est, control) = pending.finish_owned()?;
         let lease = w.conn.lease(est.qp);
-        Ok(self.adopt(w, driver, control, lease, &cfg))
-    }
-
-    fn adopt(
-        &self,
-        w: &WorkerRef,
-        driver: ChannelDriver,
-        control: ControlStream,
-        lease: QpLease,
-        cfg: &ChannelConfig,
-    ) -> Channel {
-        let id = driver.qp().qp_num().0;
+        let conn = driver.qp().qp_num().0;
         let peer = control.peer_addr();
-        let window = u64::from(cfg.max_queued) + u64::from(cfg.rx_slots);
-        let shared = Arc::new(ChannelShared::new(id, Arc::clone(&w.shared), window));
+        let failed = Arc::new(AtomicBool::new(false));
+        let eager_max = cfg.thresholds.eager_max;
         w.shared.submit(Command::Adopt(Box::new(Adopt {
             driver,
-            shared: Arc::clone(&shared),
             control: Some(control),
             lease: Some(lease),
+            accept,
+            failed: Arc::clone(&failed),
+            peer,
+            eager_max,
         })));
-        Channel::new(shared, self.clone(), peer, cfg.thresholds.eager_max)
+        Ok(Adopted {
+            conn,
+            failed,
+            eager_max,
+        })
     }
 
-    /// Connect to a listening endpoint. Errors of the set-up are [`ChannelError::Connect`]
-    /// with the connection manager's typed [`ConnError`] (refused, timeout, version, provider
-    /// or auth-token mismatch, rejected, peer closed mid-handshake).
-    pub fn connect(&self, addr: impl ToSocketAddrs) -> Result<Channel, ChannelError> {
+    /// A new connection to `addr` from worker `w` (the full handshake).
+    fn new_connection(&self, w: &WorkerRef, addr: SocketAddr) -> Result<ConnHandle, ChannelError> {
         let timeout = self.inner.config.handshake_timeout();
+        let pending = w.conn.connect_pending(addr, None, timeout)?;
+        let a = self.finish_pending(w, pending, None)?;
+        Ok(ConnHandle::new(
+            Arc::clone(&w.shared),
+            a.conn,
+            addr,
+            a.eager_max,
+            a.failed,
+        ))
+    }
+
+    /// The pooled connection to `addr` of worker `w`, connecting if there is none live.
+    fn pooled_connection(
+        &self,
+        w: &WorkerRef,
+        addr: SocketAddr,
+    ) -> Result<Arc<ConnHandle>, ChannelError> {
+        let key = PeerKey { addr, worker: None };
+        loop {
+            let conn = w
+                .pool
+                .get_or_connect(key, || self.new_connection(w, addr))?;
+            if !conn.is_failed() {
+                return Ok(conn);
+            }
+            // Failed since it was pooled: forget it (unless another connect already replaced
+            // it) and connect again.
+            w.pool.remove_stale(key, &conn);
+        }
+    }
+
+    /// Open a stream on `conn`: no round trip, its `STREAM_OPEN` precedes its first message.
+    fn open_stream(&self, w: &WorkerRef, conn: Arc<ConnHandle>) -> Channel {
+        let stream = conn.next_stream();
+        let window = u64::from(self.channel_config().max_queued);
+        let shared = Arc::new(ChannelShared::new(
+            stream_key(conn.conn, stream),
+            Arc::clone(&w.shared),
+            window,
+        ));
+        let id = conn.conn;
+        direct_or_submit(
+            &w.shared,
+            Arc::clone(&shared),
+            |g, shared| g.enqueue_open(id, stream, shared),
+            |shared| Command::OpenStream {
+                conn: id,
+                stream,
+                shared,
+            },
+        );
+        let (peer, eager_max) = (conn.peer, conn.eager_max);
+        Channel::new(shared, self.clone(), peer, eager_max, Some(conn))
+    }
+
+    /// Connect to a listening endpoint: a new channel on this endpoint's pooled connection to
+    /// that peer (one per worker), set up first if there is none. Errors of the set-up are
+    /// [`ChannelError::Connect`] with the connection manager's typed [`ConnError`] (refused,
+    /// timeout, version, provider or auth-token mismatch, rejected, peer closed mid-handshake).
+    pub fn connect(&self, addr: impl ToSocketAddrs) -> Result<Channel, ChannelError> {
         let addrs: Vec<SocketAddr> = addr
             .to_socket_addrs()
             .map_err(|e| ChannelError::Handshake(format!("resolve: {e}")))?
@@ -344,10 +421,10 @@ impl Endpoint {
         let w = self.pick_worker();
         let mut refused = None;
         for a in addrs {
-            match w.conn.connect_pending(a, None, timeout) {
-                Ok(pending) => return self.finish_pending(w, pending),
-                Err(e @ ConnError::Refused { .. }) => refused = Some(e),
-                Err(e) => return Err(e.into()),
+            match self.pooled_connection(w, a) {
+                Ok(conn) => return Ok(self.open_stream(w, conn)),
+                Err(ChannelError::Connect(e @ ConnError::Refused { .. })) => refused = Some(e),
+                Err(e) => return Err(e),
             }
         }
         Err(refused.map_or_else(
@@ -358,7 +435,11 @@ impl Endpoint {
 
     /// Server side, after the listener read and checked a peer's hello: route it to the worker
     /// it asked for (else the next one), and finish there.
-    fn accept_incoming(&self, incoming: Incoming) -> Result<Channel, ChannelError> {
+    fn accept_incoming(
+        &self,
+        incoming: Incoming,
+        accept: std::sync::mpsc::Sender<Accepted>,
+    ) -> Result<(), ChannelError> {
         let workers = &self.inner.workers;
         let w = match incoming.peer().target_worker {
             // An unknown worker is refused by the manager (`WrongWorker`).
@@ -366,7 +447,20 @@ impl Endpoint {
             None => self.pick_worker(),
         };
         let pending = w.conn.accept_incoming(incoming)?;
-        self.finish_pending(w, pending)
+        self.finish_pending(w, pending, Some(accept)).map(|_| ())
+    }
+
+    /// Counters of the connection pools of every worker: connects served by a live shared
+    /// connection (hits), connects that set one up (misses), live pooled connections.
+    pub fn pool_stats(&self) -> ConnPoolStats {
+        let mut total = ConnPoolStats::default();
+        for w in &self.inner.workers {
+            let s = w.pool.stats();
+            total.hits += s.hits;
+            total.misses += s.misses;
+            total.live += s.live;
+        }
+        total
     }
 
     /// Counters of the connection managers of every worker: connects, accepts, failures, QP
@@ -386,7 +480,7 @@ impl Endpoint {
         let l = self.inner.workers[0].conn.listen(addr)?;
         let local = l.local_addr();
         let closer = l.closer();
-        let (tx, rx) = std::sync::mpsc::channel::<Channel>();
+        let (tx, rx) = std::sync::mpsc::channel::<Accepted>();
         let (fail_tx, fail_rx) = std::sync::mpsc::sync_channel::<ConnError>(FAILURES_KEPT);
         let record = move |e: ConnError| {
             tracing::warn!(%e, "handshake failed");
@@ -413,12 +507,8 @@ impl Endpoint {
                 };
                 let Some(inner) = weak.upgrade() else { break };
                 let ep = Endpoint { inner };
-                match ep.accept_incoming(incoming) {
-                    Ok(ch) => {
-                        if tx.send(ch).is_err() {
-                            break;
-                        }
-                    }
+                match ep.accept_incoming(incoming, tx.clone()) {
+                    Ok(()) => {}
                     Err(ChannelError::Connect(e)) => record(e),
                     Err(e) => tracing::warn!(%e, "channel set-up failed"),
                 }
@@ -426,6 +516,7 @@ impl Endpoint {
             .map_err(|e| ChannelError::Handshake(format!("spawn acceptor: {e}")))?;
         Ok(Listener {
             local,
+            endpoint: Arc::downgrade(&self.inner),
             rx: Mutex::new(rx),
             failures: Mutex::new(fail_rx),
             closer,
@@ -438,10 +529,19 @@ impl Endpoint {
 /// dropped (logged only) while the queue is full.
 const FAILURES_KEPT: usize = 64;
 
-/// Accepts channels connected to a listening address.
+/// What [`Endpoint::finish_pending`] handed to the worker.
+struct Adopted {
+    conn: u32,
+    failed: Arc<AtomicBool>,
+    eager_max: u32,
+}
+
+/// Accepts channels connected to a listening address: every channel a peer opens, whether on a
+/// new connection or on one it already has with this endpoint.
 pub struct Listener {
     local: SocketAddr,
-    rx: Mutex<std::sync::mpsc::Receiver<Channel>>,
+    endpoint: Weak<Inner>,
+    rx: Mutex<std::sync::mpsc::Receiver<Accepted>>,
     failures: Mutex<std::sync::mpsc::Receiver<ConnError>>,
     closer: ListenerCloser,
     thread: Option<JoinHandle<()>>,
@@ -461,18 +561,33 @@ impl Listener {
         self.local
     }
 
+    fn channel(&self, a: Accepted) -> Result<Channel, ChannelError> {
+        let inner = self.endpoint.upgrade().ok_or(ChannelError::Closed)?;
+        let (peer, eager_max) = (a.peer, a.eager_max);
+        let shared = a.take().ok_or(ChannelError::Closed)?;
+        Ok(Channel::new(
+            shared,
+            Endpoint { inner },
+            peer,
+            eager_max,
+            None,
+        ))
+    }
+
     /// Wait for the next channel. Peers whose handshake fails are not returned here; see
     /// [`Listener::next_failure`].
     pub fn accept(&self) -> Result<Channel, ChannelError> {
-        self.rx.lock().recv().map_err(|_| ChannelError::Closed)
+        let a = self.rx.lock().recv().map_err(|_| ChannelError::Closed)?;
+        self.channel(a)
     }
 
     /// Wait at most `timeout` for the next channel.
     pub fn accept_timeout(&self, timeout: Duration) -> Result<Channel, ChannelError> {
-        self.rx.lock().recv_timeout(timeout).map_err(|e| match e {
+        let a = self.rx.lock().recv_timeout(timeout).map_err(|e| match e {
             std::sync::mpsc::RecvTimeoutError::Timeout => ChannelError::Timeout,
             std::sync::mpsc::RecvTimeoutError::Disconnected => ChannelError::Closed,
-        })
+        })?;
+        self.channel(a)
     }
 
     /// Wait at most `timeout` for the next handshake that failed on this side (auth token or

@@ -1,4 +1,5 @@
-//! [`Channel`]: the application's handle on one connection. Thread-safe and cheap to clone.
+//! [`Channel`]: the application's handle on one stream of a connection (see
+//! `worker::streams`). Thread-safe and cheap to clone.
 //! A send is posted directly by the calling thread under the worker's lock (always in caller
 //! mode; in thread mode when the worker thread does not hold it), else handed to the worker's
 //! inbox; waiting (delivery queue, send window) goes through the worker's wait loop, which
@@ -18,6 +19,7 @@ use crate::mempool::PoolBuf;
 use crate::message::{Message, SendBuf};
 use crate::remote::{RegionDescriptor, RemoteRegion};
 use crate::worker::shared::ChannelShared;
+use crate::worker::streams::ConnHandle;
 use crate::worker::{alloc_filled, direct_or_submit, Command};
 
 struct Inner {
@@ -25,6 +27,9 @@ struct Inner {
     endpoint: Endpoint,
     peer: SocketAddr,
     eager_max: u32,
+    /// Connecting side: this channel's share of the pooled connection (dropped after the
+    /// stream's `Close`, so a last channel closes the connection behind its stream).
+    _conn: Option<Arc<ConnHandle>>,
 }
 
 impl Drop for Inner {
@@ -44,7 +49,10 @@ impl Drop for AsyncWaiter<'_> {
     }
 }
 
-/// A reliable, ordered, message-preserving connection. Closed when the last clone is dropped.
+/// A reliable, ordered, message-preserving channel: one stream of a connection that every
+/// channel between the same two endpoints (and worker) shares. Closed when the last clone is
+/// dropped; the peer's handle then reports [`ChannelError::PeerGone`] once it has read what
+/// was delivered.
 #[derive(Clone)]
 pub struct Channel {
     inner: Arc<Inner>,
@@ -65,6 +73,7 @@ impl Channel {
         endpoint: Endpoint,
         peer: SocketAddr,
         eager_max: u32,
+        conn: Option<Arc<ConnHandle>>,
     ) -> Channel {
         Channel {
             inner: Arc::new(Inner {
@@ -72,6 +81,7 @@ impl Channel {
                 endpoint,
                 peer,
                 eager_max,
+                _conn: conn,
             }),
         }
     }
@@ -141,6 +151,7 @@ impl Channel {
             TraceInfo {
                 trace_id,
                 flags: crate::channel::TraceFlags(crate::channel::TraceFlags::SAMPLED),
+                stream: 0,
             },
         )
     }
@@ -281,7 +292,8 @@ impl Channel {
         }
     }
 
-    /// Change the eager threshold / READ chunk / READs in flight on the live channel.
+    /// Change the eager threshold / READ chunk / READs in flight on the live channel (on the
+    /// connection it shares with the other channels to the same peer).
     pub fn set_thresholds(&self, thresholds: Thresholds) {
         let s = &self.inner.shared;
         s.worker.submit(Command::SetThresholds {
@@ -290,8 +302,9 @@ impl Channel {
         });
     }
 
-    /// Protocol counters of this end. [`ChannelError::WouldBlock`] when called from an RPC
-    /// handler running on this channel's worker.
+    /// Protocol counters of this end of the connection carrying the channel (shared with the
+    /// other channels on it). [`ChannelError::WouldBlock`] when called from an RPC handler
+    /// running on this channel's worker.
     pub fn stats(&self) -> Result<ChannelStats, ChannelError> {
         let s = &self.inner.shared;
         let _caller = s.worker.enter_caller();

@@ -344,3 +344,112 @@ fn a_dying_peer_process_fails_the_channel_with_peer_gone() {
         assert!(c.is_closed(), "{device}");
     }
 }
+
+/// The connection pool: many channels from many threads to one peer share one connection per
+/// client worker (connections grow with peers × workers, not with channels), each channel keeps
+/// its own messages apart, closing one leaves the others working, and the last one closing
+/// sends the QP back to the cache so a later connect sets a connection up again.
+#[test]
+fn channels_to_one_peer_share_one_connection_per_worker() {
+    const THREADS: usize = 4;
+    const PER_THREAD: usize = 6;
+    const ROUNDS: u32 = 50;
+    for device in devices() {
+        let cfg = |workers| Config {
+            device: device.clone(),
+            workers,
+            handshake_timeout_ms: 10_000,
+            ..Config::default()
+        };
+        let Ok(server) = Endpoint::new(cfg(1)) else {
+            eprintln!("skipping {device}");
+            continue;
+        };
+        let client = Endpoint::new(cfg(2)).expect("client");
+        let listener = server.listen("127.0.0.1:0").expect("listen");
+        let addr = listener.local_addr();
+        // Echo every accepted channel from its own thread until the peer closes it.
+        let echo = std::thread::spawn(move || {
+            let mut served = Vec::new();
+            for _ in 0..THREADS * PER_THREAD {
+                let s = listener.accept_timeout(HANG).expect("accept");
+                served.push(std::thread::spawn(move || {
+                    let mut n = 0u32;
+                    loop {
+                        match s.recv_timeout(HANG) {
+                            Ok(m) => {
+                                s.send(&m).expect("echo");
+                                n += 1;
+                            }
+                            Err(ChannelError::PeerGone) => return n,
+                            Err(e) => panic!("echo: {e}"),
+                        }
+                    }
+                }));
+            }
+            (listener, served)
+        });
+        let clients: Vec<_> = (0..THREADS)
+            .map(|t| {
+                let client = client.clone();
+                std::thread::spawn(move || {
+                    let chans: Vec<Channel> = (0..PER_THREAD)
+                        .map(|_| client.connect(addr).expect("connect"))
+                        .collect();
+                    for r in 0..ROUNDS {
+                        // Interleave the channels: each message names its channel and round.
+                        for (i, c) in chans.iter().enumerate() {
+                            let mut m = vec![t as u8, i as u8];
+                            m.extend_from_slice(&r.to_le_bytes());
+                            // Every 10th round a rendezvous-sized message.
+                            m.resize(if r % 10 == 9 { 20_000 } else { 64 }, r as u8);
+                            c.send(&m).expect("send");
+                        }
+                        for (i, c) in chans.iter().enumerate() {
+                            let m = c.recv_timeout(HANG).expect("recv");
+                            assert_eq!(&m[..2], &[t as u8, i as u8], "crossed channels");
+                            assert_eq!(&m[2..6], &r.to_le_bytes(), "order");
+                        }
+                    }
+                    chans
+                })
+            })
+            .collect();
+        let mut chans: Vec<Channel> = clients
+            .into_iter()
+            .flat_map(|h| h.join().expect("client thread"))
+            .collect();
+        let cs = client.conn_stats();
+        let pool = client.pool_stats();
+        // 24 channels, 2 client workers: 2 connections, set up by 2 handshakes.
+        assert_eq!(cs.connects, 2, "{device}: {cs:?}");
+        assert_eq!(pool.misses, 2, "{device}: {pool:?}");
+        assert_eq!(pool.hits, (THREADS * PER_THREAD - 2) as u64, "{device}");
+        assert_eq!(pool.live, 2, "{device}: {pool:?}");
+        assert_eq!(server.conn_stats().accepts, 2, "{device}");
+        // Closing one channel leaves the others on its connection working.
+        drop(chans.remove(0));
+        for c in &chans {
+            c.send(b"still here").expect("send after a sibling closed");
+            assert_eq!(&c.recv_timeout(HANG).expect("recv")[..], b"still here");
+        }
+        // The last channels go: both connections close, their QPs go back to the cache.
+        drop(chans);
+        let (listener, served) = echo.join().expect("echo thread");
+        let echoed: u32 = served.into_iter().map(|h| h.join().expect("echo")).sum();
+        let per_chan = ROUNDS as usize;
+        assert!(
+            echoed as usize >= THREADS * PER_THREAD * per_chan,
+            "{device}: {echoed}"
+        );
+        wait_stats(&client, "client QPs cached", |s| s.qps_cached >= 2);
+        wait_stats(&server, "server QPs cached", |s| s.qps_cached >= 2);
+        assert_eq!(client.pool_stats().live, 0, "{device}");
+        // A new connect finds no live connection and sets one up (from the QP cache).
+        let c = client.connect(addr).expect("reconnect");
+        let s = listener.accept_timeout(HANG).expect("accept");
+        ping(&c, &s, b"again");
+        assert_eq!(client.pool_stats().misses, 3, "{device}");
+        assert!(client.conn_stats().qp_cache_hits >= 1, "{device}");
+    }
+}

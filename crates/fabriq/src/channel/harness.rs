@@ -410,7 +410,7 @@ impl Pair {
                         side.core.handle_released(1);
                     }
                 }
-                Event::SendComplete { id, payload } => {
+                Event::SendComplete { id, payload, .. } => {
                     side.completed.push(id.0);
                     // The payload is free: its memory goes away, so any later access by the
                     // peer would complete with RemoteAccess.

@@ -221,6 +221,9 @@ pub struct TraceInfo {
     pub trace_id: u64,
     /// Trace flags.
     pub flags: TraceFlags,
+    /// Stream of the connection the message belongs to (carried in the message header, opaque
+    /// to the core: sequence numbers, acks and credits are the connection's).
+    pub stream: u32,
 }
 
 /// A work request the driver must post, in the order returned.
@@ -303,6 +306,8 @@ pub enum Event<O, I> {
         seq: u64,
         /// Its trace header.
         trace: TraceHeader,
+        /// Its stream (from the message header).
+        stream: u32,
         /// The payload.
         payload: Received<I>,
     },
@@ -310,6 +315,8 @@ pub enum Event<O, I> {
     SendComplete {
         /// The message.
         id: MsgId,
+        /// Its stream, as given to `send`.
+        stream: u32,
         /// The payload given to `send`.
         payload: O,
     },
@@ -381,6 +388,7 @@ struct Queued<O> {
 
 struct Inflight<O> {
     payload: O,
+    stream: u32,
     kind: SendKind,
     /// The local SEND completion arrived.
     wc_done: bool,
@@ -403,6 +411,7 @@ enum Incoming<I> {
 struct Arrived<I> {
     seq: u64,
     trace: TraceHeader,
+    stream: u32,
     state: Incoming<I>,
 }
 
@@ -815,7 +824,7 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
                 if payload.len() as u64 > self.config.max_message_len {
                     return self.protocol_error("eager payload above max message size".into());
                 }
-                self.accept_seq(frame.header.seq, frame.trace, || {
+                self.accept_seq(frame.header.seq, frame.trace, frame.header.stream, || {
                     Incoming::Ready(Received::Eager(payload.to_vec()))
                 });
             }
@@ -829,12 +838,14 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
                         rts.total_len, self.config.max_message_len
                     ));
                 }
-                self.accept_seq(frame.header.seq, frame.trace, || Incoming::Pulling {
-                    rts,
-                    buf: None,
-                    requested: false,
-                    next_offset: 0,
-                    done: 0,
+                self.accept_seq(frame.header.seq, frame.trace, frame.header.stream, || {
+                    Incoming::Pulling {
+                        rts,
+                        buf: None,
+                        requested: false,
+                        next_offset: 0,
+                        done: 0,
+                    }
                 });
             }
             FrameBody::Fin { seq } => {
@@ -864,6 +875,7 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
         &mut self,
         wire_seq: u32,
         trace: TraceHeader,
+        stream: u32,
         make: impl FnOnce() -> Incoming<I>,
     ) {
         let seq = wire::expand_seq(wire_seq, self.last_arrived + 1);
@@ -883,6 +895,7 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
         self.arrived.push_back(Arrived {
             seq,
             trace,
+            stream,
             state: make(),
         });
     }
@@ -908,6 +921,7 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
             self.events.push_back(Event::Received {
                 seq: a.seq,
                 trace: a.trace,
+                stream: a.stream,
                 payload,
             });
         }
@@ -970,6 +984,7 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
             if let Some(m) = self.inflight.remove(&seq) {
                 self.events.push_back(Event::SendComplete {
                     id: MsgId(seq),
+                    stream: m.stream,
                     payload: m.payload,
                 });
             }
@@ -1107,6 +1122,7 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
                 q.seq,
                 Inflight {
                     payload: q.payload,
+                    stream: q.trace.stream,
                     kind,
                     wc_done: false,
                     peer_done: false,
@@ -1157,6 +1173,7 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
             credits: returning as u16,
             kind,
             len,
+            stream: trace.stream,
         };
         let trace = TraceHeader {
             trace_id: trace.trace_id,

@@ -285,6 +285,7 @@ mod peer_input {
             credits: 0,
             kind,
             len,
+            stream: 0,
         };
         let mut v = HeadBuf::encode(&TraceHeader::default(), &h, &body)
             .as_slice()

@@ -1,22 +1,27 @@
-//! The channel's wire format: the 16-byte trace header, the 16-byte message header and the small
+//! The channel's wire format: the 16-byte trace header, the 24-byte message header and the small
 //! bodies of the control kinds (RTS, FIN). Encoders write into caller buffers; decoders take
 //! bytes received from a peer and return `Result`, never panic (design: ARCHITECTURE.md, "The data
 //! path of one message").
 //!
-//! Layout (little endian), 32 bytes in front of every message:
+//! Layout (little endian), 40 bytes in front of every message:
 //!
 //! ```text
 //!  0  trace_id      u64   chosen by the sender, carried end to end
 //!  8  send_ts_us    u32   sender's monotonic clock, microseconds, truncated (wraps ~71 min)
 //! 12  trace_flags   u16   TraceFlags
-//! 14  magic         u16   0xFB01: protocol 0xFB, version 01
+//! 14  magic         u16   0xFB02: protocol 0xFB, version 02
 //! 16  seq           u32   sequence of a data message (Data, Rts); 0 for control kinds
 //! 20  ack           u32   cumulative: every data message up to this seq was delivered
 //! 24  credits       u16   receive slots returned to the peer by this message
 //! 26  kind          u8    1 Data, 2 Rts, 3 Fin, 4 Update
 //! 27  flags         u8    reserved, sent as 0, ignored
-//! 28  len           u32   bytes following the 32-byte header in this frame
+//! 28  len           u32   bytes following the 40-byte header in this frame
+//! 32  stream        u32   the stream (channel) of a connection this message belongs to
+//! 36  reserved      u32   sent as 0, ignored
 //! ```
+//!
+//! One connection (queue pair) carries many streams: sequence numbers, acks and credits belong
+//! to the connection, the stream id only routes a message to its channel (`worker::streams`).
 //!
 //! Bodies: `Data` carries `len` payload bytes; `Rts` 24 bytes {total_len u64, addr u64, rkey u32,
 //! reserved u32}; `Fin` 8 bytes {seq u32, reserved u32}; `Update` nothing.
@@ -27,7 +32,7 @@ use fabriq_verbs::{RemoteAddr, Rkey};
 /// Size of the trace header.
 pub const TRACE_HEADER_LEN: usize = 16;
 /// Size of the message header.
-pub const MSG_HEADER_LEN: usize = 16;
+pub const MSG_HEADER_LEN: usize = 24;
 /// Both headers: the fixed prefix of every frame.
 pub const HEADER_LEN: usize = TRACE_HEADER_LEN + MSG_HEADER_LEN;
 /// Body of an RTS frame.
@@ -39,7 +44,7 @@ pub const FIN_BODY_LEN: usize = 8;
 pub const MAX_HEAD_LEN: usize = HEADER_LEN + RTS_BODY_LEN;
 
 /// Protocol magic and version in one `u16`.
-pub const MAGIC: u16 = 0xFB01;
+pub const MAGIC: u16 = 0xFB02;
 
 /// Flags of the trace header.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -52,6 +57,10 @@ impl TraceFlags {
     pub const RPC_REQUEST: u16 = 1 << 1;
     /// The message is an RPC response.
     pub const RPC_RESPONSE: u16 = 1 << 2;
+    /// The (empty) message opens its stream on the connection.
+    pub const STREAM_OPEN: u16 = 1 << 3;
+    /// The (empty) message closes its stream: no more messages follow on it in either direction.
+    pub const STREAM_CLOSE: u16 = 1 << 4;
 
     /// True if every bit of `bits` is set.
     pub fn contains(self, bits: u16) -> bool {
@@ -122,6 +131,8 @@ pub struct MsgHeader {
     pub kind: MsgKind,
     /// Bytes following the header in this frame.
     pub len: u32,
+    /// Stream of the connection the message belongs to.
+    pub stream: u32,
 }
 
 /// A rendezvous announcement: where the receiver pulls the payload from.
@@ -253,15 +264,16 @@ impl HeadBuf {
         put(b, 24, &header.credits.to_le_bytes());
         put(b, 26, &[header.kind.code(), 0]);
         put(b, 28, &header.len.to_le_bytes());
+        put(b, 32, &header.stream.to_le_bytes());
         match body {
             FrameBody::Rts(rts) => {
-                put(b, 32, &rts.total_len.to_le_bytes());
-                put(b, 40, &rts.source.addr.to_le_bytes());
-                put(b, 48, &rts.source.rkey.0.to_le_bytes());
+                put(b, HEADER_LEN, &rts.total_len.to_le_bytes());
+                put(b, HEADER_LEN + 8, &rts.source.addr.to_le_bytes());
+                put(b, HEADER_LEN + 16, &rts.source.rkey.0.to_le_bytes());
                 out.len = (HEADER_LEN + RTS_BODY_LEN) as u8;
             }
             FrameBody::Fin { seq } => {
-                put(b, 32, &seq.to_le_bytes());
+                put(b, HEADER_LEN, &seq.to_le_bytes());
                 out.len = (HEADER_LEN + FIN_BODY_LEN) as u8;
             }
             FrameBody::Data(_) | FrameBody::Update => {}
@@ -297,6 +309,7 @@ pub fn decode(bytes: &[u8]) -> Result<Frame<'_>, DecodeError> {
         credits: u16_at(bytes, 24),
         kind,
         len: u32_at(bytes, 28),
+        stream: u32_at(bytes, 32),
     };
     let rest = bytes.get(HEADER_LEN..).unwrap_or(&[]);
     let expect = match kind {
@@ -378,6 +391,7 @@ mod tests {
             credits: 3,
             kind,
             len,
+            stream: 11,
         }
     }
 
@@ -404,6 +418,7 @@ mod tests {
         assert_eq!(frame.trace, trace);
         assert_eq!(frame.body, FrameBody::Rts(rts));
         assert_eq!(frame.header.credits, 3);
+        assert_eq!(frame.header.stream, 11);
     }
 
     #[test]
@@ -449,7 +464,7 @@ mod tests {
         }
 
         #[test]
-        fn decode_never_panics_with_valid_magic(mut bytes in proptest::collection::vec(any::<u8>(), 32..120), kind in 0u8..6) {
+        fn decode_never_panics_with_valid_magic(mut bytes in proptest::collection::vec(any::<u8>(), 40..120), kind in 0u8..6) {
             bytes[14..16].copy_from_slice(&MAGIC.to_le_bytes());
             bytes[26] = kind;
             if let Ok(f) = decode(&bytes) {
@@ -461,12 +476,12 @@ mod tests {
         }
 
         #[test]
-        fn headers_round_trip(trace_id: u64, ts: u32, flags: u16, seq in 1u32.., ack: u32, credits: u16, fin_seq: u32, kind in 0usize..3) {
+        fn headers_round_trip(trace_id: u64, ts: u32, flags: u16, seq in 1u32.., ack: u32, credits: u16, fin_seq: u32, kind in 0usize..3, stream: u32) {
             let trace = TraceHeader { trace_id, send_ts_us: ts, flags: TraceFlags(flags) };
             let (h, body) = match kind {
-                0 => (MsgHeader { seq, ack, credits, kind: MsgKind::Data, len: 0 }, FrameBody::Data(&[])),
-                1 => (MsgHeader { seq: 0, ack, credits, kind: MsgKind::Fin, len: FIN_BODY_LEN as u32 }, FrameBody::Fin { seq: fin_seq }),
-                _ => (MsgHeader { seq: 0, ack, credits, kind: MsgKind::Update, len: 0 }, FrameBody::Update),
+                0 => (MsgHeader { seq, ack, credits, kind: MsgKind::Data, len: 0, stream }, FrameBody::Data(&[])),
+                1 => (MsgHeader { seq: 0, ack, credits, kind: MsgKind::Fin, len: FIN_BODY_LEN as u32, stream }, FrameBody::Fin { seq: fin_seq }),
+                _ => (MsgHeader { seq: 0, ack, credits, kind: MsgKind::Update, len: 0, stream }, FrameBody::Update),
             };
             let head = HeadBuf::encode(&trace, &h, &body);
             let f = decode(head.as_slice()).expect("own encoding decodes");

@@ -113,6 +113,19 @@ impl<C> ConnPool<C> {
         c
     }
 
+    /// Forget `stale` (e.g. it failed) if it is still the connection for `key`; a newer one
+    /// that replaced it stays.
+    pub fn remove_stale(&self, key: PeerKey, stale: &Arc<C>) {
+        let mut slots = self.slots.lock();
+        let same = slots.get(&key).is_some_and(|slot| {
+            slot.try_lock()
+                .is_some_and(|w| w.upgrade().is_some_and(|c| Arc::ptr_eq(&c, stale)))
+        });
+        if same {
+            slots.remove(&key);
+        }
+    }
+
     /// Drop the entries of connections nobody holds any more; returns how many.
     pub fn prune(&self) -> usize {
         let mut slots = self.slots.lock();

@@ -296,7 +296,13 @@ fn version_mismatch_from_the_server_side() {
     let (cli, _) = manager(ConnConfig::default());
     let err = cli.connect(addr, LONG).unwrap_err();
     assert!(
-        matches!(err, ConnError::VersionMismatch { local: 1, peer: 9 }),
+        matches!(
+            err,
+            ConnError::VersionMismatch {
+                local: VERSION,
+                peer: 9
+            }
+        ),
         "{err}"
     );
     h.join().unwrap();
@@ -342,7 +348,13 @@ fn version_mismatch_from_the_client_side_is_rejected_with_a_reason() {
     let mut raw = raw_client(listener.local_addr(), &frame);
     let err = listener.next_incoming(Some(LONG)).unwrap_err();
     assert!(
-        matches!(err, ConnError::VersionMismatch { local: 1, peer: 9 }),
+        matches!(
+            err,
+            ConnError::VersionMismatch {
+                local: VERSION,
+                peer: 9
+            }
+        ),
         "{err}"
     );
     let Some(Message::Reject(r)) = read_frame(&mut raw) else {

@@ -17,8 +17,10 @@ use fabriq_verbs::{QpEndpoint, QpNum};
 
 /// `"FBRQ"`.
 pub const MAGIC: u32 = 0x4642_5251;
-/// The handshake version this build speaks.
-pub const VERSION: u16 = 1;
+/// The handshake version this build speaks. It names the data-path protocol too: version 2
+/// carries streams (the channel wire format `0xFB02`), so a peer of another version is refused
+/// at the handshake, not at its first message.
+pub const VERSION: u16 = 2;
 /// Largest frame body accepted from a peer, bytes.
 pub const MAX_FRAME_LEN: usize = 16 * 1024;
 /// Largest string field accepted from a peer, bytes.

@@ -27,12 +27,14 @@
 
 mod buffers;
 pub(crate) mod shared;
+pub(crate) mod streams;
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, VecDeque};
+use std::net::SocketAddr;
 use std::os::fd::{AsFd, OwnedFd};
-use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use fabriq_verbs::{
@@ -53,6 +55,7 @@ use crate::rpc::wire as rpcwire;
 use crate::rpc::{Handler, RpcError};
 pub(crate) use buffers::Buffers;
 use shared::{ChannelShared, Failure, WorkerShared};
+use streams::{key_conn, key_stream, stream_key, Accepted, StreamKey};
 
 /// RPC handlers shared by every worker of an endpoint, by method id.
 pub(crate) type Handlers = RwLock<HashMap<u32, (String, Handler)>>;
@@ -85,48 +88,67 @@ pub(crate) type OneSidedReply = oneshot::Sender<Result<Vec<u8>, ChannelError>>;
 pub(crate) type CallReply = oneshot::Sender<Result<Vec<u8>, RpcError>>;
 
 /// A request to a worker.
+///
+/// `chan` names a stream ([`StreamKey`]); `conn` a connection (its QP number).
 pub(crate) enum Command {
     Adopt(Box<Adopt>),
+    /// Open stream `stream` on the (connecting side's) connection `conn`.
+    OpenStream {
+        conn: u32,
+        stream: u32,
+        shared: Arc<ChannelShared>,
+    },
     Send {
-        chan: u32,
+        chan: StreamKey,
         buf: PoolBuf,
         trace: TraceInfo,
     },
     Released {
-        chan: u32,
+        chan: StreamKey,
     },
     Call(Box<Call>),
     OneSided {
-        chan: u32,
+        chan: StreamKey,
         op: OneSidedOp,
         reply: OneSidedReply,
     },
     SetThresholds {
-        chan: u32,
+        chan: StreamKey,
         thresholds: crate::channel::Thresholds,
     },
+    /// The application dropped the stream.
     Close {
-        chan: u32,
+        chan: StreamKey,
+    },
+    /// The connecting side's last user of the connection let go.
+    CloseConn {
+        conn: u32,
     },
     Shutdown,
 }
 
 /// An RPC request ready to go: `buf` holds the RPC header and the body.
 pub(crate) struct Call {
-    pub(crate) chan: u32,
+    pub(crate) chan: StreamKey,
     pub(crate) call_id: u64,
     pub(crate) buf: PoolBuf,
     pub(crate) deadline: Instant,
     pub(crate) reply: CallReply,
 }
 
-/// A connected channel handed to a worker.
+/// A connection handed to a worker.
 pub(crate) struct Adopt {
     pub(crate) driver: ChannelDriver,
-    pub(crate) shared: Arc<ChannelShared>,
     pub(crate) control: Option<ControlStream>,
-    /// The QP's way back to the connection manager's cache once the channel closes.
+    /// The QP's way back to the connection manager's cache once the connection closes.
     pub(crate) lease: Option<QpLease>,
+    /// Accepting side: where streams the peer opens go (`Listener::accept`). `None` on the
+    /// connecting side, which opens the streams.
+    pub(crate) accept: Option<std::sync::mpsc::Sender<Accepted>>,
+    /// Set when the connection fails (read by the connection pool).
+    pub(crate) failed: Arc<AtomicBool>,
+    pub(crate) peer: SocketAddr,
+    pub(crate) eager_max: u32,
 }
 
 const WR_ONE_SIDED: u64 = 0x10;
@@ -143,7 +165,7 @@ const RETIRE_DRAIN_LIMIT: Duration = Duration::from_millis(100);
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 enum Timer {
     Channel(u32),
-    Call(u32, u64),
+    Call(StreamKey, u64),
 }
 
 struct OneSidedPending {
@@ -152,17 +174,59 @@ struct OneSidedPending {
     reply: OneSidedReply,
 }
 
-struct ChanState {
-    driver: ChannelDriver,
+/// One stream of a connection: an application channel.
+struct StreamState {
     shared: Arc<ChannelShared>,
-    backlog: VecDeque<(PoolBuf, TraceInfo)>,
+    /// RPC calls waiting for their response on this stream.
     calls: HashMap<u64, CallReply>,
+    /// The peer closed the stream: nothing more arrives, nothing more is sent, but the
+    /// application may still read what was delivered.
+    peer_closed: bool,
+}
+
+/// One connection: a QP, its channel core and the streams it carries.
+struct ConnState {
+    driver: ChannelDriver,
+    /// Messages waiting for the core (credits, send window), in order, each with its stream.
+    backlog: VecDeque<(PoolBuf, TraceInfo)>,
+    streams: HashMap<u32, StreamState>,
     one_sided_queue: VecDeque<(OneSidedOp, OneSidedReply)>,
     one_sided: HashMap<u64, OneSidedPending>,
     control: Option<ControlStream>,
     lease: Option<QpLease>,
+    accept: Option<std::sync::mpsc::Sender<Accepted>>,
+    failed_flag: Arc<AtomicBool>,
+    peer: SocketAddr,
+    eager_max: u32,
     timer_at: Option<Instant>,
-    failed: bool,
+    failed: Option<Failure>,
+}
+
+impl ConnState {
+    fn is_failed(&self) -> bool {
+        self.failed.is_some()
+    }
+
+    /// The accepting side closes a failed connection once every stream on it was dropped; the
+    /// connecting side when its last [`streams::ConnHandle`] goes.
+    fn retire_now(&self) -> bool {
+        self.is_failed() && self.accept.is_some() && self.streams.is_empty()
+    }
+
+    /// Queue an empty stream-control message (`STREAM_OPEN` / `STREAM_CLOSE`) for `stream`.
+    fn queue_stream_control(&mut self, pool: &Buffers, stream: u32, flag: u16) {
+        match alloc_filled(pool, &[]) {
+            Ok(buf) => self.backlog.push_back((
+                buf,
+                TraceInfo {
+                    trace_id: 0,
+                    flags: TraceFlags(flag),
+                    stream,
+                },
+            )),
+            Err(e) => tracing::warn!(%e, "no memory for a stream control message"),
+        }
+    }
 }
 
 /// The current time on the host's monotonic clock (shared by processes of one host, so trace
@@ -183,9 +247,11 @@ pub(crate) struct WorkerConfig {
 
 /// The worker state: locked by whoever runs a progress pass.
 pub(crate) struct Worker {
+    /// The worker's own shared half (streams created here point back at it).
+    me: Weak<WorkerShared>,
     cq: CompletionQueue,
     buffers: Arc<Buffers>,
-    channels: HashMap<u32, ChanState>,
+    conns: HashMap<u32, ConnState>,
     dirty: Vec<u32>,
     timers: BinaryHeap<Reverse<(Instant, Timer)>>,
     handlers: Arc<Handlers>,
@@ -224,10 +290,11 @@ pub(crate) fn spawn(
     let epoll = rustix::io::dup(&shared.epoll)
         .map_err(|e| ChannelError::Verbs(fabriq_verbs::VerbsError::io("dup epoll", e)))?;
     let worker = Worker {
+        me: Arc::downgrade(&shared),
         epoll,
         cq,
         buffers: Arc::clone(&buffers),
-        channels: HashMap::new(),
+        conns: HashMap::new(),
         dirty: Vec::new(),
         timers: BinaryHeap::new(),
         handlers,
@@ -432,8 +499,13 @@ impl Worker {
     }
 
     /// Direct send from an application thread (the inbox drained first).
-    pub(crate) fn enqueue_send(&mut self, chan: u32, buf: PoolBuf, trace: TraceInfo) {
+    pub(crate) fn enqueue_send(&mut self, chan: StreamKey, buf: PoolBuf, trace: TraceInfo) {
         self.command_send(chan, buf, trace);
+    }
+
+    /// Direct stream open from an application thread (the inbox drained first).
+    pub(crate) fn enqueue_open(&mut self, conn: u32, stream: u32, shared: Arc<ChannelShared>) {
+        self.open_stream(conn, stream, shared);
     }
 
     /// Direct RPC call from an application thread (the inbox drained first).
@@ -442,13 +514,21 @@ impl Worker {
     }
 
     /// Direct one-sided operation from an application thread.
-    pub(crate) fn enqueue_one_sided(&mut self, chan: u32, op: OneSidedOp, reply: OneSidedReply) {
+    pub(crate) fn enqueue_one_sided(
+        &mut self,
+        chan: StreamKey,
+        op: OneSidedOp,
+        reply: OneSidedReply,
+    ) {
         self.command_one_sided(chan, op, reply);
     }
 
-    /// Protocol counters of a channel.
-    pub(crate) fn stats(&self, chan: u32) -> Option<crate::channel::ChannelStats> {
-        self.channels.get(&chan).map(|st| st.driver.core().stats())
+    /// Protocol counters of the connection carrying a stream.
+    pub(crate) fn stats(&self, chan: StreamKey) -> Option<crate::channel::ChannelStats> {
+        self.conns
+            .get(&key_conn(chan))
+            .filter(|c| c.streams.contains_key(&key_stream(chan)))
+            .map(|c| c.driver.core().stats())
     }
 
     /// Arm the CQ before sleeping; false when the CQ has no event fd.
@@ -483,9 +563,9 @@ impl Worker {
             Ok(n) => n,
             Err(e) => {
                 tracing::error!(%e, "completion queue failed");
-                let ids: Vec<u32> = self.channels.keys().copied().collect();
+                let ids: Vec<u32> = self.conns.keys().copied().collect();
                 for id in ids {
-                    self.fail_channel(id, Failure::Error(format!("completion queue: {e}")));
+                    self.fail_conn(id, Failure::Error(format!("completion queue: {e}")));
                 }
                 self.wcs = wcs;
                 return 0;
@@ -503,7 +583,7 @@ impl Worker {
 
     fn completion(&mut self, now: Instant, wc: &WorkCompletion) {
         let id = wc.qp_num.0;
-        let Some(st) = self.channels.get_mut(&id) else {
+        let Some(st) = self.conns.get_mut(&id) else {
             // A completion for a channel being adopted: kept until it arrives.
             let list = self.orphans.entry(id).or_default();
             if list.len() < MAX_ORPHANS {
@@ -538,70 +618,35 @@ impl Worker {
     /// Handle a command; false on shutdown.
     fn command(&mut self, cmd: Command) -> bool {
         match cmd {
-            Command::Adopt(a) => {
-                let Adopt {
-                    driver,
-                    shared,
-                    control,
-                    lease,
-                } = *a;
-                let id = driver.qp().qp_num().0;
-                shared.set_window(u64::from(driver.core().config().max_queued));
-                if let Some(c) = &control {
-                    let _ = c.set_nonblocking(true);
-                    let _ = epoll::add(
-                        &self.epoll,
-                        c.as_fd(),
-                        epoll::EventData::new_u64(EPOLL_CONTROL | u64::from(id)),
-                        epoll::EventFlags::IN | epoll::EventFlags::RDHUP,
-                    );
-                }
-                self.channels.insert(
-                    id,
-                    ChanState {
-                        driver,
-                        shared,
-                        backlog: VecDeque::new(),
-                        calls: HashMap::new(),
-                        one_sided_queue: VecDeque::new(),
-                        one_sided: HashMap::new(),
-                        control,
-                        lease,
-                        timer_at: None,
-                        failed: false,
-                    },
-                );
-                if let Some(list) = self.orphans.remove(&id) {
-                    let now = now();
-                    for wc in list {
-                        self.completion(now, &wc);
-                    }
-                }
-                self.mark_dirty(id);
-            }
+            Command::Adopt(a) => self.adopt(*a),
+            Command::OpenStream {
+                conn,
+                stream,
+                shared,
+            } => self.open_stream(conn, stream, shared),
             Command::Send { chan, buf, trace } => self.command_send(chan, buf, trace),
             Command::Released { chan } => {
-                if let Some(st) = self.channels.get_mut(&chan) {
-                    let n = st
-                        .shared
-                        .released
-                        .swap(0, std::sync::atomic::Ordering::AcqRel);
-                    st.driver.core_mut().handle_released(n);
-                    self.mark_dirty(chan);
+                if let Some(st) = self.conns.get_mut(&key_conn(chan)) {
+                    if let Some(ss) = st.streams.get(&key_stream(chan)) {
+                        let n = ss.shared.released.swap(0, Ordering::AcqRel);
+                        st.driver.core_mut().handle_released(n);
+                        self.mark_dirty(key_conn(chan));
+                    }
                 }
             }
             Command::Call(call) => self.command_call(*call),
             Command::OneSided { chan, op, reply } => self.command_one_sided(chan, op, reply),
             Command::SetThresholds { chan, thresholds } => {
-                if let Some(st) = self.channels.get_mut(&chan) {
+                if let Some(st) = self.conns.get_mut(&key_conn(chan)) {
                     if let Err(e) = st.driver.core_mut().set_thresholds(thresholds) {
                         tracing::warn!(%e, "thresholds refused");
                     }
                 }
             }
-            Command::Close { chan } => {
-                self.fail_channel(chan, Failure::Closed);
-                if let Some(st) = self.channels.remove(&chan) {
+            Command::Close { chan } => self.close_stream(chan),
+            Command::CloseConn { conn } => {
+                self.fail_conn(conn, Failure::Closed);
+                if let Some(st) = self.conns.remove(&conn) {
                     self.retire(st);
                 }
             }
@@ -610,16 +655,124 @@ impl Worker {
         true
     }
 
-    fn command_send(&mut self, chan: u32, buf: PoolBuf, trace: TraceInfo) {
-        let Some(st) = self.channels.get_mut(&chan) else {
+    fn adopt(&mut self, a: Adopt) {
+        let Adopt {
+            driver,
+            control,
+            lease,
+            accept,
+            failed,
+            peer,
+            eager_max,
+        } = a;
+        let id = driver.qp().qp_num().0;
+        if let Some(c) = &control {
+            let _ = c.set_nonblocking(true);
+            let _ = epoll::add(
+                &self.epoll,
+                c.as_fd(),
+                epoll::EventData::new_u64(EPOLL_CONTROL | u64::from(id)),
+                epoll::EventFlags::IN | epoll::EventFlags::RDHUP,
+            );
+        }
+        self.conns.insert(
+            id,
+            ConnState {
+                driver,
+                backlog: VecDeque::new(),
+                streams: HashMap::new(),
+                one_sided_queue: VecDeque::new(),
+                one_sided: HashMap::new(),
+                control,
+                lease,
+                accept,
+                failed_flag: failed,
+                peer,
+                eager_max,
+                timer_at: None,
+                failed: None,
+            },
+        );
+        if let Some(list) = self.orphans.remove(&id) {
+            let now = now();
+            for wc in list {
+                self.completion(now, &wc);
+            }
+        }
+        self.mark_dirty(id);
+    }
+
+    /// Connecting side: a new stream on `conn`; its `STREAM_OPEN` goes out in order before
+    /// anything sent on it.
+    fn open_stream(&mut self, conn: u32, stream: u32, shared: Arc<ChannelShared>) {
+        let Some(st) = self.conns.get_mut(&conn) else {
+            shared.fail(Failure::Closed);
             return;
         };
-        if st.failed {
-            st.shared.send_progress(1, buf.len() as u64);
+        if let Some(f) = &st.failed {
+            shared.fail(f.clone());
             return;
         }
+        shared.set_window(u64::from(st.driver.core().config().max_queued));
+        // The open's completion is counted against the stream like its messages.
+        shared.count_in(0);
+        st.queue_stream_control(&self.buffers, stream, TraceFlags::STREAM_OPEN);
+        st.streams.insert(
+            stream,
+            StreamState {
+                shared,
+                calls: HashMap::new(),
+                peer_closed: false,
+            },
+        );
+        self.mark_dirty(conn);
+    }
+
+    /// The application dropped a stream: its calls end, the credits of messages it never read
+    /// return to the connection, and the peer learns with `STREAM_CLOSE` (after the stream's
+    /// queued messages).
+    fn close_stream(&mut self, chan: StreamKey) {
+        let conn = key_conn(chan);
+        let Some(st) = self.conns.get_mut(&conn) else {
+            return;
+        };
+        let Some(ss) = st.streams.remove(&key_stream(chan)) else {
+            return;
+        };
+        for (_, reply) in ss.calls {
+            let _ = reply.send(Err(RpcError::PeerGone));
+        }
+        ss.shared.fail(Failure::Closed);
+        let unread = ss.shared.discard() + ss.shared.released.swap(0, Ordering::AcqRel);
+        if !st.is_failed() {
+            st.driver.core_mut().handle_released(unread);
+            if !ss.peer_closed {
+                st.queue_stream_control(&self.buffers, key_stream(chan), TraceFlags::STREAM_CLOSE);
+            }
+        }
+        if st.retire_now() {
+            if let Some(st) = self.conns.remove(&conn) {
+                self.retire(st);
+            }
+            return;
+        }
+        self.mark_dirty(conn);
+    }
+
+    fn command_send(&mut self, chan: StreamKey, buf: PoolBuf, mut trace: TraceInfo) {
+        let Some(st) = self.conns.get_mut(&key_conn(chan)) else {
+            return;
+        };
+        let Some(ss) = st.streams.get(&key_stream(chan)) else {
+            return;
+        };
+        if st.failed.is_some() || ss.peer_closed {
+            ss.shared.send_progress(1, buf.len() as u64);
+            return;
+        }
+        trace.stream = key_stream(chan);
         st.backlog.push_back((buf, trace));
-        self.mark_dirty(chan);
+        self.mark_dirty(key_conn(chan));
     }
 
     fn command_call(&mut self, call: Call) {
@@ -630,35 +783,41 @@ impl Worker {
             deadline,
             reply,
         } = call;
-        let Some(st) = self.channels.get_mut(&chan) else {
+        let Some(st) = self.conns.get_mut(&key_conn(chan)) else {
             let _ = reply.send(Err(RpcError::PeerGone));
             return;
         };
-        if st.failed {
+        let failed = st.is_failed();
+        let Some(ss) = st.streams.get_mut(&key_stream(chan)) else {
+            let _ = reply.send(Err(RpcError::PeerGone));
+            return;
+        };
+        if failed || ss.peer_closed {
             let _ = reply.send(Err(RpcError::PeerGone));
             return;
         }
-        st.shared.count_in(buf.len() as u64);
+        ss.shared.count_in(buf.len() as u64);
+        ss.calls.insert(call_id, reply);
         st.backlog.push_back((
             buf,
             TraceInfo {
                 trace_id: call_id,
                 flags: TraceFlags(TraceFlags::RPC_REQUEST),
+                stream: key_stream(chan),
             },
         ));
-        st.calls.insert(call_id, reply);
         self.timers
             .push(Reverse((deadline, Timer::Call(chan, call_id))));
-        self.mark_dirty(chan);
+        self.mark_dirty(key_conn(chan));
     }
 
-    fn command_one_sided(&mut self, chan: u32, op: OneSidedOp, reply: OneSidedReply) {
-        match self.channels.get_mut(&chan) {
-            Some(st) if !st.failed => st.one_sided_queue.push_back((op, reply)),
+    fn command_one_sided(&mut self, chan: StreamKey, op: OneSidedOp, reply: OneSidedReply) {
+        match self.conns.get_mut(&key_conn(chan)) {
+            Some(st) if st.failed.is_none() => st.one_sided_queue.push_back((op, reply)),
             Some(st) => {
                 let err = st
-                    .shared
-                    .failure()
+                    .failed
+                    .as_ref()
                     .map_or(ChannelError::Closed, |f| f.to_error());
                 let _ = reply.send(Err(err));
             }
@@ -666,31 +825,38 @@ impl Worker {
                 let _ = reply.send(Err(ChannelError::Closed));
             }
         }
-        self.mark_dirty(chan);
+        self.mark_dirty(key_conn(chan));
     }
 
     fn shutdown(&mut self) {
-        let ids: Vec<u32> = self.channels.keys().copied().collect();
+        let ids: Vec<u32> = self.conns.keys().copied().collect();
         for id in ids {
-            self.fail_channel(id, Failure::Closed);
+            self.fail_conn(id, Failure::Closed);
         }
-        self.channels.clear();
+        self.conns.clear();
     }
 
-    fn fail_channel(&mut self, id: u32, why: Failure) {
-        let Some(st) = self.channels.get_mut(&id) else {
+    /// A connection failed (or closes): every stream on it, its calls and one-sided operations
+    /// end with `why`; the pool stops handing it out. Streams stay until the application drops
+    /// them (it may still read what was delivered).
+    fn fail_conn(&mut self, id: u32, why: Failure) {
+        let Some(st) = self.conns.get_mut(&id) else {
             return;
         };
-        if st.failed {
+        if st.failed.is_some() {
             return;
         }
-        st.failed = true;
+        st.failed = Some(why.clone());
+        st.failed_flag.store(true, Ordering::Release);
         let call_err = || match &why {
             Failure::Error(s) => RpcError::Channel(ChannelError::Failed(s.clone())),
             _ => RpcError::PeerGone,
         };
-        for (_, reply) in st.calls.drain() {
-            let _ = reply.send(Err(call_err()));
+        for ss in st.streams.values_mut() {
+            for (_, reply) in ss.calls.drain() {
+                let _ = reply.send(Err(call_err()));
+            }
+            ss.shared.fail(why.clone());
         }
         for (_, p) in st.one_sided.drain() {
             let _ = p.reply.send(Err(why.to_error()));
@@ -702,9 +868,13 @@ impl Worker {
         if let Some(c) = st.control.take() {
             let _ = epoll::delete(&self.epoll, c.as_fd());
         }
-        st.shared.fail(why);
         if !st.driver.core().is_failed() {
             st.driver.core_mut().handle_fatal(ChannelError::Closed);
+        }
+        if st.retire_now() {
+            if let Some(st) = self.conns.remove(&id) {
+                self.retire(st);
+            }
         }
     }
 
@@ -725,7 +895,7 @@ impl Worker {
             fired += 1;
             match timer {
                 Timer::Channel(id) => {
-                    if let Some(st) = self.channels.get_mut(&id) {
+                    if let Some(st) = self.conns.get_mut(&id) {
                         if st.timer_at == Some(t) {
                             st.timer_at = None;
                         }
@@ -733,11 +903,14 @@ impl Worker {
                         self.mark_dirty(id);
                     }
                 }
-                Timer::Call(id, call) => {
-                    if let Some(st) = self.channels.get_mut(&id) {
-                        if let Some(reply) = st.calls.remove(&call) {
-                            let _ = reply.send(Err(RpcError::Timeout));
-                        }
+                Timer::Call(chan, call) => {
+                    let reply = self
+                        .conns
+                        .get_mut(&key_conn(chan))
+                        .and_then(|st| st.streams.get_mut(&key_stream(chan)))
+                        .and_then(|ss| ss.calls.remove(&call));
+                    if let Some(reply) = reply {
+                        let _ = reply.send(Err(RpcError::Timeout));
                     }
                 }
             }
@@ -754,14 +927,15 @@ impl Worker {
     fn pump_channel(&mut self, id: u32) {
         let now = now();
         let Worker {
-            channels,
+            me,
+            conns,
             buffers,
             handlers,
             timers,
             next_one_sided,
             ..
         } = self;
-        let Some(st) = channels.get_mut(&id) else {
+        let Some(st) = conns.get_mut(&id) else {
             return;
         };
         let mut newly_failed = None;
@@ -777,7 +951,9 @@ impl Worker {
                     }
                     Err((e, buf)) => {
                         tracing::warn!(%e, "message refused by the channel");
-                        st.shared.send_progress(1, buf.len() as u64);
+                        if let Some(ss) = st.streams.get(&trace.stream) {
+                            ss.shared.send_progress(1, buf.len() as u64);
+                        }
                     }
                 }
             }
@@ -789,14 +965,33 @@ impl Worker {
                     CoreEvent::Received {
                         seq,
                         trace,
+                        stream,
                         payload,
-                    } => on_received(st, buffers, handlers, seq, trace, payload),
-                    CoreEvent::SendComplete { payload, .. } => {
+                    } => {
+                        let msg = Arrival {
+                            seq,
+                            trace,
+                            stream,
+                            payload,
+                        };
+                        if let Err(e) = on_received(st, me, buffers, handlers, msg) {
+                            newly_failed = Some(Failure::Error(e));
+                        }
+                    }
+                    CoreEvent::SendComplete {
+                        payload, stream, ..
+                    } => {
                         let len = payload.len() as u64;
                         buffers.recycle(payload);
-                        st.shared.send_progress(1, len);
+                        if let Some(ss) = st.streams.get(&stream) {
+                            ss.shared.send_progress(1, len);
+                        }
                     }
-                    CoreEvent::Writable => st.shared.send_progress(0, 0),
+                    CoreEvent::Writable => {
+                        for ss in st.streams.values() {
+                            ss.shared.send_progress(0, 0);
+                        }
+                    }
                     CoreEvent::Error(e) => {
                         let why = match &e {
                             ChannelError::Completion {
@@ -825,13 +1020,13 @@ impl Worker {
             }
         }
         if let Some(why) = newly_failed {
-            self.fail_channel(id, why);
+            self.fail_conn(id, why);
         }
     }
 
     /// A control stream became readable: the peer closed its end, or vanished.
     fn check_control(&mut self, id: u32) {
-        let Some(st) = self.channels.get_mut(&id) else {
+        let Some(st) = self.conns.get_mut(&id) else {
             return;
         };
         let Some(c) = st.control.as_mut() else {
@@ -839,17 +1034,16 @@ impl Worker {
         };
         match c.poll_peer() {
             ControlEvent::Open => {}
-            ControlEvent::PeerClosed | ControlEvent::Gone => {
-                self.fail_channel(id, Failure::PeerGone)
-            }
+            ControlEvent::PeerClosed | ControlEvent::Gone => self.fail_conn(id, Failure::PeerGone),
         }
     }
 
-    /// A closed channel leaves the worker: its QP is stopped and drained of every completion it
-    /// still owes (completions of other QPs polled meanwhile are handled), then goes back to the
-    /// connection manager's cache; the driver (ring, buffers in flight) is dropped in between.
-    fn retire(&mut self, st: ChanState) {
-        let ChanState {
+    /// A closed connection leaves the worker: its QP is stopped and drained of every completion
+    /// it still owes (completions of other QPs polled meanwhile are handled), then goes back to
+    /// the connection manager's cache; the driver (ring, buffers in flight) is dropped in
+    /// between.
+    fn retire(&mut self, st: ConnState) {
+        let ConnState {
             driver,
             control,
             lease,
@@ -906,14 +1100,43 @@ fn into_payload(payload: Received<PoolBuf>) -> Payload {
     }
 }
 
-fn on_received(
-    st: &mut ChanState,
-    pool: &Buffers,
-    handlers: &Handlers,
+/// A message the core delivered, with its stream.
+struct Arrival {
     seq: u64,
     trace: crate::channel::TraceHeader,
+    stream: u32,
     payload: Received<PoolBuf>,
-) {
+}
+
+/// Route a delivered message: stream control, an RPC request (its handler runs here, to
+/// completion, and the reply is queued on the same stream), an RPC response, or data for the
+/// stream's application queue. `Err`: the peer broke the stream protocol (the connection fails).
+fn on_received(
+    st: &mut ConnState,
+    me: &Weak<WorkerShared>,
+    pool: &Buffers,
+    handlers: &Handlers,
+    msg: Arrival,
+) -> Result<(), String> {
+    let Arrival {
+        seq,
+        trace,
+        stream,
+        payload,
+    } = msg;
+    let flags = trace.flags;
+    if flags.contains(TraceFlags::STREAM_OPEN) || flags.contains(TraceFlags::STREAM_CLOSE) {
+        st.driver.core_mut().handle_released(1);
+        return on_stream_control(st, me, stream, flags);
+    }
+    let live = st.streams.get(&stream).is_some_and(|ss| !ss.peer_closed);
+    if !live {
+        // For a stream closed here (its messages were in flight) or never opened: dropped,
+        // and its slot's credit returns at once.
+        st.driver.core_mut().handle_released(1);
+        tracing::debug!(stream, "message for a closed stream dropped");
+        return Ok(());
+    }
     let payload = into_payload(payload);
     let recycle = match &payload {
         Payload::Pool(b) if b.is_large() => Some(Arc::clone(pool.returned())),
@@ -923,14 +1146,14 @@ fn on_received(
         Payload::Vec(v) => v,
         Payload::Pool(b) => b,
     };
-    if trace.flags.contains(TraceFlags::RPC_REQUEST) {
+    if flags.contains(TraceFlags::RPC_REQUEST) {
         // Run the handler here, to completion, and reply inline.
         st.driver.core_mut().handle_released(1);
         let (call_id, method, body) = match rpcwire::decode_request(bytes) {
             Ok(v) => v,
             Err(e) => {
                 tracing::warn!(%e, "malformed RPC request dropped");
-                return;
+                return Ok(());
             }
         };
         let handler = handlers.read().get(&method).map(|(_, h)| Arc::clone(h));
@@ -947,12 +1170,15 @@ fn on_received(
         let head = rpcwire::encode_response_header(call_id, status);
         match alloc_filled(pool, &[&head, &reply]) {
             Ok(buf) => {
-                st.shared.count_in(buf.len() as u64);
+                if let Some(ss) = st.streams.get(&stream) {
+                    ss.shared.count_in(buf.len() as u64);
+                }
                 st.backlog.push_back((
                     buf,
                     TraceInfo {
                         trace_id: trace.trace_id,
                         flags: TraceFlags(TraceFlags::RPC_RESPONSE),
+                        stream,
                     },
                 ));
             }
@@ -961,11 +1187,15 @@ fn on_received(
         if let (Payload::Pool(b), Some(_)) = (payload, recycle) {
             pool.recycle(b);
         }
-    } else if trace.flags.contains(TraceFlags::RPC_RESPONSE) {
+    } else if flags.contains(TraceFlags::RPC_RESPONSE) {
         st.driver.core_mut().handle_released(1);
         match rpcwire::decode_response(bytes) {
             Ok((call_id, status, body)) => {
-                if let Some(reply) = st.calls.remove(&call_id) {
+                let reply = st
+                    .streams
+                    .get_mut(&stream)
+                    .and_then(|ss| ss.calls.remove(&call_id));
+                if let Some(reply) = reply {
                     let r = match status {
                         rpcwire::Status::Ok => Ok(body.to_vec()),
                         rpcwire::Status::UnknownMethod => Err(RpcError::UnknownMethod(
@@ -980,17 +1210,63 @@ fn on_received(
             }
             Err(e) => tracing::warn!(%e, "malformed RPC response dropped"),
         }
-    } else {
-        st.shared.deliver(Message {
+    } else if let Some(ss) = st.streams.get(&stream) {
+        ss.shared.deliver(Message {
             payload,
             trace,
             seq,
             recycle,
         });
     }
+    Ok(())
 }
 
-fn post_one_sided(st: &mut ChanState, pool: &Buffers, next: &mut u64) -> usize {
+/// `STREAM_OPEN` (only the connecting side opens streams: on an accepted connection a new
+/// stream goes to the listener) or `STREAM_CLOSE` (a close crossing ours is ignored).
+fn on_stream_control(
+    st: &mut ConnState,
+    me: &Weak<WorkerShared>,
+    stream: u32,
+    flags: TraceFlags,
+) -> Result<(), String> {
+    if flags.contains(TraceFlags::STREAM_CLOSE) {
+        if let Some(ss) = st.streams.get_mut(&stream) {
+            ss.peer_closed = true;
+            for (_, reply) in ss.calls.drain() {
+                let _ = reply.send(Err(RpcError::PeerGone));
+            }
+            ss.shared.fail(Failure::PeerGone);
+        }
+        return Ok(());
+    }
+    let Some(accept) = &st.accept else {
+        return Err(format!(
+            "peer opened stream {stream} on a connection it accepted"
+        ));
+    };
+    if st.streams.contains_key(&stream) {
+        return Err(format!("peer opened stream {stream} twice"));
+    }
+    let Some(worker) = me.upgrade() else {
+        return Ok(());
+    };
+    let conn = st.driver.qp().qp_num().0;
+    let window = u64::from(st.driver.core().config().max_queued);
+    let shared = Arc::new(ChannelShared::new(stream_key(conn, stream), worker, window));
+    st.streams.insert(
+        stream,
+        StreamState {
+            shared: Arc::clone(&shared),
+            calls: HashMap::new(),
+            peer_closed: false,
+        },
+    );
+    // If the listener is gone the `Accepted` is dropped, which closes the stream.
+    let _ = accept.send(Accepted::new(shared, st.peer, st.eager_max));
+    Ok(())
+}
+
+fn post_one_sided(st: &mut ConnState, pool: &Buffers, next: &mut u64) -> usize {
     let mut posted = 0;
     while (st.one_sided.len() as u32) < ONE_SIDED_DEPTH {
         let Some((op, reply)) = st.one_sided_queue.pop_front() else {

@@ -547,9 +547,10 @@ struct Rx {
     failure: Option<Failure>,
 }
 
-/// One channel's hand-off state.
+/// One channel's (stream's) hand-off state.
 pub(crate) struct ChannelShared {
-    pub(crate) id: u32,
+    /// The stream's key on its worker (`worker::streams::StreamKey`).
+    pub(crate) id: u64,
     pub(crate) worker: Arc<WorkerShared>,
     rx: Mutex<Rx>,
     /// Messages in `rx.queue` (read without the lock by waiters that poll).
@@ -577,7 +578,7 @@ pub(crate) struct ChannelShared {
 }
 
 impl ChannelShared {
-    pub(crate) fn new(id: u32, worker: Arc<WorkerShared>, window: u64) -> ChannelShared {
+    pub(crate) fn new(id: u64, worker: Arc<WorkerShared>, window: u64) -> ChannelShared {
         ChannelShared {
             id,
             worker,
@@ -603,6 +604,16 @@ impl ChannelShared {
         self.rx.lock().queue.push_back(m);
         self.rx_len.fetch_add(1, Ordering::Release);
         self.rx_notify.notify_one();
+    }
+
+    /// Worker: the stream closed here; drop what the application never read. Returns how many
+    /// messages that was (their receive slots' credits go back to the peer).
+    pub(crate) fn discard(&self) -> u64 {
+        let mut rx = self.rx.lock();
+        let n = rx.queue.len() as u64;
+        rx.queue.clear();
+        self.rx_len.store(0, Ordering::Release);
+        n
     }
 
     /// Worker: the channel stopped.

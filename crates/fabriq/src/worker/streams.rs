@@ -1,0 +1,127 @@
+//! Streams: many channels on one connection.
+//!
+//! A connection (one queue pair, its receive ring, one [`crate::channel::proto::ChannelCore`]
+//! with its sequence numbers, acks and credits) lives on one worker and carries any number of
+//! streams; each application [`crate::Channel`] is one stream. A stream is named on the wire by
+//! the `stream` field of the message header, chosen by the side that connected, and opened and
+//! closed by empty messages flagged `STREAM_OPEN` / `STREAM_CLOSE` that travel in order with the
+//! stream's data (so an open always precedes the stream's first message and a close follows its
+//! last).
+//!
+//! This module owns the identifiers and the hand-offs:
+//! * [`StreamKey`]: a stream's id inside its worker, `(connection qpn << 32) | stream`;
+//! * [`ConnHandle`]: the connecting side's share of a pooled connection. Every channel opened on
+//!   the connection holds one `Arc` of it, the endpoint's [`crate::conn::ConnPool`] only a
+//!   `Weak`; when the last channel lets go, its `Drop` asks the worker to close the connection
+//!   (its QP goes back to the QP cache);
+//! * [`Accepted`]: a stream the peer opened, on its way from the worker to `Listener::accept`.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::Arc;
+
+use super::shared::{ChannelShared, WorkerShared};
+use super::Command;
+
+/// A stream's id inside its worker: connection (QP number) in the high half, the wire stream id
+/// in the low half.
+pub(crate) type StreamKey = u64;
+
+/// The key of `stream` on connection `conn`.
+pub(crate) fn stream_key(conn: u32, stream: u32) -> StreamKey {
+    (u64::from(conn) << 32) | u64::from(stream)
+}
+
+/// The connection (QP number) of a key.
+pub(crate) fn key_conn(key: StreamKey) -> u32 {
+    (key >> 32) as u32
+}
+
+/// The wire stream id of a key.
+pub(crate) fn key_stream(key: StreamKey) -> u32 {
+    key as u32
+}
+
+/// The connecting side's share of a connection; see the module header.
+pub(crate) struct ConnHandle {
+    pub(crate) worker: Arc<WorkerShared>,
+    /// The connection's QP number (its id on the worker).
+    pub(crate) conn: u32,
+    /// The peer's listening address the connection was made to.
+    pub(crate) peer: SocketAddr,
+    /// Eager threshold the connection started with.
+    pub(crate) eager_max: u32,
+    next_stream: AtomicU32,
+    /// Set by the worker when the connection failed: the pool must not hand it out again.
+    pub(crate) failed: Arc<AtomicBool>,
+}
+
+impl ConnHandle {
+    pub(crate) fn new(
+        worker: Arc<WorkerShared>,
+        conn: u32,
+        peer: SocketAddr,
+        eager_max: u32,
+        failed: Arc<AtomicBool>,
+    ) -> ConnHandle {
+        ConnHandle {
+            worker,
+            conn,
+            peer,
+            eager_max,
+            next_stream: AtomicU32::new(1),
+            failed,
+        }
+    }
+
+    /// A fresh stream id on this connection (never 0).
+    pub(crate) fn next_stream(&self) -> u32 {
+        loop {
+            let s = self.next_stream.fetch_add(1, Ordering::Relaxed);
+            if s != 0 {
+                return s;
+            }
+        }
+    }
+
+    pub(crate) fn is_failed(&self) -> bool {
+        self.failed.load(Ordering::Acquire)
+    }
+}
+
+impl Drop for ConnHandle {
+    fn drop(&mut self) {
+        self.worker.submit(Command::CloseConn { conn: self.conn });
+    }
+}
+
+/// A stream the peer opened on an accepted connection.
+pub(crate) struct Accepted {
+    shared: Option<Arc<ChannelShared>>,
+    pub(crate) peer: SocketAddr,
+    pub(crate) eager_max: u32,
+}
+
+impl Accepted {
+    pub(crate) fn new(shared: Arc<ChannelShared>, peer: SocketAddr, eager_max: u32) -> Accepted {
+        Accepted {
+            shared: Some(shared),
+            peer,
+            eager_max,
+        }
+    }
+
+    /// The stream, now owned by a `Channel`.
+    pub(crate) fn take(mut self) -> Option<Arc<ChannelShared>> {
+        self.shared.take()
+    }
+}
+
+impl Drop for Accepted {
+    fn drop(&mut self) {
+        // Never taken (the listener is gone): the stream closes.
+        if let Some(s) = self.shared.take() {
+            s.worker.submit(Command::Close { chan: s.id });
+        }
+    }
+}

@@ -12,7 +12,10 @@
 //! iteration is `Endpoint::connect` plus the server's `Listener::accept` returning the channel
 //! (hello, receive rings posted on both sides, RTR/RTS, Ready, adoption by a worker); the close
 //! of both channels and the return of their QPs (drained, reset) happen outside the timed part.
-//! **cold**: `qp_cache_size = 0`, `reuse_control_streams = false`; **cached**: defaults.
+//! **cold**: `qp_cache_size = 0`, `reuse_control_streams = false`; **cached**: defaults;
+//! **pooled**: defaults with one other channel to the peer kept open, so the connect finds the
+//! pooled connection and only opens a stream on it (no handshake; the server's `accept` returns
+//! once the stream's `STREAM_OPEN` arrived).
 //!
 //! A third group, `qp_phases`, times the verbs steps of a connect on one in-process QP pair, to
 //! show where the time goes: creating a QP, RESET → INIT, and INIT → RTR → RTS of both QPs.
@@ -156,6 +159,7 @@ fn endpoint_round(
     cached: bool,
     round: u64,
     client_only: bool,
+    pooled: bool,
 ) -> Result<Duration, String> {
     let start = Instant::now();
     let c = client
@@ -172,6 +176,10 @@ fn endpoint_round(
     };
     drop(c);
     drop(s);
+    if pooled {
+        // The connection stays (another channel holds it): nothing to wait for.
+        return Ok(took);
+    }
     // Both QPs are back (cached, or destroyed when there is no cache) before the next round.
     let back = |st: &ConnStats| {
         if cached {
@@ -191,7 +199,11 @@ fn endpoint_bench(c: &mut Criterion) {
     g.measurement_time(Duration::from_secs(3));
     g.warm_up_time(Duration::from_millis(500));
     for device in devices() {
-        for (mode, cached) in [("cold", false), ("cached", true)] {
+        for (mode, cached, pooled) in [
+            ("cold", false, false),
+            ("cached", true, false),
+            ("pooled", true, true),
+        ] {
             let cfg = Config {
                 device: device.clone(),
                 qp_cache_size: if cached { 64 } else { 0 },
@@ -212,6 +224,21 @@ fn endpoint_bench(c: &mut Criterion) {
                     continue;
                 }
             };
+            // Pooled: one channel stays open for the whole group, holding the connection.
+            let keeper = if pooled {
+                match client
+                    .connect(listener.local_addr())
+                    .and_then(|c| listener.accept_timeout(TIMEOUT).map(|s| (c, s)))
+                {
+                    Ok(pair) => Some(pair),
+                    Err(e) => {
+                        eprintln!("endpoint connect bench: {device}: skipped: {e}");
+                        continue;
+                    }
+                }
+            } else {
+                None
+            };
             let mut round = 0u64;
             let mut failures = 0u64;
             // `_both`: until both ends hold their channel; `_client`: until `connect` returns.
@@ -228,6 +255,7 @@ fn endpoint_bench(c: &mut Criterion) {
                                 cached,
                                 round,
                                 client_only,
+                                pooled,
                             );
                             match r {
                                 Ok(t) => total += t,
@@ -244,10 +272,12 @@ fn endpoint_bench(c: &mut Criterion) {
                 });
             }
             eprintln!(
-                "endpoint connect bench: {device} {mode}: {failures} failed; client {:?}; server {:?}",
+                "endpoint connect bench: {device} {mode}: {failures} failed; client {:?}; server {:?}; pool {:?}",
                 client.conn_stats(),
-                server.conn_stats()
+                server.conn_stats(),
+                client.pool_stats()
             );
+            drop(keeper);
         }
     }
     g.finish();

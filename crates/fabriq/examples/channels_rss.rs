@@ -6,8 +6,10 @@
 //! What remains is the per-connection cost, not the cost of traffic waiting to be read.
 //!
 //! Modes:
-//! - `fabriq`: `Endpoint` channels (receive ring per channel sized by the configuration, send
-//!   payloads copied into the worker's shared pool, QPs from the connection manager).
+//! - `fabriq`: `Endpoint` channels, each on a connection of its own (`share_connections =
+//!   false`: channels to one peer would otherwise share one connection, which is not what is
+//!   measured here): a receive ring per connection sized by the configuration, send payloads
+//!   copied into the worker's shared pool, QPs from the connection manager.
 //! - `naive`: what plain verbs code does: every connection owns a separately allocated and
 //!   registered receive ring (64 × 8 KiB) and send buffer (64 × 8 KiB), set up with the same
 //!   connection manager (so only the buffer scheme differs).
@@ -85,6 +87,7 @@ fn config(device: &str) -> Config {
     });
     Config {
         device: device.into(),
+        share_connections: false,
         ..base
     }
 }

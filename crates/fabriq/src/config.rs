@@ -25,7 +25,9 @@
 //!                            # RNR a hard error)
 //! auth_token = ""            # sent in the connection hello; when set, peers must present it
 //! qp_cache_size = 64         # QPs of closed channels kept (reset) per worker for reuse
-//! reuse_control_streams = true  # keep a closed channel's TCP control stream for the next connect
+//! reuse_control_streams = true  # keep a closed connection's TCP control stream for the next connect
+//! share_connections = true   # channels to one peer share one connection per worker (false: a
+//!                            # connection per channel, e.g. to give a flow its own credits)
 //!
 //! [device_options]           # provider options for a named device (tcp0: progress, …);
 //! # progress = "thread"      # default for a tcp device: progress = "busy" (pollers read the
@@ -38,7 +40,7 @@
 //! `FABRIQ_RX_SLOTS`, `FABRIQ_SQ_DEPTH`, `FABRIQ_MAX_QUEUED`, `FABRIQ_MAX_MESSAGE_LEN`,
 //! `FABRIQ_EAGER_MAX`, `FABRIQ_CHUNK_SIZE`, `FABRIQ_READS_IN_FLIGHT`, `FABRIQ_RNR_RETRY`,
 //! `FABRIQ_AUTH_TOKEN`, `FABRIQ_QP_CACHE_SIZE`, `FABRIQ_REUSE_CONTROL_STREAMS`,
-//! `FABRIQ_DEVICE_OPTIONS` (`key=value,key=value`); `FABRIQ_CONFIG` names a
+//! `FABRIQ_SHARE_CONNECTIONS`, `FABRIQ_DEVICE_OPTIONS` (`key=value,key=value`); `FABRIQ_CONFIG` names a
 //! TOML file read by [`Config::from_env`].
 
 use std::path::Path;
@@ -160,8 +162,11 @@ pub struct Config {
     pub auth_token: String,
     /// QPs of closed channels kept per worker (in RESET) for the next connect.
     pub qp_cache_size: usize,
-    /// Keep a closed channel's TCP control stream open for the next connect to that peer.
+    /// Keep a closed connection's TCP control stream open for the next connect to that peer.
     pub reuse_control_streams: bool,
+    /// Channels to one peer share one connection per worker (the connection pool). `false`:
+    /// every `connect` sets up a connection of its own (its own receive ring and credits).
+    pub share_connections: bool,
 }
 
 impl Default for Config {
@@ -187,6 +192,7 @@ impl Default for Config {
             auth_token: String::new(),
             qp_cache_size: 64,
             reuse_control_streams: true,
+            share_connections: true,
         }
     }
 }
@@ -276,6 +282,11 @@ impl Config {
         var!(
             "FABRIQ_REUSE_CONTROL_STREAMS",
             self.reuse_control_streams,
+            parse_bool
+        );
+        var!(
+            "FABRIQ_SHARE_CONNECTIONS",
+            self.share_connections,
             parse_bool
         );
         if let Some(v) = get("FABRIQ_AUTH_TOKEN") {
@@ -433,10 +444,12 @@ mod tests {
                 "FABRIQ_LINK_SPEED_GBPS" => Some("25".into()),
                 "FABRIQ_PIN_WORKERS" => Some("yes".into()),
                 "FABRIQ_PROGRESS" => Some("Caller".into()),
+                "FABRIQ_SHARE_CONNECTIONS" => Some("false".into()),
                 _ => None,
             })
             .expect("valid");
         assert_eq!(c.workers, 3);
+        assert!(!c.share_connections && Config::default().share_connections);
         assert!(c.pin_workers);
         assert_eq!(c.progress, Progress::Caller);
         let err =

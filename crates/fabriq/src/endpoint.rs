@@ -371,6 +371,9 @@ impl Endpoint {
         w: &WorkerRef,
         addr: SocketAddr,
     ) -> Result<Arc<ConnHandle>, ChannelError> {
+        if !self.inner.config.share_connections {
+            return self.new_connection(w, addr).map(Arc::new);
+        }
         let key = PeerKey { addr, worker: None };
         loop {
             let conn = w

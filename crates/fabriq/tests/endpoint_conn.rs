@@ -453,3 +453,38 @@ fn channels_to_one_peer_share_one_connection_per_worker() {
         assert!(client.conn_stats().qp_cache_hits >= 1, "{device}");
     }
 }
+
+/// `share_connections = false`: every connect sets up a connection of its own.
+#[test]
+fn unshared_connections_are_one_per_channel() {
+    for device in devices() {
+        let cfg = Config {
+            device: device.clone(),
+            share_connections: false,
+            handshake_timeout_ms: 10_000,
+            ..Config::default()
+        };
+        let Ok(server) = Endpoint::new(cfg.clone()) else {
+            eprintln!("skipping {device}");
+            continue;
+        };
+        let client = Endpoint::new(cfg).expect("client");
+        let listener = server.listen("127.0.0.1:0").expect("listen");
+        let pairs: Vec<(Channel, Channel)> = (0..3)
+            .map(|_| {
+                let c = client.connect(listener.local_addr()).expect("connect");
+                (c, listener.accept_timeout(HANG).expect("accept"))
+            })
+            .collect();
+        for (i, (c, s)) in pairs.iter().enumerate() {
+            ping(c, s, &[i as u8; 10]);
+        }
+        assert_eq!(client.conn_stats().connects, 3, "{device}");
+        assert_eq!(server.conn_stats().accepts, 3, "{device}");
+        assert_eq!(
+            client.pool_stats().live,
+            0,
+            "{device}: the pool is not used"
+        );
+    }
+}

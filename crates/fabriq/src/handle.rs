@@ -243,10 +243,20 @@ impl Channel {
         Ok(())
     }
 
+    /// The application consumed a message: its receive slot's credit may go back. Applied at
+    /// once when the worker's lock is free, else through the inbox (a batch of releases costs
+    /// one command).
     fn released(&self) {
         let s = &self.inner.shared;
         if s.released.fetch_add(1, std::sync::atomic::Ordering::AcqRel) == 0 {
-            s.worker.submit(Command::Released { chan: s.id });
+            match s.worker.try_lock_state() {
+                Some(mut g) => {
+                    g.release_now(s.id);
+                    drop(g);
+                    s.worker.notify_parked();
+                }
+                None => s.worker.submit(Command::Released { chan: s.id }),
+            }
         }
     }
 

@@ -41,6 +41,7 @@ use fabriq_verbs::{
     CompletionQueue, RemoteAddr, SendFlags, SendWr, WcOpcode, WorkCompletion, WrOpcode,
 };
 use parking_lot::RwLock;
+use rustc_hash::FxHashMap;
 use rustix::event::epoll;
 use tokio::sync::oneshot;
 
@@ -178,7 +179,7 @@ struct OneSidedPending {
 struct StreamState {
     shared: Arc<ChannelShared>,
     /// RPC calls waiting for their response on this stream.
-    calls: HashMap<u64, CallReply>,
+    calls: FxHashMap<u64, CallReply>,
     /// The peer closed the stream: nothing more arrives, nothing more is sent, but the
     /// application may still read what was delivered.
     peer_closed: bool,
@@ -189,9 +190,9 @@ struct ConnState {
     driver: ChannelDriver,
     /// Messages waiting for the core (credits, send window), in order, each with its stream.
     backlog: VecDeque<(PoolBuf, TraceInfo)>,
-    streams: HashMap<u32, StreamState>,
+    streams: FxHashMap<u32, StreamState>,
     one_sided_queue: VecDeque<(OneSidedOp, OneSidedReply)>,
-    one_sided: HashMap<u64, OneSidedPending>,
+    one_sided: FxHashMap<u64, OneSidedPending>,
     control: Option<ControlStream>,
     lease: Option<QpLease>,
     accept: Option<std::sync::mpsc::Sender<Accepted>>,
@@ -251,11 +252,11 @@ pub(crate) struct Worker {
     me: Weak<WorkerShared>,
     cq: CompletionQueue,
     buffers: Arc<Buffers>,
-    conns: HashMap<u32, ConnState>,
+    conns: FxHashMap<u32, ConnState>,
     dirty: Vec<u32>,
     timers: BinaryHeap<Reverse<(Instant, Timer)>>,
     handlers: Arc<Handlers>,
-    orphans: HashMap<u32, Vec<WorkCompletion>>,
+    orphans: FxHashMap<u32, Vec<WorkCompletion>>,
     next_one_sided: u64,
     has_cq_events: bool,
     wcs: Vec<WorkCompletion>,
@@ -294,11 +295,11 @@ pub(crate) fn spawn(
         epoll,
         cq,
         buffers: Arc::clone(&buffers),
-        conns: HashMap::new(),
+        conns: FxHashMap::default(),
         dirty: Vec::new(),
         timers: BinaryHeap::new(),
         handlers,
-        orphans: HashMap::new(),
+        orphans: FxHashMap::default(),
         next_one_sided: 1,
         has_cq_events,
         wcs: vec![WorkCompletion::EMPTY; 64],
@@ -503,6 +504,24 @@ impl Worker {
         self.command_send(chan, buf, trace);
     }
 
+    /// Credits of messages the application of stream `chan` consumed go back to its connection.
+    fn take_released(&mut self, chan: StreamKey) {
+        if let Some(st) = self.conns.get_mut(&key_conn(chan)) {
+            if let Some(ss) = st.streams.get(&key_stream(chan)) {
+                let n = ss.shared.released.swap(0, Ordering::AcqRel);
+                st.driver.core_mut().handle_released(n);
+                self.mark_dirty(key_conn(chan));
+            }
+        }
+    }
+
+    /// Direct release from an application thread that got the lock: the credits go back and
+    /// the connection is pumped at once (a credit update the peer waits for leaves now).
+    pub(crate) fn release_now(&mut self, chan: StreamKey) {
+        self.take_released(chan);
+        self.pump_dirty();
+    }
+
     /// Direct stream open from an application thread (the inbox drained first).
     pub(crate) fn enqueue_open(&mut self, conn: u32, stream: u32, shared: Arc<ChannelShared>) {
         self.open_stream(conn, stream, shared);
@@ -625,15 +644,7 @@ impl Worker {
                 shared,
             } => self.open_stream(conn, stream, shared),
             Command::Send { chan, buf, trace } => self.command_send(chan, buf, trace),
-            Command::Released { chan } => {
-                if let Some(st) = self.conns.get_mut(&key_conn(chan)) {
-                    if let Some(ss) = st.streams.get(&key_stream(chan)) {
-                        let n = ss.shared.released.swap(0, Ordering::AcqRel);
-                        st.driver.core_mut().handle_released(n);
-                        self.mark_dirty(key_conn(chan));
-                    }
-                }
-            }
+            Command::Released { chan } => self.take_released(chan),
             Command::Call(call) => self.command_call(*call),
             Command::OneSided { chan, op, reply } => self.command_one_sided(chan, op, reply),
             Command::SetThresholds { chan, thresholds } => {
@@ -680,9 +691,9 @@ impl Worker {
             ConnState {
                 driver,
                 backlog: VecDeque::new(),
-                streams: HashMap::new(),
+                streams: FxHashMap::default(),
                 one_sided_queue: VecDeque::new(),
-                one_sided: HashMap::new(),
+                one_sided: FxHashMap::default(),
                 control,
                 lease,
                 accept,
@@ -721,7 +732,7 @@ impl Worker {
             stream,
             StreamState {
                 shared,
-                calls: HashMap::new(),
+                calls: FxHashMap::default(),
                 peer_closed: false,
             },
         );
@@ -1257,7 +1268,7 @@ fn on_stream_control(
         stream,
         StreamState {
             shared: Arc::clone(&shared),
-            calls: HashMap::new(),
+            calls: FxHashMap::default(),
             peer_closed: false,
         },
     );

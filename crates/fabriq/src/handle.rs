@@ -131,7 +131,7 @@ impl Channel {
                 Ok(())
             }
             Err(e) => {
-                s.send_progress(1, data.len() as u64);
+                s.cancel_reservation(data.len() as u64);
                 Err(e)
             }
         }
@@ -152,6 +152,7 @@ impl Channel {
                 trace_id,
                 flags: crate::channel::TraceFlags(crate::channel::TraceFlags::SAMPLED),
                 stream: 0,
+                stream_credits: 0,
             },
         )
     }

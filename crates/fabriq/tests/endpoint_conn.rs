@@ -488,3 +488,79 @@ fn unshared_connections_are_one_per_channel() {
         );
     }
 }
+
+/// Streams of one connection do not block each other: a channel whose reader stops is
+/// back-pressured by its own window, while a sibling channel on the same connection carries
+/// many times the connection's receive ring; once the reader catches up the stalled channel
+/// goes on, in order. `rnr_retry = 0`: a single RNR would fail the connection.
+#[test]
+fn a_stalled_channel_does_not_block_its_siblings() {
+    for device in devices() {
+        let cfg = Config {
+            device: device.clone(),
+            rnr_retry: 0,
+            rx_slots: 8,
+            handshake_timeout_ms: 10_000,
+            ..Config::default()
+        };
+        let Ok(server) = Endpoint::new(cfg.clone()) else {
+            eprintln!("skipping {device}");
+            continue;
+        };
+        let client = Endpoint::new(cfg).expect("client");
+        let listener = server.listen("127.0.0.1:0").expect("listen");
+        let stalled = client.connect(listener.local_addr()).expect("connect a");
+        let stalled_peer = listener.accept_timeout(HANG).expect("accept a");
+        let busy = client.connect(listener.local_addr()).expect("connect b");
+        let busy_peer = listener.accept_timeout(HANG).expect("accept b");
+        assert_eq!(
+            client.conn_stats().connects,
+            1,
+            "{device}: one shared connection"
+        );
+        // Fill the stalled channel's window: nobody reads it.
+        let mut sent = 0u64;
+        let deadline = Instant::now() + HANG;
+        loop {
+            match stalled.try_send(&sent.to_le_bytes()) {
+                Ok(()) => sent += 1,
+                Err(ChannelError::WouldBlock) => {
+                    // Also refused while acks are on their way; a send that finds no room for
+                    // a whole second means the window is closed.
+                    match stalled.send_timeout(&sent.to_le_bytes(), Duration::from_secs(1)) {
+                        Ok(()) => sent += 1,
+                        Err(ChannelError::Timeout) => break,
+                        Err(e) => panic!("{device}: {e}"),
+                    }
+                }
+                Err(e) => panic!("{device}: {e}"),
+            }
+            assert!(Instant::now() < deadline, "{device}: never back-pressured");
+        }
+        assert!(sent > 8, "{device}: window {sent} not beyond the ring");
+        // The sibling carries 20 rings' worth both ways meanwhile.
+        for i in 0..160u32 {
+            busy.send(&i.to_le_bytes()).expect("sibling send");
+            let m = busy_peer.recv_timeout(HANG).expect("sibling recv");
+            assert_eq!(&m[..], &i.to_le_bytes(), "{device}");
+            busy_peer.send(&m).expect("sibling reply");
+            assert_eq!(
+                &busy.recv_timeout(HANG).expect("reply")[..],
+                &i.to_le_bytes()
+            );
+        }
+        // The reader catches up; the stalled channel resumes in order.
+        for i in 0..sent {
+            let m = stalled_peer.recv_timeout(HANG).expect("stalled recv");
+            assert_eq!(&m[..], &i.to_le_bytes(), "{device}");
+        }
+        stalled
+            .send_timeout(b"resumed", HANG)
+            .expect("room after the reader caught up");
+        assert_eq!(
+            &stalled_peer.recv_timeout(HANG).expect("recv")[..],
+            b"resumed"
+        );
+        assert!(!stalled.is_closed() && !busy.is_closed(), "{device}");
+    }
+}

@@ -224,6 +224,8 @@ pub struct TraceInfo {
     /// Stream of the connection the message belongs to (carried in the message header, opaque
     /// to the core: sequence numbers, acks and credits are the connection's).
     pub stream: u32,
+    /// Stream window report carried in the header (opaque to the core).
+    pub stream_credits: u32,
 }
 
 /// A work request the driver must post, in the order returned.
@@ -308,6 +310,8 @@ pub enum Event<O, I> {
         trace: TraceHeader,
         /// Its stream (from the message header).
         stream: u32,
+        /// Its stream window report (from the message header).
+        stream_credits: u32,
         /// The payload.
         payload: Received<I>,
     },
@@ -412,6 +416,7 @@ struct Arrived<I> {
     seq: u64,
     trace: TraceHeader,
     stream: u32,
+    stream_credits: u32,
     state: Incoming<I>,
 }
 
@@ -824,9 +829,12 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
                 if payload.len() as u64 > self.config.max_message_len {
                     return self.protocol_error("eager payload above max message size".into());
                 }
-                self.accept_seq(frame.header.seq, frame.trace, frame.header.stream, || {
-                    Incoming::Ready(Received::Eager(payload.to_vec()))
-                });
+                self.accept_seq(
+                    frame.header.seq,
+                    frame.trace,
+                    (frame.header.stream, frame.header.stream_credits),
+                    || Incoming::Ready(Received::Eager(payload.to_vec())),
+                );
             }
             FrameBody::Rts(rts) => {
                 if rts.total_len == 0 {
@@ -838,15 +846,18 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
                         rts.total_len, self.config.max_message_len
                     ));
                 }
-                self.accept_seq(frame.header.seq, frame.trace, frame.header.stream, || {
-                    Incoming::Pulling {
+                self.accept_seq(
+                    frame.header.seq,
+                    frame.trace,
+                    (frame.header.stream, frame.header.stream_credits),
+                    || Incoming::Pulling {
                         rts,
                         buf: None,
                         requested: false,
                         next_offset: 0,
                         done: 0,
-                    }
-                });
+                    },
+                );
             }
             FrameBody::Fin { seq } => {
                 self.owed = self.owed.saturating_add(1);
@@ -875,7 +886,7 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
         &mut self,
         wire_seq: u32,
         trace: TraceHeader,
-        stream: u32,
+        (stream, stream_credits): (u32, u32),
         make: impl FnOnce() -> Incoming<I>,
     ) {
         let seq = wire::expand_seq(wire_seq, self.last_arrived + 1);
@@ -896,6 +907,7 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
             seq,
             trace,
             stream,
+            stream_credits,
             state: make(),
         });
     }
@@ -922,6 +934,7 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
                 seq: a.seq,
                 trace: a.trace,
                 stream: a.stream,
+                stream_credits: a.stream_credits,
                 payload,
             });
         }
@@ -1174,6 +1187,7 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
             kind,
             len,
             stream: trace.stream,
+            stream_credits: trace.stream_credits,
         };
         let trace = TraceHeader {
             trace_id: trace.trace_id,

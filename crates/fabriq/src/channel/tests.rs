@@ -286,6 +286,7 @@ mod peer_input {
             kind,
             len,
             stream: 0,
+            stream_credits: 0,
         };
         let mut v = HeadBuf::encode(&TraceHeader::default(), &h, &body)
             .as_slice()

@@ -17,11 +17,14 @@
 //! 27  flags         u8    reserved, sent as 0, ignored
 //! 28  len           u32   bytes following the 40-byte header in this frame
 //! 32  stream        u32   the stream (channel) of a connection this message belongs to
-//! 36  reserved      u32   sent as 0, ignored
+//! 36  stream_credits u32  messages of `stream` the sender's application consumed since its
+//!                         last report: the stream's flow-control window opens by that much
 //! ```
 //!
 //! One connection (queue pair) carries many streams: sequence numbers, acks and credits belong
-//! to the connection, the stream id only routes a message to its channel (`worker::streams`).
+//! to the connection; the stream id routes a message to its channel (`worker::streams`), and
+//! each stream has its own window of [`STREAM_WINDOW`] messages its peer's application has not
+//! consumed yet, so a stream whose reader stops back-pressures only itself.
 //!
 //! Bodies: `Data` carries `len` payload bytes; `Rts` 24 bytes {total_len u64, addr u64, rkey u32,
 //! reserved u32}; `Fin` 8 bytes {seq u32, reserved u32}; `Update` nothing.
@@ -43,6 +46,14 @@ pub const FIN_BODY_LEN: usize = 8;
 /// of a Data frame is gathered from the caller's buffer behind it.
 pub const MAX_HEAD_LEN: usize = HEADER_LEN + RTS_BODY_LEN;
 
+/// Data messages a sender may have on one stream that the receiving application has not
+/// consumed; the receiver reports consumption in `stream_credits` (piggybacked, or alone once
+/// [`STREAM_REPORT_EVERY`] are owed).
+pub const STREAM_WINDOW: u64 = 64;
+/// Consumed messages a receiver reports at the latest (a quarter of the window, so a sender at
+/// the window's edge is never left waiting).
+pub const STREAM_REPORT_EVERY: u64 = STREAM_WINDOW / 4;
+
 /// Protocol magic and version in one `u16`.
 pub const MAGIC: u16 = 0xFB02;
 
@@ -61,6 +72,8 @@ impl TraceFlags {
     pub const STREAM_OPEN: u16 = 1 << 3;
     /// The (empty) message closes its stream: no more messages follow on it in either direction.
     pub const STREAM_CLOSE: u16 = 1 << 4;
+    /// The (empty) message only reports `stream_credits`.
+    pub const STREAM_CREDIT: u16 = 1 << 5;
 
     /// True if every bit of `bits` is set.
     pub fn contains(self, bits: u16) -> bool {
@@ -133,6 +146,8 @@ pub struct MsgHeader {
     pub len: u32,
     /// Stream of the connection the message belongs to.
     pub stream: u32,
+    /// Messages of `stream` consumed by the sender's application since its last report.
+    pub stream_credits: u32,
 }
 
 /// A rendezvous announcement: where the receiver pulls the payload from.
@@ -265,6 +280,7 @@ impl HeadBuf {
         put(b, 26, &[header.kind.code(), 0]);
         put(b, 28, &header.len.to_le_bytes());
         put(b, 32, &header.stream.to_le_bytes());
+        put(b, 36, &header.stream_credits.to_le_bytes());
         match body {
             FrameBody::Rts(rts) => {
                 put(b, HEADER_LEN, &rts.total_len.to_le_bytes());
@@ -310,6 +326,7 @@ pub fn decode(bytes: &[u8]) -> Result<Frame<'_>, DecodeError> {
         kind,
         len: u32_at(bytes, 28),
         stream: u32_at(bytes, 32),
+        stream_credits: u32_at(bytes, 36),
     };
     let rest = bytes.get(HEADER_LEN..).unwrap_or(&[]);
     let expect = match kind {
@@ -392,6 +409,7 @@ mod tests {
             kind,
             len,
             stream: 11,
+            stream_credits: 2,
         }
     }
 
@@ -419,6 +437,7 @@ mod tests {
         assert_eq!(frame.body, FrameBody::Rts(rts));
         assert_eq!(frame.header.credits, 3);
         assert_eq!(frame.header.stream, 11);
+        assert_eq!(frame.header.stream_credits, 2);
     }
 
     #[test]
@@ -476,12 +495,12 @@ mod tests {
         }
 
         #[test]
-        fn headers_round_trip(trace_id: u64, ts: u32, flags: u16, seq in 1u32.., ack: u32, credits: u16, fin_seq: u32, kind in 0usize..3, stream: u32) {
+        fn headers_round_trip(trace_id: u64, ts: u32, flags: u16, seq in 1u32.., ack: u32, credits: u16, fin_seq: u32, kind in 0usize..3, stream: u32, sc: u32) {
             let trace = TraceHeader { trace_id, send_ts_us: ts, flags: TraceFlags(flags) };
             let (h, body) = match kind {
-                0 => (MsgHeader { seq, ack, credits, kind: MsgKind::Data, len: 0, stream }, FrameBody::Data(&[])),
-                1 => (MsgHeader { seq: 0, ack, credits, kind: MsgKind::Fin, len: FIN_BODY_LEN as u32, stream }, FrameBody::Fin { seq: fin_seq }),
-                _ => (MsgHeader { seq: 0, ack, credits, kind: MsgKind::Update, len: 0, stream }, FrameBody::Update),
+                0 => (MsgHeader { seq, ack, credits, kind: MsgKind::Data, len: 0, stream, stream_credits: sc }, FrameBody::Data(&[])),
+                1 => (MsgHeader { seq: 0, ack, credits, kind: MsgKind::Fin, len: FIN_BODY_LEN as u32, stream, stream_credits: sc }, FrameBody::Fin { seq: fin_seq }),
+                _ => (MsgHeader { seq: 0, ack, credits, kind: MsgKind::Update, len: 0, stream, stream_credits: sc }, FrameBody::Update),
             };
             let head = HeadBuf::encode(&trace, &h, &body);
             let f = decode(head.as_slice()).expect("own encoding decodes");

@@ -47,6 +47,7 @@ use tokio::sync::oneshot;
 
 use crate::channel::driver::{ChannelDriver, CoreEvent};
 use crate::channel::proto::{Instant, Received, TraceInfo};
+use crate::channel::wire::STREAM_REPORT_EVERY;
 use crate::channel::{ChannelError, TraceFlags};
 use crate::config::Progress;
 use crate::conn::{ControlEvent, ControlStream, QpLease};
@@ -183,6 +184,22 @@ struct StreamState {
     /// The peer closed the stream: nothing more arrives, nothing more is sent, but the
     /// application may still read what was delivered.
     peer_closed: bool,
+    /// Messages of this stream the application consumed, not yet reported to the peer.
+    to_report: u64,
+    /// A lone `STREAM_CREDIT` report is queued.
+    report_queued: bool,
+}
+
+impl StreamState {
+    fn new(shared: Arc<ChannelShared>) -> StreamState {
+        StreamState {
+            shared,
+            calls: FxHashMap::default(),
+            peer_closed: false,
+            to_report: 0,
+            report_queued: false,
+        }
+    }
 }
 
 /// One connection: a QP, its channel core and the streams it carries.
@@ -223,6 +240,7 @@ impl ConnState {
                     trace_id: 0,
                     flags: TraceFlags(flag),
                     stream,
+                    stream_credits: 0,
                 },
             )),
             Err(e) => tracing::warn!(%e, "no memory for a stream control message"),
@@ -504,14 +522,23 @@ impl Worker {
         self.command_send(chan, buf, trace);
     }
 
-    /// Credits of messages the application of stream `chan` consumed go back to its connection.
+    /// Messages the application of stream `chan` consumed open the peer's stream window: the
+    /// count rides on the stream's next message, or goes alone once a quarter window is owed.
     fn take_released(&mut self, chan: StreamKey) {
-        if let Some(st) = self.conns.get_mut(&key_conn(chan)) {
-            if let Some(ss) = st.streams.get(&key_stream(chan)) {
-                let n = ss.shared.released.swap(0, Ordering::AcqRel);
-                st.driver.core_mut().handle_released(n);
-                self.mark_dirty(key_conn(chan));
-            }
+        let Some(st) = self.conns.get_mut(&key_conn(chan)) else {
+            return;
+        };
+        let stream = key_stream(chan);
+        let Some(ss) = st.streams.get_mut(&stream) else {
+            return;
+        };
+        ss.to_report += ss.shared.released.swap(0, Ordering::AcqRel);
+        if ss.to_report >= STREAM_REPORT_EVERY && !ss.report_queued && !ss.peer_closed {
+            ss.report_queued = true;
+            // Its completion is counted against the stream like its messages.
+            ss.shared.count_in(0);
+            st.queue_stream_control(&self.buffers, stream, TraceFlags::STREAM_CREDIT);
+            self.mark_dirty(key_conn(chan));
         }
     }
 
@@ -728,14 +755,7 @@ impl Worker {
         // The open's completion is counted against the stream like its messages.
         shared.count_in(0);
         st.queue_stream_control(&self.buffers, stream, TraceFlags::STREAM_OPEN);
-        st.streams.insert(
-            stream,
-            StreamState {
-                shared,
-                calls: FxHashMap::default(),
-                peer_closed: false,
-            },
-        );
+        st.streams.insert(stream, StreamState::new(shared));
         self.mark_dirty(conn);
     }
 
@@ -754,12 +774,10 @@ impl Worker {
             let _ = reply.send(Err(RpcError::PeerGone));
         }
         ss.shared.fail(Failure::Closed);
-        let unread = ss.shared.discard() + ss.shared.released.swap(0, Ordering::AcqRel);
-        if !st.is_failed() {
-            st.driver.core_mut().handle_released(unread);
-            if !ss.peer_closed {
-                st.queue_stream_control(&self.buffers, key_stream(chan), TraceFlags::STREAM_CLOSE);
-            }
+        // Unread messages already returned their connection credit when they arrived.
+        ss.shared.discard();
+        if !st.is_failed() && !ss.peer_closed {
+            st.queue_stream_control(&self.buffers, key_stream(chan), TraceFlags::STREAM_CLOSE);
         }
         if st.retire_now() {
             if let Some(st) = self.conns.remove(&conn) {
@@ -815,6 +833,7 @@ impl Worker {
                 trace_id: call_id,
                 flags: TraceFlags(TraceFlags::RPC_REQUEST),
                 stream: key_stream(chan),
+                stream_credits: 0,
             },
         ));
         self.timers
@@ -952,8 +971,25 @@ impl Worker {
         let mut newly_failed = None;
         for _round in 0..64 {
             let mut progress = 0usize;
-            // Backlog into the core, in order.
-            while let Some((buf, trace)) = st.backlog.pop_front() {
+            // Backlog into the core, in order; each message carries its stream's window report.
+            while let Some((buf, mut trace)) = st.backlog.pop_front() {
+                if let Some(ss) = st.streams.get_mut(&trace.stream) {
+                    let owed = std::mem::take(&mut ss.to_report);
+                    trace.stream_credits = trace
+                        .stream_credits
+                        .saturating_add(owed.min(u32::MAX.into()) as u32);
+                    if trace.flags.contains(TraceFlags::STREAM_CREDIT) {
+                        ss.report_queued = false;
+                    }
+                }
+                if trace.flags.contains(TraceFlags::STREAM_CREDIT) && trace.stream_credits == 0 {
+                    // Already carried by a message before it.
+                    if let Some(ss) = st.streams.get(&trace.stream) {
+                        ss.shared.send_progress(1, 0);
+                    }
+                    buffers.recycle(buf);
+                    continue;
+                }
                 match st.driver.send(buf, trace) {
                     Ok(_) => progress += 1,
                     Err((ChannelError::WouldBlock, buf)) => {
@@ -963,7 +999,7 @@ impl Worker {
                     Err((e, buf)) => {
                         tracing::warn!(%e, "message refused by the channel");
                         if let Some(ss) = st.streams.get(&trace.stream) {
-                            ss.shared.send_progress(1, buf.len() as u64);
+                            ss.shared.cancel_reservation(buf.len() as u64);
                         }
                     }
                 }
@@ -977,12 +1013,14 @@ impl Worker {
                         seq,
                         trace,
                         stream,
+                        stream_credits,
                         payload,
                     } => {
                         let msg = Arrival {
                             seq,
                             trace,
                             stream,
+                            stream_credits,
                             payload,
                         };
                         if let Err(e) = on_received(st, me, buffers, handlers, msg) {
@@ -1116,6 +1154,7 @@ struct Arrival {
     seq: u64,
     trace: crate::channel::TraceHeader,
     stream: u32,
+    stream_credits: u32,
     payload: Received<PoolBuf>,
 }
 
@@ -1133,10 +1172,20 @@ fn on_received(
         seq,
         trace,
         stream,
+        stream_credits,
         payload,
     } = msg;
     let flags = trace.flags;
-    if flags.contains(TraceFlags::STREAM_OPEN) || flags.contains(TraceFlags::STREAM_CLOSE) {
+    // The peer's window report for this stream rides on any of its messages.
+    if stream_credits > 0 {
+        if let Some(ss) = st.streams.get(&stream) {
+            ss.shared.peer_consumed(u64::from(stream_credits));
+        }
+    }
+    if flags.contains(TraceFlags::STREAM_OPEN)
+        || flags.contains(TraceFlags::STREAM_CLOSE)
+        || flags.contains(TraceFlags::STREAM_CREDIT)
+    {
         st.driver.core_mut().handle_released(1);
         return on_stream_control(st, me, stream, flags);
     }
@@ -1190,6 +1239,7 @@ fn on_received(
                         trace_id: trace.trace_id,
                         flags: TraceFlags(TraceFlags::RPC_RESPONSE),
                         stream,
+                        stream_credits: 0,
                     },
                 ));
             }
@@ -1222,6 +1272,9 @@ fn on_received(
             Err(e) => tracing::warn!(%e, "malformed RPC response dropped"),
         }
     } else if let Some(ss) = st.streams.get(&stream) {
+        // The slot's connection credit returns now; the stream's window (reported as the
+        // application consumes) is what holds back a sender this reader does not keep up with.
+        st.driver.core_mut().handle_released(1);
         ss.shared.deliver(Message {
             payload,
             trace,
@@ -1233,13 +1286,17 @@ fn on_received(
 }
 
 /// `STREAM_OPEN` (only the connecting side opens streams: on an accepted connection a new
-/// stream goes to the listener) or `STREAM_CLOSE` (a close crossing ours is ignored).
+/// stream goes to the listener), `STREAM_CLOSE` (a close crossing ours is ignored) or
+/// `STREAM_CREDIT` (its report is already applied).
 fn on_stream_control(
     st: &mut ConnState,
     me: &Weak<WorkerShared>,
     stream: u32,
     flags: TraceFlags,
 ) -> Result<(), String> {
+    if flags.contains(TraceFlags::STREAM_CREDIT) {
+        return Ok(());
+    }
     if flags.contains(TraceFlags::STREAM_CLOSE) {
         if let Some(ss) = st.streams.get_mut(&stream) {
             ss.peer_closed = true;
@@ -1264,14 +1321,8 @@ fn on_stream_control(
     let conn = st.driver.qp().qp_num().0;
     let window = u64::from(st.driver.core().config().max_queued);
     let shared = Arc::new(ChannelShared::new(stream_key(conn, stream), worker, window));
-    st.streams.insert(
-        stream,
-        StreamState {
-            shared: Arc::clone(&shared),
-            calls: FxHashMap::default(),
-            peer_closed: false,
-        },
-    );
+    st.streams
+        .insert(stream, StreamState::new(Arc::clone(&shared)));
     // If the listener is gone the `Accepted` is dropped, which closes the stream.
     let _ = accept.send(Accepted::new(shared, st.peer, st.eager_max));
     Ok(())

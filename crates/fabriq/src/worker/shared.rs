@@ -25,6 +25,7 @@ use rustix::event::epoll;
 
 use super::buffers::Buffers;
 use super::{Command, Worker};
+use crate::channel::wire::STREAM_WINDOW;
 use crate::channel::ChannelError;
 use crate::config::Progress;
 use crate::message::Message;
@@ -567,6 +568,10 @@ pub(crate) struct ChannelShared {
     /// message of any size is always let through), so a stream of large messages keeps a few
     /// in flight — enough to pipeline the peer's pulls — instead of `window` of them.
     outstanding_bytes: AtomicU64,
+    /// Data messages sent on this stream that the peer's application has not consumed (as far
+    /// as its reports tell): `send` blocks at [`STREAM_WINDOW`], so a peer that stops reading
+    /// this stream stops only this stream.
+    peer_unconsumed: AtomicU64,
     pub(crate) tx_notify: tokio::sync::Notify,
     /// Async senders waiting on `tx_notify` (it is only notified when there are some).
     pub(crate) tx_async_waiters: AtomicUsize,
@@ -591,6 +596,7 @@ impl ChannelShared {
             outstanding: AtomicU64::new(0),
             window: AtomicU64::new(window),
             outstanding_bytes: AtomicU64::new(0),
+            peer_unconsumed: AtomicU64::new(0),
             tx_notify: tokio::sync::Notify::new(),
             tx_async_waiters: AtomicUsize::new(0),
             failed: AtomicBool::new(false),
@@ -655,6 +661,24 @@ impl ChannelShared {
         }
     }
 
+    /// Worker: the peer's application consumed `n` more messages of this stream.
+    pub(crate) fn peer_consumed(&self, n: u64) {
+        let _ = self
+            .peer_unconsumed
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| {
+                Some(v.saturating_sub(n))
+            });
+        if self.tx_async_waiters.load(Ordering::SeqCst) > 0 {
+            self.tx_notify.notify_waiters();
+        }
+    }
+
+    /// A reserved message of `bytes` that never left: its reservation ends.
+    pub(crate) fn cancel_reservation(&self, bytes: u64) {
+        self.peer_consumed(1);
+        self.send_progress(1, bytes);
+    }
+
     /// Worker: a message of `bytes` it queued itself (RPC request or reply) counts in the window.
     pub(crate) fn count_in(&self, bytes: u64) {
         self.outstanding.fetch_add(1, Ordering::AcqRel);
@@ -667,6 +691,9 @@ impl ChannelShared {
             return Err(f.to_error());
         }
         let len = len as u64;
+        if self.peer_unconsumed.load(Ordering::Acquire) >= STREAM_WINDOW {
+            return Err(ChannelError::WouldBlock);
+        }
         let bytes = self.outstanding_bytes.load(Ordering::Acquire);
         if bytes > 0 && bytes.saturating_add(len) > WINDOW_BYTES {
             return Err(ChannelError::WouldBlock);
@@ -684,9 +711,10 @@ impl ChannelShared {
                 Ordering::Acquire,
             ) {
                 Ok(_) => {
-                    // Racing reservations may overshoot the byte bound by a message each: it
-                    // is a soft bound.
+                    // Racing reservations may overshoot the byte bound and the stream window by
+                    // a message each: they are soft bounds.
                     self.outstanding_bytes.fetch_add(len, Ordering::AcqRel);
+                    self.peer_unconsumed.fetch_add(1, Ordering::AcqRel);
                     return Ok(());
                 }
                 Err(v) => cur = v,

@@ -214,3 +214,39 @@ fn perf_bad_input_is_a_clean_error() {
         assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
     }
 }
+
+/// `fabriq demo`, the README's first command, end to end on shm (the default) and tcp: both
+/// processes run, every part of the report is there, the lock counted every acquisition and a
+/// second channel shared the first one's connection.
+#[test]
+fn demo_runs_end_to_end() {
+    let _one_at_a_time = PERF.lock().unwrap_or_else(|e| e.into_inner());
+    for device in ["auto", "tcp0"] {
+        let out = fabriq(&["demo", "-d", device, "-n", "40"]);
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            out.status.success(),
+            "demo -d {device} failed: {}\n{stdout}\n{stderr}",
+            out.status
+        );
+        assert!(!stderr.contains("panicked"), "{stderr}");
+        for line in [
+            "connected to",
+            "a second channel to it in",
+            "1 connection set up",
+            "eager 8 B message",
+            "rendezvous 1 MiB message",
+            "RPC echo (4 B)",
+            "RPC rate, 8 callers",
+            "UnknownMethod error, as expected",
+            "lock/increment/unlock, counter = 40)",
+            "done.",
+        ] {
+            assert!(
+                stdout.contains(line),
+                "demo -d {device}: no {line:?} in\n{stdout}"
+            );
+        }
+    }
+}

@@ -112,6 +112,16 @@ fn run_client(config: Config, addr: &str, n: u32) -> anyhow::Result<()> {
         .context("server sent a bad region descriptor")?;
     println!("fabriq demo: two processes, device {}", ep.device());
     println!("  connected to {addr} in {}", us(connect));
+    // A second channel to the same peer is a new stream on the pooled connection.
+    let t1 = Instant::now();
+    let second = ep.connect(addr).context("opening a second channel")?;
+    let pooled = t1.elapsed();
+    drop(second);
+    println!(
+        "  a second channel to it in {} (a stream on the same pooled connection: {} connection set up)",
+        us(pooled),
+        ep.conn_stats().connects
+    );
     println!(
         "  thresholds: eager up to {} B, rendezvous above (RDMA READ in chunks)",
         ch.eager_max()

@@ -564,3 +564,42 @@ fn a_stalled_channel_does_not_block_its_siblings() {
         assert!(!stalled.is_closed() && !busy.is_closed(), "{device}");
     }
 }
+
+/// A pooled connection that failed is never handed out again: after the peer endpoint died
+/// (its channel still held here, failed), a connect to a new endpoint on the same address sets
+/// up a new connection instead of opening a stream on the dead one.
+#[test]
+fn a_failed_pooled_connection_is_replaced() {
+    for device in devices() {
+        let Some(first) = endpoint(&device, "") else {
+            continue;
+        };
+        let client = endpoint(&device, "").expect("client");
+        let listener = first.listen("127.0.0.1:0").expect("listen");
+        let addr = listener.local_addr();
+        let old = client.connect(addr).expect("connect");
+        let old_peer = listener.accept_timeout(HANG).expect("accept");
+        ping(&old, &old_peer, b"first");
+        drop((listener, old_peer, first));
+        match old.recv_timeout(HANG) {
+            Err(ChannelError::PeerGone) => {}
+            other => panic!("{device}: expected PeerGone, got {other:?}"),
+        }
+        // A new endpoint on the same address (the old channel is still held, failed).
+        let second = endpoint(&device, "").expect("second server");
+        let listener = match second.listen(addr) {
+            Ok(l) => l,
+            Err(e) => {
+                eprintln!("skipping the reconnect half on {device}: {addr} not free again: {e}");
+                continue;
+            }
+        };
+        let new = client.connect(addr).expect("connect again");
+        let new_peer = listener.accept_timeout(HANG).expect("accept again");
+        ping(&new, &new_peer, b"second");
+        ping(&new_peer, &new, b"back");
+        assert_eq!(client.conn_stats().connects, 2, "{device}");
+        assert_eq!(client.pool_stats().misses, 2, "{device}");
+        assert!(old.is_closed() && !new.is_closed(), "{device}");
+    }
+}

@@ -215,13 +215,14 @@ fn perf_bad_input_is_a_clean_error() {
     }
 }
 
-/// `fabriq demo`, the README's first command, end to end on shm (the default) and tcp: both
+/// `fabriq demo`, the README's first command, end to end on shm (the default), tcp and udp
+/// (MP-RDMA) — the middleware unchanged on every software provider: both
 /// processes run, every part of the report is there, the lock counted every acquisition and a
 /// second channel shared the first one's connection.
 #[test]
 fn demo_runs_end_to_end() {
     let _one_at_a_time = PERF.lock().unwrap_or_else(|e| e.into_inner());
-    for device in ["auto", "tcp0"] {
+    for device in ["auto", "tcp0", "udp0"] {
         let out = fabriq(&["demo", "-d", device, "-n", "40"]);
         let stdout = String::from_utf8_lossy(&out.stdout);
         let stderr = String::from_utf8_lossy(&out.stderr);

@@ -20,7 +20,7 @@
 //! max_message_len = 4294967296
 //! # eager_max = 4096         # override the profile's eager threshold
 //! # chunk_size = 65536       # override the profile's READ chunk
-//! reads_in_flight = 4
+//! reads_in_flight = 16       # RDMA READs of one rendezvous pull in flight
 //! rnr_retry = 7              # QP RNR retries (the credit scheme never needs one; 0 makes any
 //!                            # RNR a hard error)
 //! auth_token = ""            # sent in the connection hello; when set, peers must present it
@@ -186,7 +186,7 @@ impl Default for Config {
             max_message_len: 4 << 30,
             eager_max: None,
             chunk_size: None,
-            reads_in_flight: 4,
+            reads_in_flight: 16,
             rnr_retry: 7,
             device_options: std::collections::BTreeMap::new(),
             auth_token: String::new(),

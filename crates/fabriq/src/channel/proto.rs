@@ -102,7 +102,7 @@ impl Thresholds {
         Thresholds {
             eager_max,
             chunk_size,
-            reads_in_flight: 4,
+            reads_in_flight: 16,
         }
     }
 }

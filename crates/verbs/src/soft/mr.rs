@@ -269,6 +269,116 @@ impl MrTable {
     }
 }
 
+/// The key a range of registered memory is named by, which decides the rights check.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MemKey {
+    /// A local key (the QP's own buffers: receives, READ results).
+    Local(Lkey),
+    /// A remote key (a peer's WRITE).
+    Remote(Rkey),
+}
+
+/// A range of registered memory that data arriving in pieces is placed into; every access
+/// re-checks it against the live registrations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Dest {
+    /// The key naming the range.
+    pub key: MemKey,
+    /// Start address.
+    pub addr: u64,
+    /// Length in bytes.
+    pub len: u64,
+    /// Rights the registration must grant.
+    pub need: AccessFlags,
+}
+
+impl MrTable {
+    fn dest_ok(t: &Tables, key: MemKey, addr: u64, len: u64, need: AccessFlags) -> bool {
+        let mr = match key {
+            MemKey::Local(k) => t.by_lkey.get(&k.0),
+            MemKey::Remote(k) => t.by_rkey.get(&k.0),
+        };
+        mr.is_some_and(|mr| mr.permits(addr, len, need))
+    }
+
+    /// True when every destination lies in a live registration granting its rights.
+    pub fn check_dests(&self, dests: &[Dest]) -> bool {
+        let t = self.tables.read();
+        dests
+            .iter()
+            .all(|d| Self::dest_ok(&t, d.key, d.addr, d.len, d.need))
+    }
+
+    /// Copy `data` to `[addr, addr + data.len())`, which must lie in a live registration
+    /// named by `key` granting `need`. False (nothing written) otherwise.
+    pub fn put(&self, key: MemKey, addr: u64, data: &[u8], need: AccessFlags) -> bool {
+        let t = self.tables.read();
+        if !Self::dest_ok(&t, key, addr, data.len() as u64, need) {
+            return false;
+        }
+        // SAFETY: the range was just checked against a live registration granting `need`,
+        // under the read lock, which is held until the copy is done.
+        unsafe { write_raw(addr, data) };
+        true
+    }
+
+    /// Receive up to `len` bytes from the stream socket `fd` straight into registered memory
+    /// at `addr` (one `recv`, non-blocking). `None` when the range does not lie in a live
+    /// registration named by `key` granting `need` (nothing is read then).
+    pub fn recv_into(
+        &self,
+        fd: std::os::fd::BorrowedFd<'_>,
+        key: MemKey,
+        addr: u64,
+        len: usize,
+        need: AccessFlags,
+    ) -> Option<std::io::Result<usize>> {
+        use std::os::fd::AsRawFd;
+        let t = self.tables.read();
+        if !Self::dest_ok(&t, key, addr, len as u64, need) {
+            return None;
+        }
+        // SAFETY: `[addr, addr + len)` was just checked to lie in a live registration granting
+        // `need` (LOCAL_WRITE or REMOTE_WRITE); the read lock keeps it registered, and so
+        // allocated, until the kernel has copied into it and `recv` returned. The memory is
+        // only written through this raw pointer (no Rust reference to it is formed), as a NIC
+        // writes it.
+        let n = unsafe {
+            libc::recv(
+                fd.as_raw_fd(),
+                addr as usize as *mut libc::c_void,
+                len,
+                libc::MSG_DONTWAIT,
+            )
+        };
+        Some(if n < 0 {
+            Err(std::io::Error::last_os_error())
+        } else {
+            Ok(n as usize)
+        })
+    }
+
+    /// Hold the read lock to send from registered memory: while the returned view lives, a
+    /// range it [`LocalView::permits`] stays registered and allocated.
+    pub fn local_view(&self) -> LocalView<'_> {
+        LocalView {
+            t: self.tables.read(),
+        }
+    }
+}
+
+/// The table's registrations, held still (see [`MrTable::local_view`]).
+pub struct LocalView<'a> {
+    t: parking_lot::RwLockReadGuard<'a, Tables>,
+}
+
+impl LocalView<'_> {
+    /// True when the range lies in a live registration of its key granting its rights.
+    pub fn permits(&self, d: &Dest) -> bool {
+        MrTable::dest_ok(&self.t, d.key, d.addr, d.len, d.need)
+    }
+}
+
 /// Append `len` bytes at `addr` to `out`.
 ///
 /// # Safety

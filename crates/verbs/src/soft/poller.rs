@@ -6,6 +6,7 @@
 //! The provider keeps what is specific to its transport: which fds it watches under which
 //! tokens, how long the thread may sleep, and what a ready fd means. The tokens
 //! [`TOKEN_WAKE`] and [`TOKEN_TIMER`] are reserved here and never reach the provider.
+//! Also [`set_rcvlowat`], how much input makes a stream socket ready.
 
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -258,4 +259,26 @@ where
         .spawn(run)
         .map(|_| ())
         .map_err(|e| VerbsError::io(format!("{device}: spawn progress thread"), e))
+}
+
+/// Set `SO_RCVLOWAT` of a stream socket: readiness (and a blocking read) waits for `bytes`.
+pub fn set_rcvlowat(fd: std::os::fd::BorrowedFd<'_>, bytes: usize) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let v = libc::c_int::try_from(bytes).unwrap_or(libc::c_int::MAX);
+    // SAFETY: `v` is a live c_int for the duration of the call and its size is passed; the fd
+    // is borrowed, so open.
+    let r = unsafe {
+        libc::setsockopt(
+            fd.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_RCVLOWAT,
+            (&v as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
 }

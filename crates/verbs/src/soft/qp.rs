@@ -12,12 +12,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::cq::SoftCq;
-use super::mr::{append_raw, MrTable};
+use super::mr::{append_raw, Dest, MemKey, MrTable};
 use super::requester::{EntryKind, Fault, Requester, SqEntry};
-use super::responder::{RecvSource, Responder, ResponderEnv};
+use super::responder::{Placement, ReadRef, RecvSource, Responder, ResponderEnv};
 use super::rq::{RecvQueue, SoftSrq};
-use super::tx::FrameSink;
-use super::wire::{begin_request, Frame, RequestOp};
+use super::tx::{FrameSink, TxQueue};
+use super::wire::{begin_request, Frame, RequestOp, ResponseKind};
 use crate::{
     AccessFlags, PostError, QpAttr, QpCaps, QpEndpoint, QpInfo, QpNum, QpState, RecvWr, Result,
     SendFlags, SendWr, VerbsError, WcOpcode, WcStatus, WorkCompletion, WrOpcode,
@@ -468,8 +468,10 @@ impl QpCore {
                 },
             ),
         };
+        // Room for an inline payload; a deferred one is gathered (and the frame grown) or left
+        // in registered memory at first transmission.
         let mut frame = Vec::with_capacity(
-            64 + if matches!(kind, EntryKind::Acked) {
+            64 + if matches!(kind, EntryKind::Acked) && inline {
                 total as usize
             } else {
                 0
@@ -523,6 +525,7 @@ impl QpCore {
             failed,
             rnr_naks: 0,
             deferred_gather: deferred,
+            payload_ref: None,
         }
     }
 
@@ -560,6 +563,33 @@ impl QpCore {
 
     /// Feed one decoded frame; responses and resends are appended to `out`.
     pub fn handle_frame(&mut self, now: Instant, frame: &Frame<'_>, out: &mut Vec<u8>) {
+        self.handle_frame_inner(now, frame, out, false);
+    }
+
+    /// [`QpCore::handle_frame`] for a stream output: the payload of a large READ response is
+    /// queued as registered memory, read by the kernel when it is sent (a READ reads the
+    /// memory when the response leaves, as a NIC does; a request that must see the READ done
+    /// first is FENCEd by the requester).
+    pub fn handle_frame_tx(&mut self, now: Instant, frame: &Frame<'_>, tx: &mut TxQueue) {
+        let read = tx.append_with(|out| self.handle_frame_inner(now, frame, out, true));
+        if let Some(r) = read {
+            let range = Dest {
+                key: MemKey::Remote(crate::Rkey(r.rkey)),
+                addr: r.addr,
+                len: u64::from(r.len),
+                need: AccessFlags::REMOTE_READ,
+            };
+            tx.push_ranges(Arc::new([range]), r.len as usize, &self.cfg.table);
+        }
+    }
+
+    fn handle_frame_inner(
+        &mut self,
+        now: Instant,
+        frame: &Frame<'_>,
+        out: &mut Vec<u8>,
+        read_by_ref: bool,
+    ) -> Option<ReadRef> {
         match frame {
             Frame::Request(req) => {
                 if req.qpn != self.cfg.qp_num.0 {
@@ -567,12 +597,12 @@ impl QpCore {
                         "request for QP {} reached QP {}",
                         req.qpn, self.cfg.qp_num.0
                     ));
-                    return;
+                    return None;
                 }
                 match self.state {
                     QpState::Rtr | QpState::Rts | QpState::Sqd | QpState::Sqe => {}
                     // ERROR drops silently; RESET/INIT cannot have a connection.
-                    _ => return,
+                    _ => return None,
                 }
                 let remote_qpn = self.remote.as_ref().map_or(QpNum(0), |r| r.qp_num);
                 let srq = self.cfg.srq.clone();
@@ -587,8 +617,10 @@ impl QpCore {
                     qp_num: self.cfg.qp_num,
                     remote_qpn,
                     max_payload: self.cfg.max_payload,
+                    read_by_ref,
                 };
                 let outcome = self.responder.handle_request(req, &mut env, out);
+                let read = self.responder.take_read_ref();
                 if let Some((wc, solicited)) = outcome.recv_completion {
                     self.cfg.recv_cq.push(wc, solicited);
                 }
@@ -596,6 +628,7 @@ impl QpCore {
                     self.responder.poll_ack(remote_qpn, out);
                     self.fail(reason);
                 }
+                read
             }
             Frame::Response(resp) => {
                 if resp.qpn != self.cfg.qp_num.0 {
@@ -603,7 +636,7 @@ impl QpCore {
                         "response for QP {} reached QP {}",
                         resp.qpn, self.cfg.qp_num.0
                     ));
-                    return;
+                    return None;
                 }
                 match self.state {
                     QpState::Rts | QpState::Sqd | QpState::Sqe => {
@@ -618,8 +651,130 @@ impl QpCore {
                     QpState::Error => {}
                     _ => self.fail(format!("response PSN {} before RTS", resp.psn)),
                 }
+                None
             }
-            Frame::Hello { .. } => self.fail("unexpected HELLO inside a connection"),
+            Frame::Hello { .. } => {
+                self.fail("unexpected HELLO inside a connection");
+                None
+            }
+        }
+    }
+
+    /// Start placing the payload (`len` bytes, not yet received) of a SEND, WRITE or READ
+    /// response (the head of `frame`, from [`super::wire::decode_head`]) straight into its
+    /// destination (see [`Placement`]). `None`: buffer the frame whole and use
+    /// [`QpCore::handle_frame`] (it will not simply execute: wrong QP or state, a PSN other
+    /// than the expected one, an access or length error, no receive, a response that is not
+    /// the one the head READ waits for — every such case is answered there).
+    pub fn begin_placement(
+        &mut self,
+        now: Instant,
+        frame: &Frame<'_>,
+        len: usize,
+    ) -> Option<Placement> {
+        let req = match frame {
+            Frame::Request(req) => req,
+            Frame::Response(resp) => {
+                if resp.qpn != self.cfg.qp_num.0
+                    || !matches!(self.state, QpState::Rts | QpState::Sqd | QpState::Sqe)
+                    || !matches!(resp.kind, ResponseKind::ReadResp { .. })
+                {
+                    return None;
+                }
+                let table = self.cfg.table.clone();
+                let p =
+                    self.requester
+                        .begin_read_placement(now, resp.psn, len, &table, &mut self.wcs);
+                self.emit_send_completions();
+                return p;
+            }
+            Frame::Hello { .. } => return None,
+        };
+        if req.qpn != self.cfg.qp_num.0
+            || !matches!(
+                self.state,
+                QpState::Rtr | QpState::Rts | QpState::Sqd | QpState::Sqe
+            )
+        {
+            return None;
+        }
+        let remote_qpn = self.remote.as_ref().map_or(QpNum(0), |r| r.qp_num);
+        let srq = self.cfg.srq.clone();
+        let recv = match &srq {
+            Some(s) => RecvSource::Shared(s),
+            None => RecvSource::Own(&mut self.rq),
+        };
+        let table = self.cfg.table.clone();
+        let mut env = ResponderEnv {
+            table: &table,
+            access: self.access,
+            recv,
+            qp_num: self.cfg.qp_num,
+            remote_qpn,
+            max_payload: self.cfg.max_payload,
+            read_by_ref: false,
+        };
+        self.responder.begin_placement(req, len, &mut env, &table)
+    }
+
+    /// Complete a placement whose payload arrived whole; responses are appended to `out`. In
+    /// any state but the ones it began in (the QP left them meanwhile), it is given up as by
+    /// [`QpCore::abandon_placement`].
+    pub fn finish_placement(&mut self, now: Instant, p: Placement, out: &mut Vec<u8>) {
+        if p.is_read_response() {
+            if matches!(self.state, QpState::Rts | QpState::Sqd | QpState::Sqe) {
+                let r = self.requester.finish_read_placement(now, p, &mut self.wcs);
+                self.after_requester(r);
+            }
+            return;
+        }
+        if !matches!(
+            self.state,
+            QpState::Rtr | QpState::Rts | QpState::Sqd | QpState::Sqe
+        ) {
+            self.abandon_placement(p);
+            return;
+        }
+        let remote_qpn = self.remote.as_ref().map_or(QpNum(0), |r| r.qp_num);
+        let srq = self.cfg.srq.clone();
+        let recv = match &srq {
+            Some(s) => RecvSource::Shared(s),
+            None => RecvSource::Own(&mut self.rq),
+        };
+        let mut env = ResponderEnv {
+            table: &self.cfg.table,
+            access: self.access,
+            recv,
+            qp_num: self.cfg.qp_num,
+            remote_qpn,
+            max_payload: self.cfg.max_payload,
+            read_by_ref: false,
+        };
+        let outcome = self.responder.finish_placement(p, &mut env, out);
+        if let Some((wc, solicited)) = outcome.recv_completion {
+            self.cfg.recv_cq.push(wc, solicited);
+        }
+        if let Some(reason) = outcome.fatal {
+            self.responder.poll_ack(remote_qpn, out);
+            self.fail(reason);
+        }
+    }
+
+    /// Give a placement up (its connection is gone, or the QP was reset): the request did not
+    /// execute (the peer resends it, or is in ERROR). Its receive goes back to the queue it
+    /// came from, or completes `WrFlushed` if this QP's own queue was flushed already (ERROR).
+    pub fn abandon_placement(&mut self, p: Placement) {
+        let Some(recv) = p.into_recv() else {
+            return;
+        };
+        match (&self.cfg.srq, self.state) {
+            (Some(srq), _) => srq.unpop(recv),
+            (None, QpState::Error) => {
+                let wc = self.flushed_recv(recv.wr_id);
+                self.cfg.recv_cq.push(wc, true);
+            }
+            (None, QpState::Reset) => {}
+            (None, _) => self.rq.unpop(recv),
         }
     }
 

@@ -12,11 +12,11 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::mr::MrTable;
-use super::responder::psn_before;
+use super::mr::{Dest, MemKey, MrTable};
+use super::responder::{psn_before, Placement};
 use super::tx::FrameSink;
 use super::wire::{NakCode, Response, ResponseKind};
-use crate::{QpNum, Sge, WcOpcode, WcStatus, WorkCompletion};
+use crate::{AccessFlags, QpNum, Sge, WcOpcode, WcStatus, WorkCompletion};
 
 /// What a send-queue entry is waiting for.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -70,7 +70,16 @@ pub struct SqEntry {
     /// SGEs whose bytes are appended to `frame` at first transmission (as a NIC reads the
     /// buffer when it processes the request, so a FENCE or an RNR pause sees later data).
     pub deferred_gather: Option<Vec<Sge>>,
+    /// Set at first transmission into a sink that [`FrameSink::takes_memory`] when the payload
+    /// is at least [`ZERO_COPY_MIN`]: the payload stays in registered memory and `frame` is
+    /// the frame without it (its length field counts it); every transmission reads the memory
+    /// again.
+    pub payload_ref: Option<Arc<[Sge]>>,
 }
+
+/// Payloads from this size on are left in registered memory when the sink can send from it
+/// (below it, copying into the frame costs less than another segment).
+pub const ZERO_COPY_MIN: u64 = 16 * 1024;
 
 /// Timer and retry parameters (from the RTS attributes).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -242,7 +251,7 @@ impl Requester {
     pub fn poll_transmit(
         &mut self,
         now: Instant,
-        table: &MrTable,
+        table: &Arc<MrTable>,
         out: &mut impl FrameSink,
     ) -> usize {
         if let Some(t) = self.rnr_until {
@@ -269,7 +278,26 @@ impl Requester {
             if e.kind.is_read_or_atomic() && outstanding_rd >= self.params.max_rd_atomic.max(1) {
                 break;
             }
-            if let Some(sges) = e.deferred_gather.take() {
+            let total: u64 = e
+                .deferred_gather
+                .as_ref()
+                .map_or(0, |s| s.iter().map(|s| u64::from(s.length)).sum());
+            if out.takes_memory() && total >= ZERO_COPY_MIN {
+                if let Some(sges) = e.deferred_gather.take() {
+                    // Checked now as a gather would be; the sink checks again when it sends.
+                    if let Err(status) = table.validate_local(&sges, AccessFlags::empty()) {
+                        e.failed = Some(status);
+                        break;
+                    }
+                    // Not transmitted yet, so nobody else holds the frame: no copy here.
+                    let buf = Arc::make_mut(&mut e.frame);
+                    let len = u32::try_from(buf.len() as u64 + total).unwrap_or(u32::MAX);
+                    if let Some(slot) = buf.get_mut(..4) {
+                        slot.copy_from_slice(&len.to_be_bytes());
+                    }
+                    e.payload_ref = Some(sges.into());
+                }
+            } else if let Some(sges) = e.deferred_gather.take() {
                 // Not transmitted yet, so nobody else holds the frame: no copy here.
                 let buf = Arc::make_mut(&mut e.frame);
                 let gathered = table.gather(&sges, buf);
@@ -288,7 +316,13 @@ impl Requester {
             if e.kind.is_read_or_atomic() {
                 outstanding_rd += 1;
             }
-            out.push_frame(&e.frame);
+            match &e.payload_ref {
+                Some(p) => {
+                    let len = p.iter().map(|s| s.length as usize).sum();
+                    out.push_memory(&e.frame, p, len, table);
+                }
+                None => out.push_frame(&e.frame),
+            }
             self.next_tx += 1;
             sent += 1;
         }
@@ -445,6 +479,90 @@ impl Requester {
         self.check_head_failure(now, out)
     }
 
+    /// Start placing the payload (`len` bytes, not yet received) of the READ response for
+    /// `psn` straight into the READ's SGEs (see [`Placement`]). Entries before `psn` are
+    /// acknowledged now, as the whole response would acknowledge them. `None` unless the
+    /// response answers the READ at the head with its exact length into live LOCAL_WRITE
+    /// memory: the caller then buffers the frame and [`Requester::handle_response`] judges it.
+    pub fn begin_read_placement(
+        &mut self,
+        now: Instant,
+        psn: u32,
+        len: usize,
+        table: &Arc<MrTable>,
+        out: &mut Vec<WorkCompletion>,
+    ) -> Option<Placement> {
+        if !psn_before(psn, self.next_psn) {
+            return None;
+        }
+        while let Some(head) = self.entries.front() {
+            if !psn_before(head.psn, psn) {
+                break;
+            }
+            if head.kind.is_read_or_atomic() || head.failed.is_some() {
+                return None;
+            }
+            self.complete_head(now, WcStatus::Success, out);
+        }
+        let head = self.entries.front()?;
+        let EntryKind::Read { sges, len: want } = &head.kind else {
+            return None;
+        };
+        if head.psn != psn || *want as usize != len || len == 0 {
+            return None;
+        }
+        let mut dests = Vec::with_capacity(sges.len());
+        let mut left = len as u64;
+        for s in sges {
+            if left == 0 {
+                break;
+            }
+            let n = left.min(u64::from(s.length));
+            dests.push(Dest {
+                key: MemKey::Local(s.lkey),
+                addr: s.addr,
+                len: n,
+                need: AccessFlags::LOCAL_WRITE,
+            });
+            left -= n;
+        }
+        if left > 0 || !table.check_dests(&dests) {
+            return None;
+        }
+        Some(Placement::read_response(psn, dests, len, table))
+    }
+
+    /// Complete a READ response placement whose payload arrived whole: the READ at the head
+    /// succeeds, or fails `LocalProtection` if its memory was deregistered meanwhile. A
+    /// placement for an entry no longer at the head (flushed meanwhile) is dropped.
+    pub fn finish_read_placement(
+        &mut self,
+        now: Instant,
+        p: Placement,
+        out: &mut Vec<WorkCompletion>,
+    ) -> Result<(), Fault> {
+        let at_head = self
+            .entries
+            .front()
+            .is_some_and(|h| h.psn == p.psn() && matches!(h.kind, EntryKind::Read { .. }));
+        if !at_head {
+            return Ok(());
+        }
+        if p.lost() {
+            return Err(self.fail_head(
+                now,
+                WcStatus::LocalProtection,
+                format!(
+                    "READ result could not be placed: {:?}",
+                    WcStatus::LocalProtection
+                ),
+                out,
+            ));
+        }
+        self.complete_head(now, WcStatus::Success, out);
+        self.check_head_failure(now, out)
+    }
+
     fn stale_or_bogus(&self, psn: u32) -> Result<(), Fault> {
         // A response older than every outstanding request answers a resend: ignore it.
         let oldest = self.entries.front().map_or(self.next_psn, |e| e.psn);
@@ -523,7 +641,6 @@ impl Requester {
 mod tests {
     use super::*;
     use crate::soft::mr::SoftMr;
-    use crate::AccessFlags;
 
     fn entry(r: &mut Requester, kind: EntryKind, signaled: bool) -> SqEntry {
         let psn = r.alloc_psn();
@@ -539,6 +656,7 @@ mod tests {
             failed: None,
             rnr_naks: 0,
             deferred_gather: None,
+            payload_ref: None,
         }
     }
 
@@ -708,6 +826,65 @@ mod tests {
             kind: ResponseKind::ReadResp { payload: b"ab" },
         };
         assert!(r.handle_response(now, &bad, &table, &mut out).is_err());
+    }
+
+    #[test]
+    fn large_payloads_stay_in_memory_for_a_stream_sink_and_are_gathered_otherwise() {
+        use crate::soft::tx::TxQueue;
+        let table = MrTable::new();
+        let len = 3 * ZERO_COPY_MIN as usize;
+        let mr = SoftMr::alloc(&table, len, AccessFlags::ALL).unwrap();
+        let info = crate::provider::MrOps::info(&mr);
+        let sge = |l: usize| Sge {
+            addr: info.addr,
+            length: l as u32,
+            lkey: info.lkey,
+        };
+        for (n, by_ref) in [(len, true), (ZERO_COPY_MIN as usize - 1, false)] {
+            for stream in [true, false] {
+                let (mut r, now) = rq(0);
+                let mut e = entry(&mut r, EntryKind::Acked, true);
+                e.frame = Arc::new(vec![0u8; 16]);
+                e.deferred_gather = Some(vec![sge(n)]);
+                r.push(now, e);
+                let (mut q, mut v) = (TxQueue::new(), Vec::new());
+                let sent = if stream {
+                    r.poll_transmit(now, &table, &mut q)
+                } else {
+                    r.poll_transmit(now, &table, &mut v)
+                };
+                assert_eq!(sent, 1);
+                let head = &r.entries[0];
+                let announced = u32::from_be_bytes(head.frame[..4].try_into().unwrap());
+                assert_eq!(
+                    announced as usize,
+                    16 + n,
+                    "length field counts the payload"
+                );
+                let kept = stream && by_ref;
+                assert_eq!(head.payload_ref.is_some(), kept, "n {n} stream {stream}");
+                assert_eq!(head.frame.len(), if kept { 16 } else { 16 + n });
+                assert_eq!(q.len() + v.len(), 16 + n);
+                if kept {
+                    // A resend reads the memory again.
+                    r.handle_timeout(r.poll_timeout().unwrap(), &mut Vec::new())
+                        .unwrap();
+                    assert_eq!(r.poll_transmit(now, &table, &mut q), 1);
+                    assert_eq!(q.len(), 2 * (16 + n));
+                }
+            }
+        }
+        // A payload that no longer names registered memory fails the request at the head.
+        let (mut r, now) = rq(0);
+        let mut e = entry(&mut r, EntryKind::Acked, true);
+        e.deferred_gather = Some(vec![sge(len)]);
+        r.push(now, e);
+        drop(mr);
+        let mut q = TxQueue::new();
+        assert_eq!(r.poll_transmit(now, &table, &mut q), 0);
+        let mut out = Vec::new();
+        assert!(r.check_head_failure(now, &mut out).is_err());
+        assert_eq!(out[0].status, WcStatus::LocalProtection);
     }
 
     #[test]

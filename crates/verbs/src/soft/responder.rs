@@ -4,12 +4,19 @@
 //! Owns: the expected PSN, the NAK state (after an RNR or sequence NAK, later requests are
 //! dropped until the NAK'd one is resent — go-back-N), a small cache of atomic results so a
 //! resent atomic is answered without being executed twice, and ACK coalescing (one cumulative
-//! ACK per input batch). Sans-IO: it is handed decoded requests and appends encoded responses to
-//! the caller's buffer; memory goes through [`MrTable`], receives through [`RecvSource`].
+//! ACK per input batch), and [`Placement`]: a large SEND/WRITE (or, for the requester, READ
+//! response) whose payload is placed in pieces straight into its destination as a stream
+//! transport reads it. Sans-IO: it is handed decoded requests and appends encoded responses to
+//! the caller's buffer; memory goes through [`MrTable`], receives through [`RecvSource`]. The
+//! one exception is [`Placement::recv_from`], which a stream transport calls with its socket
+//! so the kernel copies the payload straight into the checked destination.
 
 use std::collections::VecDeque;
 
-use super::mr::{AtomicOp, MrTable, RemoteError};
+use std::sync::Arc;
+
+use super::mr::{AtomicOp, Dest, MemKey, MrTable, RemoteError};
+use super::requester::ZERO_COPY_MIN;
 use super::rq::{PostedRecv, RecvQueue, SoftSrq};
 use super::wire::{encode_response, NakCode, Request, RequestOp, Response, ResponseKind};
 use crate::{AccessFlags, QpNum, WcOpcode, WcStatus, WorkCompletion};
@@ -53,6 +60,23 @@ pub struct ResponderEnv<'a> {
     pub remote_qpn: QpNum,
     /// Largest READ served (the transport's payload limit).
     pub max_payload: usize,
+    /// The output can send a READ response's payload straight from registered memory: a READ
+    /// of at least [`ZERO_COPY_MIN`] bytes then appends only the response header and leaves
+    /// the payload as a [`ReadRef`] ([`Responder::take_read_ref`]).
+    pub read_by_ref: bool,
+}
+
+/// The payload of a READ response to send from registered memory, right after the header the
+/// responder appended (see [`ResponderEnv::read_by_ref`]). Checked when it was answered;
+/// checked again (REMOTE_READ) when the bytes are sent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReadRef {
+    /// The requester's rkey.
+    pub rkey: u32,
+    /// Start address.
+    pub addr: u64,
+    /// Length in bytes.
+    pub len: u32,
 }
 
 /// The result of one request besides the bytes appended to the output.
@@ -64,6 +88,179 @@ pub struct RequestOutcome {
     pub fatal: Option<String>,
 }
 
+/// A SEND or WRITE whose payload is placed straight into its destination as it arrives (a
+/// stream transport reading a large frame), instead of being buffered whole first.
+///
+/// Made by [`Responder::begin_placement`] only when the request will execute (expected PSN,
+/// rights, keys and bounds checked, a receive taken for SEND and WRITE_WITH_IMM); fed with
+/// [`Placement::put`] / [`Placement::recv_from`]; completed by
+/// [`Responder::finish_placement`] once [`Placement::remaining`] is 0, or given up with
+/// [`Placement::into_recv`] when the connection goes away first.
+#[derive(Debug)]
+pub struct Placement {
+    psn: u32,
+    solicited: bool,
+    imm: Option<u32>,
+    /// SEND: the receive it fills; WRITE_WITH_IMM: the receive it consumes.
+    recv: Option<PostedRecv>,
+    kind: PlaceKind,
+    dests: Vec<Dest>,
+    /// Current destination and the offset in it.
+    idx: usize,
+    off: u64,
+    len: usize,
+    done: usize,
+    /// A destination stopped being a live registration while the payload arrived: the rest
+    /// is discarded and the request fails at the end.
+    lost: bool,
+    table: Arc<MrTable>,
+}
+
+/// What a [`Placement`] receives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PlaceKind {
+    Send,
+    Write,
+    /// A READ response, into the READ's local SGEs (requester side).
+    ReadResp,
+}
+
+impl Placement {
+    /// A READ response of `len` bytes for the READ with `psn`, into `dests` (checked by the
+    /// caller).
+    pub(crate) fn read_response(
+        psn: u32,
+        dests: Vec<Dest>,
+        len: usize,
+        table: &Arc<MrTable>,
+    ) -> Placement {
+        Placement {
+            psn,
+            solicited: false,
+            imm: None,
+            recv: None,
+            kind: PlaceKind::ReadResp,
+            dests,
+            idx: 0,
+            off: 0,
+            len,
+            done: 0,
+            lost: false,
+            table: table.clone(),
+        }
+    }
+
+    /// True for a READ response (finished by the requester).
+    pub fn is_read_response(&self) -> bool {
+        self.kind == PlaceKind::ReadResp
+    }
+
+    /// True when a destination stopped being a live registration while the payload arrived.
+    pub fn lost(&self) -> bool {
+        self.lost || self.remaining() > 0
+    }
+
+    /// Payload bytes still to come.
+    pub fn remaining(&self) -> usize {
+        self.len - self.done
+    }
+
+    /// The PSN of the request.
+    pub fn psn(&self) -> u32 {
+        self.psn
+    }
+
+    fn advance(&mut self, n: usize) {
+        self.done += n;
+        self.off += n as u64;
+        while self
+            .dests
+            .get(self.idx)
+            .is_some_and(|d| self.off >= d.len && self.idx + 1 < self.dests.len())
+        {
+            self.idx += 1;
+            self.off = 0;
+        }
+    }
+
+    /// The next destination piece: (dest, room in it), or `None` when the payload is lost.
+    fn piece(&self) -> Option<(Dest, usize)> {
+        if self.lost {
+            return None;
+        }
+        let d = *self.dests.get(self.idx)?;
+        let room = (d.len - self.off.min(d.len)) as usize;
+        Some((d, room.min(self.remaining())))
+    }
+
+    /// Place bytes that already arrived (at most [`Placement::remaining`] are used); returns
+    /// how many were taken.
+    pub fn put(&mut self, mut data: &[u8]) -> usize {
+        let take = data.len().min(self.remaining());
+        data = data.get(..take).unwrap_or(&[]);
+        let mut used = 0;
+        while !data.is_empty() {
+            let Some((d, room)) = self.piece() else {
+                // Memory gone: the rest is discarded.
+                self.done += data.len();
+                used += data.len();
+                break;
+            };
+            let n = room.min(data.len());
+            let (head, tail) = data.split_at(n);
+            if n > 0 && !self.table.put(d.key, d.addr + self.off, head, d.need) {
+                self.lost = true;
+                continue;
+            }
+            self.advance(n);
+            used += n;
+            data = tail;
+            if n == 0 {
+                break;
+            }
+        }
+        used
+    }
+
+    /// One non-blocking `recv` from the stream socket `fd` of at most
+    /// [`Placement::remaining`] bytes, straight into the destination (into `scratch`, then
+    /// dropped, once the destination was lost). Returns the bytes read and whether that was
+    /// all that was asked (a short read means the socket is drained). `Ok((0, _))`: the peer
+    /// closed the connection.
+    pub fn recv_from(
+        &mut self,
+        fd: std::os::fd::BorrowedFd<'_>,
+        scratch: &mut Vec<u8>,
+    ) -> std::io::Result<(usize, bool)> {
+        if let Some((d, room)) = self.piece() {
+            match self
+                .table
+                .recv_into(fd, d.key, d.addr + self.off, room, d.need)
+            {
+                Some(r) => {
+                    let n = r?;
+                    self.advance(n);
+                    return Ok((n, n == room));
+                }
+                None => self.lost = true,
+            }
+        }
+        let want = self.remaining().min(64 * 1024);
+        scratch.clear();
+        scratch.resize(want, 0);
+        let (n, _) =
+            rustix::net::recv(fd, scratch.as_mut_slice(), rustix::net::RecvFlags::DONTWAIT)?;
+        self.done += n;
+        Ok((n, n == want))
+    }
+
+    /// Give the placement up (connection lost, QP reset): the receive it took, if any, which
+    /// the caller puts back or flushes.
+    pub fn into_recv(self) -> Option<PostedRecv> {
+        self.recv
+    }
+}
+
 /// Responder state of one QP.
 #[derive(Debug)]
 pub struct Responder {
@@ -72,6 +269,7 @@ pub struct Responder {
     min_rnr_timer: u8,
     ack_pending: bool,
     atomic_cache: VecDeque<(u32, u64)>,
+    read_ref: Option<ReadRef>,
 }
 
 /// `a` is before `b` in 32-bit serial arithmetic.
@@ -88,7 +286,14 @@ impl Responder {
             min_rnr_timer: 12,
             ack_pending: false,
             atomic_cache: VecDeque::with_capacity(ATOMIC_CACHE),
+            read_ref: None,
         }
+    }
+
+    /// The READ payload the last request left in memory, if any (see
+    /// [`ResponderEnv::read_by_ref`]); take it after every [`Responder::handle_request`].
+    pub fn take_read_ref(&mut self) -> Option<ReadRef> {
+        self.read_ref.take()
     }
 
     /// Reset the expected PSN (RTR).
@@ -275,6 +480,155 @@ impl Responder {
         outcome
     }
 
+    /// Start placing the payload (`len` bytes, not yet received) of SEND or WRITE `req`
+    /// straight into its destination. `None` unless it will execute (the expected PSN, the
+    /// rights, keys and bounds, a receive large enough for SEND, one for WRITE_WITH_IMM):
+    /// then the caller buffers the whole frame and hands it to
+    /// [`Responder::handle_request`], which answers every other case as usual.
+    pub fn begin_placement(
+        &mut self,
+        req: &Request<'_>,
+        len: usize,
+        env: &mut ResponderEnv<'_>,
+        table: &Arc<MrTable>,
+    ) -> Option<Placement> {
+        if req.psn != self.expected_psn || len == 0 || len > env.max_payload {
+            return None;
+        }
+        let (imm, kind, recv, dests) = match req.op {
+            RequestOp::Send { imm, .. } => {
+                let recv = env.recv.pop()?;
+                let mut dests = Vec::with_capacity(recv.sges.len());
+                let mut left = len as u64;
+                for s in &recv.sges {
+                    if left == 0 {
+                        break;
+                    }
+                    let n = left.min(u64::from(s.length));
+                    dests.push(Dest {
+                        key: MemKey::Local(s.lkey),
+                        addr: s.addr,
+                        len: n,
+                        need: AccessFlags::LOCAL_WRITE,
+                    });
+                    left -= n;
+                }
+                if left > 0 || !table.check_dests(&dests) {
+                    env.recv.unpop(recv);
+                    return None;
+                }
+                (imm, PlaceKind::Send, Some(recv), dests)
+            }
+            RequestOp::Write {
+                addr, rkey, imm, ..
+            } => {
+                let dests = vec![Dest {
+                    key: MemKey::Remote(crate::Rkey(rkey)),
+                    addr,
+                    len: len as u64,
+                    need: AccessFlags::REMOTE_WRITE,
+                }];
+                if !env.access.contains(AccessFlags::REMOTE_WRITE) || !table.check_dests(&dests) {
+                    return None;
+                }
+                let recv = match imm {
+                    Some(_) => Some(env.recv.pop()?),
+                    None => None,
+                };
+                (imm, PlaceKind::Write, recv, dests)
+            }
+            _ => return None,
+        };
+        Some(Placement {
+            psn: req.psn,
+            solicited: req.solicited,
+            imm,
+            recv,
+            kind,
+            dests,
+            idx: 0,
+            off: 0,
+            len,
+            done: 0,
+            lost: false,
+            table: table.clone(),
+        })
+    }
+
+    /// Complete a placement whose payload arrived whole ([`Placement::remaining`] is 0), as
+    /// [`Responder::handle_request`] completes the request: receive completion, ACK due. A
+    /// destination deregistered meanwhile fails it as an access error found at once would
+    /// (the bytes placed before stay written).
+    pub fn finish_placement(
+        &mut self,
+        p: Placement,
+        env: &mut ResponderEnv<'_>,
+        out: &mut Vec<u8>,
+    ) -> RequestOutcome {
+        let mut outcome = RequestOutcome::default();
+        if p.psn != self.expected_psn || p.kind == PlaceKind::ReadResp {
+            // Cannot happen (nothing else is handled while a payload arrives); never execute
+            // twice.
+            return outcome;
+        }
+        self.in_nak = false;
+        let byte_len = u32::try_from(p.len).unwrap_or(u32::MAX);
+        let lost = p.lost();
+        let recv = p.recv;
+        if p.kind == PlaceKind::Send {
+            let Some(recv) = recv else {
+                return outcome;
+            };
+            let mut wc = WorkCompletion {
+                wr_id: recv.wr_id,
+                status: WcStatus::Success,
+                opcode: WcOpcode::Recv,
+                byte_len,
+                imm_data: p.imm,
+                qp_num: env.qp_num,
+                src_qp: env.remote_qpn,
+                vendor_err: 0,
+            };
+            if lost {
+                wc.status = WcStatus::LocalProtection;
+                wc.byte_len = 0;
+                self.nak(env, p.psn, NakCode::RemoteOperation, out);
+                outcome.fatal = Some(format!(
+                    "receive {} lost its memory while a SEND of {} bytes arrived",
+                    recv.wr_id, p.len
+                ));
+            } else {
+                self.advance();
+            }
+            outcome.recv_completion = Some((wc, p.solicited));
+            return outcome;
+        }
+        if lost {
+            if let Some(r) = recv {
+                env.recv.unpop(r);
+            }
+            self.remote_error(env, p.psn, RemoteError::Access, out);
+            return outcome;
+        }
+        self.advance();
+        if let (Some(imm), Some(recv)) = (p.imm, recv) {
+            outcome.recv_completion = Some((
+                WorkCompletion {
+                    wr_id: recv.wr_id,
+                    status: WcStatus::Success,
+                    opcode: WcOpcode::RecvRdmaWithImm,
+                    byte_len,
+                    imm_data: Some(imm),
+                    qp_num: env.qp_num,
+                    src_qp: env.remote_qpn,
+                    vendor_err: 0,
+                },
+                p.solicited,
+            ));
+        }
+        outcome
+    }
+
     fn advance(&mut self) {
         self.expected_psn = self.expected_psn.wrapping_add(1);
         self.ack_pending = true;
@@ -325,6 +679,33 @@ impl Responder {
         }
         self.ack_pending = false;
         let start = out.len();
+        if env.read_by_ref && u64::from(len) >= ZERO_COPY_MIN {
+            let range = Dest {
+                key: MemKey::Remote(crate::Rkey(rkey)),
+                addr,
+                len: u64::from(len),
+                need: AccessFlags::REMOTE_READ,
+            };
+            if !env.table.check_dests(&[range]) {
+                self.remote_error(env, req.psn, RemoteError::Access, out);
+                return false;
+            }
+            super::wire::FrameWriter::begin(
+                out,
+                super::wire::Opcode::ReadResp,
+                0,
+                env.remote_qpn.0,
+                req.psn,
+            )
+            .finish();
+            let total =
+                u32::try_from(super::wire::HEADER_LEN as u64 + u64::from(len)).unwrap_or(u32::MAX);
+            if let Some(slot) = out.get_mut(start..start + 4) {
+                slot.copy_from_slice(&total.to_be_bytes());
+            }
+            self.read_ref = Some(ReadRef { rkey, addr, len });
+            return true;
+        }
         let mut w = super::wire::FrameWriter::begin(
             out,
             super::wire::Opcode::ReadResp,
@@ -440,6 +821,7 @@ mod tests {
                 qp_num: QpNum(1),
                 remote_qpn: QpNum(2),
                 max_payload: 1 << 20,
+                read_by_ref: false,
             };
             let req = Request {
                 qpn: 1,
@@ -491,6 +873,189 @@ mod tests {
             buf = &buf[n..];
         }
         v
+    }
+
+    impl Fixture {
+        fn begin(&mut self, psn: u32, op: RequestOp<'_>, len: usize) -> Option<Placement> {
+            let table = self.table.clone();
+            let mut env = ResponderEnv {
+                table: &table,
+                access: AccessFlags::ALL,
+                recv: RecvSource::Own(&mut self.rq),
+                qp_num: QpNum(1),
+                remote_qpn: QpNum(2),
+                max_payload: 1 << 20,
+                read_by_ref: false,
+            };
+            let req = Request {
+                qpn: 1,
+                psn,
+                solicited: true,
+                op,
+            };
+            self.resp.begin_placement(&req, len, &mut env, &table)
+        }
+        fn finish(&mut self, p: Placement) -> (Vec<Response<'static>>, RequestOutcome) {
+            let mut out = Vec::new();
+            let mut env = ResponderEnv {
+                table: &self.table,
+                access: AccessFlags::ALL,
+                recv: RecvSource::Own(&mut self.rq),
+                qp_num: QpNum(1),
+                remote_qpn: QpNum(2),
+                max_payload: 1 << 20,
+                read_by_ref: false,
+            };
+            let outcome = self.resp.finish_placement(p, &mut env, &mut out);
+            self.resp.poll_ack(QpNum(2), &mut out);
+            (decode_all(&out), outcome)
+        }
+    }
+
+    #[test]
+    fn placed_send_scatters_in_pieces_over_receive_sges_and_completes_once() {
+        let mut f = fixture(AccessFlags::ALL);
+        let i = f.info();
+        let sge = |off: u64, len: u32| Sge {
+            addr: i.addr + off,
+            length: len,
+            lkey: i.lkey,
+        };
+        f.rq.post(&[RecvWr::new(7, &[sge(0, 3), sge(100, 5), sge(200, 50)])])
+            .unwrap();
+        let send = RequestOp::Send {
+            imm: Some(9),
+            payload: &[],
+        };
+        // Not the expected PSN, or longer than the receive: left to handle_request.
+        assert!(f.begin(101, send, 10).is_none());
+        assert!(f.begin(100, send, 59).is_none());
+        assert_eq!(f.rq.len(), 1, "the receive was put back");
+        let mut p = f.begin(100, send, 12).unwrap();
+        assert_eq!(f.rq.len(), 0);
+        let data = b"abcdefghijkl";
+        for chunk in data.chunks(5) {
+            assert_eq!(p.put(chunk), chunk.len());
+        }
+        assert_eq!(p.remaining(), 0);
+        assert_eq!(p.put(b"more"), 0, "nothing beyond the payload is taken");
+        let (r, outcome) = f.finish(p);
+        assert_eq!(
+            r,
+            vec![Response {
+                qpn: 2,
+                psn: 100,
+                kind: ResponseKind::Ack
+            }]
+        );
+        let (wc, solicited) = outcome.recv_completion.unwrap();
+        assert!(solicited);
+        assert_eq!(
+            (wc.wr_id, wc.status, wc.byte_len, wc.imm_data),
+            (7, WcStatus::Success, 12, Some(9))
+        );
+        assert!(outcome.fatal.is_none());
+        assert_eq!(f.bytes(0, 4), b"abc\0");
+        assert_eq!(f.bytes(100, 6), b"defgh\0");
+        assert_eq!(f.bytes(200, 5), b"ijkl\0");
+        assert_eq!(f.resp.expected_psn(), 101);
+    }
+
+    #[test]
+    fn placed_write_checks_before_and_fails_when_its_region_goes_away() {
+        let mut f = fixture(AccessFlags::ALL);
+        let i = f.info();
+        let write = |addr: u64, imm| RequestOp::Write {
+            addr,
+            rkey: i.rkey.0,
+            imm,
+            payload: &[],
+        };
+        // Out of bounds, bad rkey, WRITE_IMM without a receive: left to handle_request.
+        assert!(f.begin(100, write(i.addr + 4000, None), 200).is_none());
+        let bad_key = RequestOp::Write {
+            addr: i.addr,
+            rkey: i.rkey.0 ^ 1,
+            imm: None,
+            payload: &[],
+        };
+        assert!(f.begin(100, bad_key, 10).is_none());
+        assert!(f.begin(100, write(i.addr, Some(1)), 10).is_none());
+        // WRITE_IMM placed in two pieces.
+        f.rq.post(&[RecvWr::new(3, &[])]).unwrap();
+        let mut p = f.begin(100, write(i.addr + 8, Some(5)), 6).unwrap();
+        p.put(b"xyz");
+        p.put(b"uvw");
+        let (r, outcome) = f.finish(p);
+        assert_eq!(
+            r,
+            vec![Response {
+                qpn: 2,
+                psn: 100,
+                kind: ResponseKind::Ack
+            }]
+        );
+        let (wc, _) = outcome.recv_completion.unwrap();
+        assert_eq!(
+            (wc.wr_id, wc.opcode, wc.byte_len, wc.imm_data),
+            (3, WcOpcode::RecvRdmaWithImm, 6, Some(5))
+        );
+        assert_eq!(f.bytes(8, 6), b"xyzuvw");
+        // The region is deregistered while the payload arrives: the rest is dropped and the
+        // request is refused as a remote access error.
+        let mut p = f.begin(101, write(i.addr, None), 8).unwrap();
+        p.put(b"1234");
+        let other = SoftMr::alloc(&f.table, 64, AccessFlags::ALL).unwrap();
+        drop(std::mem::replace(&mut f.mr, other));
+        assert_eq!(p.put(b"5678"), 4);
+        assert_eq!(p.remaining(), 0);
+        let (r, outcome) = f.finish(p);
+        assert_eq!(
+            r,
+            vec![Response {
+                qpn: 2,
+                psn: 101,
+                kind: nak(NakCode::RemoteAccess)
+            }]
+        );
+        assert!(outcome.recv_completion.is_none());
+        assert_eq!(f.resp.expected_psn(), 101, "not executed");
+    }
+
+    #[test]
+    fn placed_send_whose_receive_buffer_goes_away_fails_the_receive() {
+        let mut f = fixture(AccessFlags::ALL);
+        let i = f.info();
+        f.rq.post(&[RecvWr::new(
+            4,
+            &[Sge {
+                addr: i.addr,
+                length: 100,
+                lkey: i.lkey,
+            }],
+        )])
+        .unwrap();
+        let send = RequestOp::Send {
+            imm: None,
+            payload: &[],
+        };
+        let mut p = f.begin(100, send, 50).unwrap();
+        p.put(&[1; 20]);
+        let other = SoftMr::alloc(&f.table, 64, AccessFlags::ALL).unwrap();
+        drop(std::mem::replace(&mut f.mr, other));
+        p.put(&[2; 30]);
+        let (r, outcome) = f.finish(p);
+        assert_eq!(
+            r,
+            vec![Response {
+                qpn: 2,
+                psn: 100,
+                kind: nak(NakCode::RemoteOperation)
+            }]
+        );
+        let (wc, _) = outcome.recv_completion.unwrap();
+        assert_eq!((wc.wr_id, wc.status), (4, WcStatus::LocalProtection));
+        assert!(outcome.fatal.is_some());
     }
 
     fn nak(code: NakCode) -> ResponseKind<'static> {

@@ -344,6 +344,50 @@ pub fn decode(buf: &[u8], max_payload: usize) -> Result<Option<(Frame<'_>, usize
     Ok(Some((frame, len)))
 }
 
+/// The start of a SEND, SEND_IMM, WRITE, WRITE_IMM or READ_RESP frame whose payload has not
+/// all arrived: the frame with an empty payload, the bytes before the payload, and the payload
+/// length.
+///
+/// Lets a stream transport place a large payload straight into memory instead of buffering
+/// the whole frame. `Ok(None)`: another opcode, or the fixed part of the body is not there
+/// yet (decode the frame whole with [`decode`]). Errors as [`decode`] for the length; other
+/// malformations are left to [`decode`], once the frame is complete.
+pub fn decode_head(
+    buf: &[u8],
+    max_payload: usize,
+) -> Result<Option<(Frame<'_>, usize, usize)>, WireError> {
+    let Some(len) = peek_len(buf) else {
+        return Ok(None);
+    };
+    let op = buf.get(4).copied().unwrap_or(0);
+    let body = match Opcode::from_u8(op) {
+        Some(Opcode::Send) | Some(Opcode::ReadResp) => 0,
+        Some(Opcode::SendImm) => 4,
+        Some(Opcode::Write) => 12,
+        Some(Opcode::WriteImm) => 16,
+        _ => return Ok(None),
+    };
+    let head = HEADER_LEN + body;
+    if len < head {
+        return Ok(None);
+    }
+    let payload = len - head;
+    if payload > max_payload {
+        return Err(WireError::TooLong {
+            len,
+            limit: max_payload,
+        });
+    }
+    let Some(head_bytes) = buf.get(..head) else {
+        return Ok(None);
+    };
+    Ok(Some((
+        decode_frame(head_bytes, max_payload)?,
+        head,
+        payload,
+    )))
+}
+
 fn decode_frame<'a>(bytes: &'a [u8], max_payload: usize) -> Result<Frame<'a>, WireError> {
     let len = bytes.len();
     let mut r: Reader<'a> = Reader { buf: bytes };
@@ -839,8 +883,51 @@ mod tests {
                 encode(&f, &mut buf);
                 let (g, used) = decode(&buf, 1 << 16).unwrap().unwrap();
                 prop_assert_eq!(used, buf.len());
-                prop_assert_eq!(f, g);
+                prop_assert_eq!(&f, &g);
+                // The head alone, from any prefix that holds it, names the same request.
+                let Frame::Request(full) = f else { unreachable!() };
+                for cut in 0..=buf.len().min(40) {
+                    if let Some((head, at, plen)) = decode_head(&buf[..cut], 1 << 16).unwrap() {
+                        prop_assert!(at <= cut);
+                        prop_assert_eq!(at + plen, buf.len());
+                        prop_assert_eq!(&buf[at..], &payload[..]);
+                        let empty = match full.op {
+                            RequestOp::Send { imm, .. } => RequestOp::Send { imm, payload: &[] },
+                            RequestOp::Write { addr, rkey, imm, .. } => {
+                                RequestOp::Write { addr, rkey, imm, payload: &[] }
+                            }
+                            other => other,
+                        };
+                        prop_assert_eq!(head, Frame::Request(Request { op: empty, ..full }));
+                    }
+                }
+                prop_assert!(decode_head(&buf, 1 << 16).unwrap().is_some());
+                // A payload above the limit is refused from the head.
+                if !payload.is_empty() {
+                    prop_assert!(decode_head(&buf, payload.len() - 1).is_err());
+                }
             }
+        }
+
+        #[test]
+        fn read_response_head_names_its_payload(
+            qpn in any::<u32>(), psn in any::<u32>(),
+            payload in proptest::collection::vec(any::<u8>(), 0..300),
+        ) {
+            let f = Frame::Response(Response { qpn, psn, kind: ResponseKind::ReadResp { payload: &payload } });
+            let mut buf = Vec::new();
+            encode(&f, &mut buf);
+            let (head, at, plen) = decode_head(&buf[..HEADER_LEN], 1 << 16).unwrap().unwrap();
+            prop_assert_eq!((at, plen), (HEADER_LEN, payload.len()));
+            prop_assert_eq!(
+                head,
+                Frame::Response(Response { qpn, psn, kind: ResponseKind::ReadResp { payload: &[] } })
+            );
+        }
+
+        #[test]
+        fn decode_head_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..64)) {
+            let _ = decode_head(&bytes, 128);
         }
 
         #[test]

@@ -380,6 +380,7 @@ impl Engine {
             }
             for qp in qps.iter() {
                 qp.drive_rx(Lock::Try);
+                qp.poll_out();
                 qp.flush_held_ack(now, false);
                 if qp.poll_timeout().is_some_and(|t| t <= now) {
                     qp.on_timer(now);

@@ -14,10 +14,14 @@
 //!   a completion without a thread wake-up; the thread stays as a fallback.
 //! - A malformed frame, a write error or the peer closing moves that QP to ERROR (logged with
 //!   `tracing::warn`), flushing its work requests; other QPs are untouched.
+//! - Large payloads move between registered memory and the socket with no copy in user space
+//!   (`sendmsg` straight from the buffers, `recv` straight into the destination).
 //!
 //! Options (`DeviceConfig::options`): `progress = "thread" | "busy"` (default `thread`),
 //! `min_ack_timeout_ms` (default 1000: the floor under a QP's ACK timeout — TCP already
-//! retransmits, so the RC timer only has to catch a peer that stopped answering).
+//! retransmits, so the RC timer only has to catch a peer that stopped answering), `sndbuf` /
+//! `rcvbuf` (bytes: `SO_SNDBUF` / `SO_RCVBUF` of each QP connection; default 0, the kernel's
+//! autotuning).
 //! Bind address: `DeviceConfig::bind_addr`, else `FABRIQ_TCP_BIND`, else `127.0.0.1:0`.
 //! See `docs/arch/tcp.md`.
 
@@ -66,7 +70,16 @@ pub(crate) struct Options {
     pub bind: SocketAddr,
     pub mode: ProgressMode,
     pub min_ack_timeout: Duration,
+    /// `SO_SNDBUF` of QP connections in bytes (0: the kernel's autotuning).
+    pub sndbuf: usize,
+    /// `SO_RCVBUF` of QP connections in bytes (0: the kernel's autotuning).
+    pub rcvbuf: usize,
 }
+
+/// Default `SO_SNDBUF` of a QP connection.
+pub(crate) const DEFAULT_SNDBUF: usize = 0;
+/// Default `SO_RCVBUF` of a QP connection.
+pub(crate) const DEFAULT_RCVBUF: usize = 0;
 
 impl Options {
     fn parse(config: &DeviceConfig) -> Result<Options> {
@@ -74,6 +87,8 @@ impl Options {
             bind: soft_open::bind_addr(config, BIND_ENV)?,
             mode: ProgressMode::Thread,
             min_ack_timeout: Duration::from_millis(1000),
+            sndbuf: DEFAULT_SNDBUF,
+            rcvbuf: DEFAULT_RCVBUF,
         };
         for (k, v) in &config.options {
             match k.as_str() {
@@ -97,9 +112,22 @@ impl Options {
                     // Bounded so deadlines never overflow `Instant`.
                     opts.min_ack_timeout = Duration::from_millis(ms.min(3_600_000));
                 }
+                "sndbuf" | "rcvbuf" => {
+                    let bytes: usize = v.parse().map_err(|_| {
+                        VerbsError::InvalidArgument(format!("tcp option {k} = {v:?}"))
+                    })?;
+                    // The kernel caps it at net.core.{w,r}mem_max anyway.
+                    let bytes = bytes.min(1 << 30);
+                    if k == "sndbuf" {
+                        opts.sndbuf = bytes;
+                    } else {
+                        opts.rcvbuf = bytes;
+                    }
+                }
                 _ => {
                     return Err(VerbsError::InvalidArgument(format!(
-                        "unknown tcp option {k:?} (known: progress, min_ack_timeout_ms)"
+                        "unknown tcp option {k:?} (known: progress, min_ack_timeout_ms, sndbuf, \
+                         rcvbuf)"
                     )))
                 }
             }

@@ -1,10 +1,16 @@
 //! A `tcp` queue pair: a [`QpCore`] behind a lock, plus the TCP connection to its peer QP.
 //!
-//! Two locks, always taken in this order: `rx` (the read side of the connection and its
-//! reassembly buffer; held by whoever reads the socket: the progress thread or a busy poller)
-//! then `side` (the QP core, the write side and its output buffer; held by posters too).
-//! Posting writes frames straight to the socket from the posting thread; only when the socket
-//! buffer is full does the rest wait for EPOLLOUT on the progress thread.
+//! Two locks, always taken in this order: `rx` (the read side of the connection, its
+//! reassembly buffer and a payload being placed; held by whoever reads the socket: the
+//! progress thread or a busy poller) then `side` (the QP core, the write side and its output
+//! queue; held by posters too). Posting writes frames straight to the socket from the posting
+//! thread; only when the socket buffer is full does the rest wait for socket room (EPOLLOUT on
+//! the progress thread, or the next poll of a busy poller).
+//!
+//! Large payloads are never copied here: output leaves by `sendmsg` straight from registered
+//! memory ([`TxQueue::send_to`]); a large SEND, WRITE or READ response still arriving is read
+//! by `recv` straight into its destination ([`Placement`]), while everything else is
+//! reassembled in the buffer and decoded whole.
 //!
 //! Incarnations: a QP's incarnation is a number that changes at every RESET (random at
 //! creation, then +1, never 0). The endpoint carries it (`extra["incarnation"]`), the HELLO of a
@@ -16,6 +22,7 @@
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream};
+use std::os::fd::AsFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -28,6 +35,7 @@ use crate::soft::qp::{QpCore, Transition};
 use crate::soft::qp_ops::SoftQpDriver;
 use crate::soft::qp_setup::{new_qp, rtr_remote, QpHome, QpResources};
 use crate::soft::qp_table::TimedQp;
+use crate::soft::responder::Placement;
 use crate::soft::tx::TxQueue;
 use crate::soft::wire::{self, Frame, DEFAULT_MAX_PAYLOAD};
 use crate::{
@@ -40,6 +48,14 @@ const RX_CHUNK: usize = 64 * 1024;
 const MAX_FRAME: usize = DEFAULT_MAX_PAYLOAD + wire::HEADER_LEN + 32;
 /// Reads per `drive_rx` call, so one busy connection cannot starve the others.
 const MAX_READS_PER_DRIVE: usize = 16;
+/// SEND/WRITE/READ-response payloads from this size on that have not all arrived in one read
+/// are received straight into their destination (see [`Placement`]) instead of the
+/// reassembly buffer.
+const PLACE_MIN: usize = 16 * 1024;
+/// After a placed frame, the next read takes only this much (the longest frame head), so the
+/// payload of a following large frame goes straight to its destination, not through the
+/// buffer; a complete small frame in that read switches back to full reads.
+const HEAD_PEEK: usize = wire::HEADER_LEN + 16;
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// Busy mode: how long a lone ACK may wait for a request to ride along with.
 const ACK_HOLD: Duration = Duration::from_micros(100);
@@ -121,7 +137,49 @@ struct Rx {
     buf: Vec<u8>,
     start: usize,
     end: usize,
+    /// The payload of the frame at the head of the stream, being received straight into its
+    /// destination; nothing else is read until it is complete.
+    placing: Option<Placement>,
+    /// Where the rest of a placement whose memory was deregistered meanwhile is read and
+    /// dropped.
+    scratch: Vec<u8>,
+    /// The last frame was placed: read only [`HEAD_PEEK`] bytes into an empty buffer.
+    peek_next: bool,
+    /// `SO_RCVLOWAT` of the connection as last set (1: the kernel's default).
+    lowat: usize,
 }
+
+impl Rx {
+    /// Forget the connection's input (RESET, ERROR, a new connection), giving up a placement.
+    fn reset(&mut self, core: &mut QpCore) {
+        if let Some(p) = self.placing.take() {
+            core.abandon_placement(p);
+        }
+        self.start = 0;
+        self.end = 0;
+        self.peek_next = false;
+        self.lowat = 1;
+    }
+
+    /// While a payload is placed, let readiness wait for a larger piece of it (at most what
+    /// is left, so the end of the payload always wakes the reader); back to 1 byte after.
+    fn tune_lowat(&mut self, stream: &TcpStream) {
+        let want = match &self.placing {
+            Some(p) => p.remaining().clamp(1, LOWAT_MAX),
+            None => 1,
+        };
+        let set = match &self.placing {
+            Some(_) => self.lowat == 1 || self.lowat > want,
+            None => self.lowat != 1,
+        };
+        if set && crate::soft::poller::set_rcvlowat(stream.as_fd(), want).is_ok() {
+            self.lowat = want;
+        }
+    }
+}
+
+/// Largest `SO_RCVLOWAT` set while a payload is placed.
+const LOWAT_MAX: usize = 256 * 1024;
 
 /// A QP of the `tcp` provider.
 pub(crate) struct TcpQp {
@@ -132,6 +190,9 @@ pub(crate) struct TcpQp {
     side: Mutex<Side>,
     /// Mirrors `Side::held_at.is_some()` so pollers can skip the lock.
     ack_held: AtomicBool,
+    /// Mirrors `Side::out_armed` (output waits for socket room) so busy pollers can push it
+    /// without the lock when nothing waits.
+    out_waiting: AtomicBool,
 }
 
 impl TcpQp {
@@ -157,6 +218,10 @@ impl TcpQp {
                 buf: Vec::new(),
                 start: 0,
                 end: 0,
+                placing: None,
+                scratch: Vec::new(),
+                peek_next: false,
+                lowat: 1,
             }),
             side: Mutex::new(Side {
                 core,
@@ -169,6 +234,7 @@ impl TcpQp {
                 held_at: None,
             }),
             ack_held: AtomicBool::new(false),
+            out_waiting: AtomicBool::new(false),
         });
         engine.qps.insert(qpn, &qp);
         Ok(qp)
@@ -197,22 +263,15 @@ impl TcpQp {
             return;
         };
         while !side.tx.is_empty() {
-            let sent = {
-                let mut slices = Vec::with_capacity(16);
-                side.tx.io_slices(&mut slices, 64);
-                rustix::net::sendmsg(
-                    &*conn,
-                    &slices,
-                    &mut rustix::net::SendAncillaryBuffer::default(),
-                    rustix::net::SendFlags::NOSIGNAL,
-                )
-            };
-            match sent {
-                Ok(n) => side.tx.consume(n),
-                Err(rustix::io::Errno::INTR) => continue,
-                Err(rustix::io::Errno::AGAIN) => {
+            // One sendmsg of up to 64 segments; large payloads straight from registered memory.
+            match side.tx.send_to(conn.as_fd()) {
+                Ok(0) => break,
+                Ok(_) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                     if !side.out_armed {
                         side.out_armed = true;
+                        self.out_waiting.store(true, Ordering::Relaxed);
                         self.engine.set_out_interest(self.qp_num.0, &conn, true);
                     }
                     return;
@@ -227,6 +286,7 @@ impl TcpQp {
         side.tx.shrink();
         if side.out_armed {
             side.out_armed = false;
+            self.out_waiting.store(false, Ordering::Relaxed);
             self.engine.set_out_interest(self.qp_num.0, &conn, false);
         }
     }
@@ -255,10 +315,28 @@ impl TcpQp {
         }
     }
 
-    /// The socket has room again.
+    /// The socket has room again (an EPOLLOUT event).
     pub fn flush_out(&self) {
         let mut side = self.side.lock();
+        if self.engine.mode == ProgressMode::Busy && side.out_armed {
+            // The event used up the one-shot registration: if the socket fills again, arm it
+            // again (else the rest would wait for input that may never come).
+            side.out_armed = false;
+            self.out_waiting.store(false, Ordering::Relaxed);
+        }
         self.transmit(&mut side, Instant::now());
+    }
+
+    /// Busy mode, poller side: push output that waits for socket room, if any.
+    pub fn poll_out(&self) {
+        if !self.out_waiting.load(Ordering::Relaxed) {
+            return;
+        }
+        if let Some(mut side) = self.side.try_lock() {
+            self.transmit(&mut side, Instant::now());
+            // Also clears a flag left by a connection closed meanwhile.
+            self.out_waiting.store(side.out_armed, Ordering::Relaxed);
+        }
     }
 
     /// Read what the connection has, feed the frames to the core, answer.
@@ -275,9 +353,48 @@ impl TcpQp {
         };
         let mut closed = None;
         for _ in 0..MAX_READS_PER_DRIVE {
+            if rx.placing.is_some() {
+                let Rx {
+                    placing, scratch, ..
+                } = &mut *rx;
+                let Some(p) = placing.as_mut() else {
+                    break;
+                };
+                match p.recv_from(stream.as_fd(), scratch) {
+                    Ok((0, _)) => {
+                        closed = Some("peer closed the connection".to_string());
+                        break;
+                    }
+                    Ok((_, full)) => {
+                        if p.remaining() == 0 {
+                            if !self.process(&mut rx) {
+                                return;
+                            }
+                        } else if !full {
+                            break;
+                        }
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                    Err(e) => {
+                        closed = Some(format!("read from peer failed: {e}"));
+                        break;
+                    }
+                }
+                continue;
+            }
             make_room(&mut rx);
+            let limit = if rx.peek_next && rx.start == rx.end {
+                HEAD_PEEK
+            } else {
+                usize::MAX
+            };
             let Rx { buf, end, .. } = &mut *rx;
             let Some(dst) = buf.get_mut(*end..) else {
+                break;
+            };
+            let take = dst.len().min(limit);
+            let Some(dst) = dst.get_mut(..take) else {
                 break;
             };
             let room = dst.len();
@@ -303,8 +420,14 @@ impl TcpQp {
                 }
             }
         }
+        if closed.is_none() {
+            rx.tune_lowat(&stream);
+        }
         if let Some(reason) = closed {
             let mut side = self.side.lock();
+            if let Some(p) = rx.placing.take() {
+                side.core.abandon_placement(p);
+            }
             // Only the QP's current connection can fail it (not one a RESET already dropped).
             if side.conn.as_ref().is_some_and(|c| Arc::ptr_eq(c, &stream)) {
                 side.core.fail(reason);
@@ -321,6 +444,7 @@ impl TcpQp {
         let side = &mut *side_guard;
         if side.conn.is_none() {
             // Closed from the posting side (ERROR, RESET): stop reading it.
+            rx.reset(&mut side.core);
             rx.conn = None;
             return false;
         }
@@ -329,18 +453,52 @@ impl TcpQp {
         let tx_before = side.tx.len();
         {
             let Rx {
-                buf, start, end, ..
+                buf,
+                start,
+                end,
+                placing,
+                peek_next,
+                ..
             } = &mut **rx;
+            // A placed payload that arrived whole completes first: it precedes the buffer.
+            if placing.as_ref().is_some_and(|p| p.remaining() == 0) {
+                if let Some(p) = placing.take() {
+                    let Side { core, tx, .. } = &mut *side;
+                    tx.append_with(|out| core.finish_placement(now, p, out));
+                    *peek_next = true;
+                }
+            }
             while let Some(bytes) = buf.get(*start..*end) {
+                if placing.is_some() || side.core.state() == QpState::Error {
+                    break;
+                }
                 match wire::decode(bytes, DEFAULT_MAX_PAYLOAD) {
-                    Ok(None) => break,
+                    Ok(None) => {
+                        // A large SEND/WRITE/READ response still arriving: receive the rest of
+                        // its payload straight into its destination, if it will execute.
+                        if let Ok(Some((head_frame, head, len))) =
+                            wire::decode_head(bytes, DEFAULT_MAX_PAYLOAD)
+                        {
+                            if len >= PLACE_MIN {
+                                if let Some(mut p) =
+                                    side.core.begin_placement(now, &head_frame, len)
+                                {
+                                    p.put(bytes.get(head..).unwrap_or(&[]));
+                                    *start = *end;
+                                    *placing = Some(p);
+                                }
+                            }
+                        }
+                        break;
+                    }
                     Ok(Some((frame, n))) => {
+                        *peek_next = false;
                         if let Frame::Hello { .. } = frame {
                             bad = Some("HELLO inside an established connection".to_string());
                             break;
                         }
                         let Side { core, tx, .. } = &mut *side;
-                        tx.append_with(|out| core.handle_frame(now, &frame, out));
+                        core.handle_frame_tx(now, &frame, tx);
                         *start += n;
                         if side.core.state() == QpState::Error {
                             break;
@@ -441,14 +599,21 @@ impl TcpQp {
     }
 
     fn attach(&self, rx: &mut Rx, side: &mut Side, stream: TcpStream) {
+        let opts = &self.engine.opts;
+        // Best effort: a refused size leaves the kernel's autotuning in place.
+        if opts.sndbuf > 0 {
+            let _ = rustix::net::sockopt::set_socket_send_buffer_size(&stream, opts.sndbuf);
+        }
+        if opts.rcvbuf > 0 {
+            let _ = rustix::net::sockopt::set_socket_recv_buffer_size(&stream, opts.rcvbuf);
+        }
         let stream = Arc::new(stream);
         if let Err(e) = self.engine.register_conn(self.qp_num.0, &stream) {
             side.core.fail(format!("cannot watch the connection: {e}"));
             return;
         }
         rx.conn = Some(stream.clone());
-        rx.start = 0;
-        rx.end = 0;
+        rx.reset(&mut side.core);
         side.conn = Some(stream);
         side.tx.clear();
         side.out_armed = false;
@@ -520,6 +685,10 @@ fn make_room(rx: &mut Rx) {
 impl Drop for TcpQp {
     fn drop(&mut self) {
         self.engine.qps.remove(self.qp_num.0);
+        if let Some(p) = self.rx.get_mut().placing.take() {
+            // A receive taken from an SRQ for a SEND still arriving goes back to the SRQ.
+            self.side.get_mut().core.abandon_placement(p);
+        }
         if let Some(c) = self.side.get_mut().conn.take() {
             let _ = c.shutdown(Shutdown::Both);
         }
@@ -627,14 +796,12 @@ impl SoftQpDriver for TcpQp {
                 side.incarnation = next_incarnation(side.incarnation);
                 side.remote_incarnation = None;
                 rx.conn = None;
-                rx.start = 0;
-                rx.end = 0;
+                rx.reset(&mut side.core);
             }
             Transition::Error => {
                 close_side(&mut side);
                 rx.conn = None;
-                rx.start = 0;
-                rx.end = 0;
+                rx.reset(&mut side.core);
             }
             Transition::Rts | Transition::None | Transition::Rtr(_) => {
                 self.transmit(&mut side, Instant::now())

@@ -45,6 +45,10 @@ pub(crate) struct CqEntry {
 
 const ST_GENERAL: u8 = 255;
 
+/// How far past the next free slot a peer producer prefetches a CQ's ring (at least 1: the
+/// next free slot is the one an idle consumer polls).
+const CQ_PREFETCH_AHEAD: u64 = 2;
+
 /// Status → (code, vendor_err for `General`).
 pub(crate) fn encode_status(s: WcStatus) -> (u8, u32) {
     let code = match s {
@@ -169,11 +173,15 @@ impl CqEntry {
 /// Publish `e` into the CQ `slot` of `seg`; false (and the CQ marked overflowed) if it did not
 /// fit. Returns whether the CQ must be signalled (it was armed for this completion and this
 /// call disarmed it).
+///
+/// A peer producer (`prefetch`) also starts fetching a slot a little past the new tail, so a
+/// stream of sends finds the CQ slots of a lagging consumer already in its cache.
 #[inline]
-fn produce(seg: &Segment, slot: &CqSlot, e: CqEntry, solicited: bool) -> bool {
+fn produce(seg: &Segment, slot: &CqSlot, e: CqEntry, solicited: bool, prefetch: bool) -> bool {
     let cap = u64::from(slot.cap.load(Ordering::Relaxed));
     let off = slot.ring_off.load(Ordering::Relaxed);
-    let pushed = match seg.ring::<CqEntry>(off, cap) {
+    let ring = seg.ring::<CqEntry>(off, cap);
+    let pushed = match &ring {
         Some(ring) => ring.push(e),
         None => Err(RingError::Stalled),
     };
@@ -181,6 +189,9 @@ fn produce(seg: &Segment, slot: &CqSlot, e: CqEntry, solicited: bool) -> bool {
         slot.overflow.store(1, Ordering::SeqCst);
     }
     fence(Ordering::SeqCst);
+    if let (true, Some(ring)) = (prefetch, &ring) {
+        ring.prefetch_for_push(CQ_PREFETCH_AHEAD);
+    }
     let armed = slot.armed.load(Ordering::SeqCst);
     if armed == 0 || (armed == 2 && !solicited && !e.is_error()) {
         return false;
@@ -197,7 +208,7 @@ pub(crate) fn push_remote(seg: &Segment, cq_index: u32, e: CqEntry, solicited: b
     if slot.live.load(Ordering::Acquire) == 0 {
         return false;
     }
-    if produce(seg, slot, e, solicited) {
+    if produce(seg, slot, e, solicited, true) {
         slot.notify_pending.store(1, Ordering::SeqCst);
         seg.kick();
     }
@@ -263,7 +274,7 @@ impl CqShared {
     /// Produce a completion of our own process into this CQ.
     #[inline]
     pub(crate) fn push_local(&self, e: CqEntry, solicited: bool) {
-        if produce(&self.core.shared.seg, self.slot(), e, solicited) {
+        if produce(&self.core.shared.seg, self.slot(), e, solicited, false) {
             sys::eventfd_kick(self.eventfd.as_fd());
         }
     }
@@ -299,6 +310,10 @@ impl CqShared {
                 }
                 Ok(None) | Err(_) => break,
             }
+        }
+        if n == 0 && self.core.shared.timer_due() {
+            // Nothing to report while a send waits for its RNR or retry timer: run it here.
+            self.core.shared.run_due_timers();
         }
         Ok(n)
     }

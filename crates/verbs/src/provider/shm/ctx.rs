@@ -7,7 +7,7 @@
 
 use std::collections::HashMap;
 use std::os::fd::{AsFd, OwnedFd};
-use std::sync::atomic::{AtomicBool, AtomicU32};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
 use std::time::Instant;
@@ -19,6 +19,9 @@ use super::qp::QpInner;
 use super::segment::{Heap, IndexAlloc, Segment, MAX_CQ, MAX_MR, MAX_QP, MAX_SRQ};
 use super::{service, sys};
 use crate::{DeviceInfo, Result, VerbsError};
+
+/// How late the service thread may run a backlog retry before `schedule` wakes it.
+const TIMER_SLACK_NS: u64 = 1_000_000;
 
 /// Epoll tag of the doorbell.
 pub(crate) const DOORBELL_TAG: u64 = u64::MAX;
@@ -37,6 +40,14 @@ pub(crate) struct CtxShared {
     pub(crate) cqs: Mutex<HashMap<u32, Weak<CqShared>>>,
     /// Backlog retry deadlines.
     pub(crate) timers: Mutex<Vec<(Instant, Weak<QpInner>)>>,
+    /// The earliest deadline in `timers`, in nanoseconds since `epoch` (`u64::MAX`: none).
+    /// Written under the `timers` lock; read without it by CQ polls, as a hint only.
+    next_timer: AtomicU64,
+    /// When the service thread will wake by itself, in nanoseconds since `epoch`: `u64::MAX`
+    /// while it sleeps without a timeout, 0 while it is awake (it looks at `timers` again
+    /// before sleeping). Accessed under the `timers` lock.
+    svc_wake_at: AtomicU64,
+    epoch: Instant,
     /// Peer processes whose death we watch (pidfds in `epoll`), by pid.
     pub(crate) watched: Mutex<HashMap<i32, Arc<Segment>>>,
     pub(crate) epoll: OwnedFd,
@@ -45,10 +56,98 @@ pub(crate) struct CtxShared {
 }
 
 impl CtxShared {
-    /// Retry `qp`'s backlog at `at` (wakes the service thread).
+    /// Retry `qp`'s backlog at `at`. The service thread is woken only if it would otherwise
+    /// run the retry more than `TIMER_SLACK_NS` (1 ms) late (its `epoll_wait` timeout counts in
+    /// milliseconds anyway); a busy poller runs it on time (see `run_due_timers`). An RNR
+    /// storm thus costs no system call and no thread wake-up per retry.
     pub(crate) fn schedule(&self, at: Instant, qp: Weak<QpInner>) {
-        self.timers.lock().push((at, qp));
-        self.seg.kick();
+        let kick = {
+            let mut timers = self.timers.lock();
+            timers.push((at, qp));
+            let at = self.since_epoch(at);
+            if at < self.next_timer.load(Ordering::Relaxed) {
+                self.next_timer.store(at, Ordering::Relaxed);
+            }
+            let wake = self.svc_wake_at.load(Ordering::Relaxed);
+            wake != 0 && at.saturating_add(TIMER_SLACK_NS) < wake
+        };
+        if kick {
+            self.seg.kick();
+        }
+    }
+
+    /// The service thread's `epoll_wait` timeout for the earliest deadline, in milliseconds
+    /// rounded up (-1: none); records when it will wake.
+    pub(crate) fn service_sleep_ms(&self) -> i32 {
+        let timers = self.timers.lock();
+        let ms = match timers.iter().map(|(at, _)| *at).min() {
+            None => -1,
+            Some(next) => {
+                let d = next.saturating_duration_since(Instant::now());
+                i32::try_from(d.as_micros().div_ceil(1000)).unwrap_or(i32::MAX)
+            }
+        };
+        let wake = if ms < 0 {
+            u64::MAX
+        } else {
+            let at = Instant::now() + std::time::Duration::from_millis(ms as u64);
+            self.since_epoch(at).max(1)
+        };
+        self.svc_wake_at.store(wake, Ordering::Relaxed);
+        ms
+    }
+
+    /// The service thread woke up (it reads `timers` again before sleeping).
+    pub(crate) fn service_awake(&self) {
+        let _timers = self.timers.lock();
+        self.svc_wake_at.store(0, Ordering::Relaxed);
+    }
+
+    fn since_epoch(&self, t: Instant) -> u64 {
+        u64::try_from(t.saturating_duration_since(self.epoch).as_nanos()).unwrap_or(u64::MAX - 1)
+    }
+
+    /// True when a backlog retry is due (one load; the clock is read only while one is
+    /// pending). A hint: the service thread runs every retry at its deadline regardless.
+    #[inline]
+    pub(crate) fn timer_due(&self) -> bool {
+        let next = self.next_timer.load(Ordering::Relaxed);
+        next != u64::MAX && self.since_epoch(Instant::now()) >= next
+    }
+
+    /// Retry the backlogs whose deadline has passed: on the service thread at its wake-ups,
+    /// and from an empty CQ poll — a busy-polling application then retries an RNR'd send
+    /// at the RNR timer (microseconds) instead of waiting for the service thread, whose
+    /// `epoll_wait` counts in milliseconds.
+    pub(crate) fn run_due_timers(&self) {
+        let now = Instant::now();
+        let due: Vec<_> = {
+            let mut timers = self.timers.lock();
+            let mut due = Vec::new();
+            let mut next = u64::MAX;
+            timers.retain(|(at, qp)| {
+                if *at <= now {
+                    due.push(qp.clone());
+                    false
+                } else {
+                    next = next.min(self.since_epoch(*at));
+                    true
+                }
+            });
+            self.next_timer.store(next, Ordering::Relaxed);
+            due
+        };
+        let mut seen: Vec<*const QpInner> = Vec::new();
+        for w in due {
+            let ptr = w.as_ptr();
+            if seen.contains(&ptr) {
+                continue;
+            }
+            seen.push(ptr);
+            if let Some(qp) = w.upgrade() {
+                qp.progress();
+            }
+        }
     }
 
     /// Watch the owner of `seg` for death, unless it is this process.
@@ -96,6 +195,9 @@ impl CtxCore {
             qps: Mutex::new(HashMap::new()),
             cqs: Mutex::new(HashMap::new()),
             timers: Mutex::new(Vec::new()),
+            next_timer: AtomicU64::new(u64::MAX),
+            svc_wake_at: AtomicU64::new(0),
+            epoch: Instant::now(),
             watched: Mutex::new(HashMap::new()),
             epoll,
             shutdown: AtomicBool::new(false),

@@ -17,12 +17,16 @@
 //! the target `LocalProtection` and the initiator `RemoteOperation` (both move the target QP to
 //! ERROR); a target QP that is not connected to us (not yet RTR, or gone) is `NotReady`.
 
+use std::mem::MaybeUninit;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use super::cq::{push_remote, CqEntry};
-use super::mrtable::{lookup, Guard, Loc, MrRef};
-use super::qp::{decode_state, state_code, RawSge, RecvEntry, RemoteQp, MAX_INLINE, MAX_SGE};
+use super::mrtable::{lookup, peek_own_segment, Guard, Loc};
+use super::qp::{
+    atomic_wait, decode_state, state_code, RawSge, RecvEntry, RemoteQp, MAX_INLINE, MAX_SGE,
+};
+use super::ring::{Ring, RingError};
 use super::segment::{QpSlot, Segment, MAILBOX_SLOTS, QP_INDEX_BITS};
 use super::sys;
 use crate::{AccessFlags, QpState, SendFlags, Sge, WcOpcode, WcStatus, WrOpcode};
@@ -71,8 +75,9 @@ pub(crate) struct Initiator<'a> {
     pub(crate) pd: u32,
     pub(crate) qpn: u32,
     pub(crate) remote: &'a RemoteQp,
-    /// Longest wait for a target-side atomic.
-    pub(crate) atomic_timeout: Duration,
+    /// The QP's `timeout` and `retry_cnt`: bound the wait for a target-side atomic.
+    pub(crate) timeout: u8,
+    pub(crate) retry_cnt: u8,
 }
 
 /// Memory pieces (at most [`MAX_SGE`]) with the MR holds that keep them registered.
@@ -80,7 +85,7 @@ struct Pieces<'s> {
     locs: [(Loc, u64); MAX_SGE],
     n: usize,
     total: u64,
-    holds: [Option<MrRef<'s>>; MAX_SGE],
+    holds: [Option<Guard<'s>>; MAX_SGE],
 }
 
 impl<'s> Pieces<'s> {
@@ -93,7 +98,7 @@ impl<'s> Pieces<'s> {
         }
     }
 
-    fn push(&mut self, loc: Loc, len: u64, hold: Option<MrRef<'s>>) -> bool {
+    fn push(&mut self, loc: Loc, len: u64, hold: Option<Guard<'s>>) -> bool {
         if self.n >= MAX_SGE {
             return false;
         }
@@ -109,10 +114,17 @@ impl<'s> Pieces<'s> {
     }
 }
 
-/// Resolve SGEs against `seg`'s MR table (entries of length 0 are skipped, as verbs does).
+/// Resolve SGEs against `seg`'s MR table into `p` (entries of length 0 are skipped, as verbs
+/// does). Filled in place (`p` starts empty): a `Pieces` is a few hundred bytes, not worth
+/// moving.
 #[inline]
-fn resolve<'s>(seg: &'s Segment, pd: u32, sges: &[Sge], need: AccessFlags) -> Option<Pieces<'s>> {
-    let mut p = Pieces::new();
+fn resolve<'s>(
+    p: &mut Pieces<'s>,
+    seg: &'s Segment,
+    pd: u32,
+    sges: &[Sge],
+    need: AccessFlags,
+) -> Option<()> {
     for s in sges {
         if s.length == 0 {
             continue;
@@ -120,15 +132,15 @@ fn resolve<'s>(seg: &'s Segment, pd: u32, sges: &[Sge], need: AccessFlags) -> Op
         let len = u64::from(s.length);
         let mr = lookup(seg, s.lkey.0)?;
         let loc = mr.locate(s.addr, len, need, pd)?;
-        if !p.push(loc, len, Some(mr)) {
+        if !p.push(loc, len, Some(mr.into_guard())) {
             return None;
         }
     }
-    Some(p)
+    Some(())
 }
 
-fn resolve_raw<'s>(seg: &'s Segment, pd: u32, sges: &[RawSge]) -> Option<Pieces<'s>> {
-    let mut p = Pieces::new();
+#[inline]
+fn resolve_raw<'s>(p: &mut Pieces<'s>, seg: &'s Segment, pd: u32, sges: &[RawSge]) -> Option<()> {
     for s in sges {
         if s.length == 0 {
             continue;
@@ -136,22 +148,22 @@ fn resolve_raw<'s>(seg: &'s Segment, pd: u32, sges: &[RawSge]) -> Option<Pieces<
         let len = u64::from(s.length);
         let mr = lookup(seg, s.lkey)?;
         let loc = mr.locate(s.addr, len, AccessFlags::LOCAL_WRITE, pd)?;
-        if !p.push(loc, len, Some(mr)) {
+        if !p.push(loc, len, Some(mr.into_guard())) {
             return None;
         }
     }
-    Some(p)
+    Some(())
 }
 
 /// Gather an INLINE payload at post time into `buf`. SGEs inside a registered region are
 /// copied directly; others are read through the kernel (`process_vm_readv` on ourselves), so a
 /// bad address is a `LocalProtection` completion rather than a crash.
-pub(crate) fn gather_inline(
+pub(crate) fn gather_inline<'b>(
     seg: &Segment,
     pd: u32,
     sges: &[Sge],
-    buf: &mut [u8; MAX_INLINE],
-) -> Result<usize, WcStatus> {
+    buf: &'b mut [MaybeUninit<u8>; MAX_INLINE],
+) -> Result<&'b [u8], WcStatus> {
     let mut at = 0usize;
     for s in sges {
         let len = s.length as usize;
@@ -163,6 +175,21 @@ pub(crate) fn gather_inline(
             .filter(|e| *e <= MAX_INLINE)
             .ok_or(WcStatus::LocalLength)?;
         let dst = &mut buf[at..end];
+        let dst_ptr = dst.as_mut_ptr().cast::<u8>();
+        if let Some(p) = peek_own_segment(seg, s.lkey.0, s.addr, len as u64, pd) {
+            // SAFETY: `p` covers `len` bytes of our own segment's mapping (bounds-checked by
+            // `peek_own_segment`), which stays mapped while `seg` lives; `dst` is a distinct
+            // stack buffer of `len` bytes.
+            unsafe {
+                if len <= 16 {
+                    small_move(p, dst_ptr, len);
+                } else {
+                    std::ptr::copy_nonoverlapping(p, dst_ptr, len);
+                }
+            }
+            at = end;
+            continue;
+        }
         let direct = lookup(seg, s.lkey.0).and_then(|mr| {
             mr.locate(s.addr, len as u64, AccessFlags::empty(), pd)
                 .map(|loc| (mr, loc))
@@ -171,14 +198,49 @@ pub(crate) fn gather_inline(
             Some((_hold, Loc::Direct(p))) => {
                 // SAFETY: `p` covers `len` bytes of a region registered in our MR table, held
                 // by `_hold`; `dst` is a distinct stack buffer of `len` bytes.
-                unsafe { std::ptr::copy_nonoverlapping(p, dst.as_mut_ptr(), len) };
+                unsafe { std::ptr::copy_nonoverlapping(p, dst_ptr, len) };
             }
-            _ => sys::vm_read(sys::getpid(), s.addr, dst.as_mut_ptr(), len)
+            _ => sys::vm_read(sys::getpid(), s.addr, dst_ptr, len)
                 .map_err(|_| WcStatus::LocalProtection)?,
         }
         at = end;
     }
-    Ok(at)
+    // SAFETY: every byte of `buf[..at]` was written above (the pieces are contiguous from 0),
+    // and `MaybeUninit<u8>` has the layout of `u8`.
+    Ok(unsafe { std::slice::from_raw_parts(buf.as_ptr().cast::<u8>(), at) })
+}
+
+/// `memmove` of `n <= 16` bytes without a call: every byte is loaded before any is stored
+/// (two possibly overlapping words from each end), so overlapping ranges are fine.
+///
+/// # Safety
+/// `s` is valid for reads and `d` for writes of `n` bytes.
+#[inline(always)]
+unsafe fn small_move(s: *const u8, d: *mut u8, n: usize) {
+    // SAFETY: every access below lies in `[0, n)` of its range (the caller's promise), and
+    // unaligned reads/writes of plain integers are allowed anywhere in valid memory.
+    unsafe {
+        if n >= 8 {
+            let (a, b) = (
+                s.cast::<u64>().read_unaligned(),
+                s.add(n - 8).cast::<u64>().read_unaligned(),
+            );
+            d.cast::<u64>().write_unaligned(a);
+            d.add(n - 8).cast::<u64>().write_unaligned(b);
+        } else if n >= 4 {
+            let (a, b) = (
+                s.cast::<u32>().read_unaligned(),
+                s.add(n - 4).cast::<u32>().read_unaligned(),
+            );
+            d.cast::<u32>().write_unaligned(a);
+            d.add(n - 4).cast::<u32>().write_unaligned(b);
+        } else if n > 0 {
+            let (a, m, b) = (s.read(), s.add(n / 2).read(), s.add(n - 1).read());
+            d.write(a);
+            d.add(n / 2).write(m);
+            d.add(n - 1).write(b);
+        }
+    }
 }
 
 enum CopyError {
@@ -198,11 +260,20 @@ fn copy_chunk(src: Loc, so: u64, dst: Loc, doff: u64, n: u64) -> Result<(), Copy
     };
     match (src, dst) {
         (Loc::Direct(s), Loc::Direct(d)) => {
-            // SAFETY: both pieces were resolved through MR tables whose entries are held for
-            // the duration of the copy: each covers at least `offset + n` bytes of memory
-            // that is mapped in this process (our own registered memory, or our mapping of a
-            // peer's segment). Regions may overlap (a READ of our own region), hence `copy`.
-            unsafe { std::ptr::copy(s.add(so as usize), d.add(doff as usize), n_us) };
+            // SAFETY: both pieces were resolved through MR tables — entries held for the
+            // duration of the copy, or (a source in our own segment) mapped for the segment's
+            // life: each covers at least `offset + n` bytes of memory that is mapped in this
+            // process (our own registered memory, or our mapping of a peer's segment).
+            // Regions may overlap (a READ of our own region): both copies have memmove
+            // semantics.
+            unsafe {
+                let (s, d) = (s.add(so as usize), d.add(doff as usize));
+                if n_us <= 16 {
+                    small_move(s, d, n_us);
+                } else {
+                    std::ptr::copy(s, d, n_us);
+                }
+            }
             Ok(())
         }
         (Loc::Direct(s), Loc::Remote { pid, addr }) => sys::vm_write(
@@ -350,11 +421,11 @@ pub(crate) fn execute(ini: &Initiator<'_>, op: &Op<'_>) -> Outcome {
     }
 }
 
-/// The payload pieces of a SEND/WRITE: the inline copy or the local SGEs.
-fn source<'s>(ini: &Initiator<'s>, op: &Op<'_>) -> Option<Pieces<'s>> {
+/// The payload pieces of a SEND/WRITE, into `p`: the inline copy or the local SGEs.
+#[inline]
+fn source<'s>(p: &mut Pieces<'s>, ini: &Initiator<'s>, op: &Op<'_>) -> Option<()> {
     match op.inline {
         Some(bytes) => {
-            let mut p = Pieces::new();
             if !bytes.is_empty() {
                 p.push(
                     Loc::Direct(bytes.as_ptr() as *mut u8),
@@ -362,16 +433,38 @@ fn source<'s>(ini: &Initiator<'s>, op: &Op<'_>) -> Option<Pieces<'s>> {
                     None,
                 );
             }
-            Some(p)
+            Some(())
         }
-        None => resolve(ini.seg, ini.pd, op.sges, AccessFlags::empty()),
+        None => {
+            for s in op.sges {
+                if s.length == 0 {
+                    continue;
+                }
+                let len = u64::from(s.length);
+                // Our own segment memory is read without a hold (see `peek_own_segment`);
+                // anything else is looked up and held.
+                let ok = match peek_own_segment(ini.seg, s.lkey.0, s.addr, len, ini.pd) {
+                    Some(ptr) => p.push(Loc::Direct(ptr as *mut u8), len, None),
+                    None => {
+                        let mr = lookup(ini.seg, s.lkey.0)?;
+                        let loc = mr.locate(s.addr, len, AccessFlags::empty(), ini.pd)?;
+                        p.push(loc, len, Some(mr.into_guard()))
+                    }
+                };
+                if !ok {
+                    return None;
+                }
+            }
+            Some(())
+        }
     }
 }
 
 fn write(ini: &Initiator<'_>, op: &Op<'_>, raddr: u64, rkey: u32) -> Outcome {
-    let Some(src) = source(ini, op) else {
+    let mut src = Pieces::new();
+    if source(&mut src, ini, op).is_none() {
         return Outcome::done(WcStatus::LocalProtection, 0);
-    };
+    }
     let (_hold, tslot) = match target(ini, false) {
         Ok(t) => t,
         Err(outcome) => return outcome,
@@ -396,9 +489,10 @@ fn write(ini: &Initiator<'_>, op: &Op<'_>, raddr: u64, rkey: u32) -> Outcome {
 }
 
 fn read(ini: &Initiator<'_>, op: &Op<'_>, raddr: u64, rkey: u32) -> Outcome {
-    let Some(dst) = resolve(ini.seg, ini.pd, op.sges, AccessFlags::LOCAL_WRITE) else {
+    let mut dst = Pieces::new();
+    if resolve(&mut dst, ini.seg, ini.pd, op.sges, AccessFlags::LOCAL_WRITE).is_none() {
         return Outcome::done(WcStatus::LocalProtection, 0);
-    };
+    }
     let (_hold, tslot) = match target(ini, false) {
         Ok(t) => t,
         Err(outcome) => return outcome,
@@ -429,9 +523,10 @@ enum AtomicOp {
 }
 
 fn atomic(ini: &Initiator<'_>, op: &Op<'_>, raddr: u64, rkey: u32, aop: AtomicOp) -> Outcome {
-    let Some(dst) = resolve(ini.seg, ini.pd, op.sges, AccessFlags::LOCAL_WRITE) else {
+    let mut dst = Pieces::new();
+    if resolve(&mut dst, ini.seg, ini.pd, op.sges, AccessFlags::LOCAL_WRITE).is_none() {
         return Outcome::done(WcStatus::LocalProtection, 0);
-    };
+    }
     let Some((Loc::Direct(result_ptr), 8)) = dst.list().first().copied() else {
         return Outcome::done(WcStatus::LocalProtection, 0);
     };
@@ -508,7 +603,7 @@ fn mailbox_atomic(
     aop: AtomicOp,
 ) -> Result<u64, WcStatus> {
     let tseg: &Segment = &ini.remote.seg;
-    let deadline = Instant::now() + ini.atomic_timeout;
+    let deadline = Instant::now() + atomic_wait(ini.timeout, ini.retry_cnt);
     let start = (rand::random::<u32>()) % MAILBOX_SLOTS;
     let mut spins = 0u32;
     let slot = 'claim: loop {
@@ -576,6 +671,21 @@ fn mailbox_atomic(
     }
 }
 
+/// How far past the next receive a sender prefetches a peer's RQ/SRQ ring slot.
+const RQ_PREFETCH_AHEAD: u64 = 1;
+
+/// Pop one receive from a target's RQ/SRQ ring, reading only the SGEs it uses, and start
+/// fetching the slot the next send will take while this one is being delivered.
+#[inline]
+fn take_receive(ring: &Ring<'_, RecvEntry>) -> Result<Option<RecvEntry>, RingError> {
+    let got = ring.pop_with(|p| {
+        // SAFETY: `pop_with` hands over the claimed slot of a receive ring.
+        unsafe { RecvEntry::read_used(p) }
+    });
+    ring.prefetch_for_pop(RQ_PREFETCH_AHEAD);
+    got
+}
+
 /// SEND, SEND_WITH_IMM and WRITE_WITH_IMM: consume a receive at the target.
 fn deliver(
     ini: &Initiator<'_>,
@@ -583,9 +693,10 @@ fn deliver(
     imm: Option<u32>,
     write_to: Option<(u64, u32)>,
 ) -> Outcome {
-    let Some(src) = source(ini, op) else {
+    let mut src = Pieces::new();
+    if source(&mut src, ini, op).is_none() {
         return Outcome::done(WcStatus::LocalProtection, 0);
-    };
+    }
     let (_hold, tslot) = match target(ini, true) {
         Ok(t) => t,
         Err(outcome) => return outcome,
@@ -619,13 +730,13 @@ fn deliver(
             s.ring_off.load(Ordering::Relaxed),
             u64::from(s.cap.load(Ordering::Relaxed)),
         )
-        .map(|r| r.pop())
+        .map(|r| take_receive(&r))
     } else {
         tseg.ring::<RecvEntry>(
             tslot.rq_off.load(Ordering::Relaxed),
             u64::from(tslot.rq_cap.load(Ordering::Relaxed)),
         )
-        .map(|r| r.pop())
+        .map(|r| take_receive(&r))
     };
     let recv = match popped {
         Some(Ok(Some(e))) => e,
@@ -669,11 +780,12 @@ fn deliver(
         return Outcome::done(WcStatus::Success, 0);
     }
     let nsge = (recv.num_sge as usize).min(MAX_SGE);
-    let Some(dst) = resolve_raw(tseg, tpd, &recv.sge[..nsge]) else {
+    let mut dst = Pieces::new();
+    if resolve_raw(&mut dst, tseg, tpd, &recv.sge[..nsge]).is_none() {
         recv_done(WcStatus::LocalProtection, WcOpcode::Recv, 0);
         fail_target(tseg, tslot);
         return Outcome::done(WcStatus::RemoteOperation, 0);
-    };
+    }
     if dst.total < src.total {
         recv_done(WcStatus::LocalLength, WcOpcode::Recv, 0);
         fail_target(tseg, tslot);

@@ -125,7 +125,13 @@ pub(crate) fn lookup(seg: &Segment, key: u32) -> Option<MrRef<'_>> {
     })
 }
 
-impl MrRef<'_> {
+impl<'a> MrRef<'a> {
+    /// Keep only the hold (the entry stays registered while it lives).
+    #[inline]
+    pub(crate) fn into_guard(self) -> Guard<'a> {
+        self._guard
+    }
+
     /// Where `[addr, addr+len)` is, if it lies in the region, the region belongs to `pd` and
     /// grants `need`.
     #[inline]
@@ -153,6 +159,51 @@ impl MrRef<'_> {
             _ => None,
         }
     }
+}
+
+/// Where `[addr, addr+len)` of the region `key` is, for reading it as a local source (a
+/// SEND/WRITE payload or an INLINE gather), without announcing the use: `Some` only for
+/// memory of our **own** segment's heap that lies in the region, belongs to `pd`, and `key`
+/// names a live registration when looked at.
+///
+/// No guard is needed for that case: the segment stays mapped for the context's life, so the
+/// read never faults even if the region is deregistered (and its pages hole-punched or
+/// reused) while it runs — a race the caller created with its own deregistration, which can
+/// at worst send stale bytes of its own memory. Fields read concurrently with a
+/// re-registration may be mixed, but `Segment::ptr` bounds whatever they say to the mapping.
+/// Foreign (`reg_mr`) memory could be unmapped by its owner after deregistration: it takes
+/// the guarded [`lookup`].
+#[inline]
+pub(crate) fn peek_own_segment(
+    seg: &Segment,
+    key: u32,
+    addr: u64,
+    len: u64,
+    pd: u32,
+) -> Option<*const u8> {
+    if key == 0 || !seg.is_local() {
+        return None;
+    }
+    let slot = seg.mr_slot(key_index(key));
+    // Acquire: pairs with the publishing store of the key, so the fields below are at least
+    // those of this registration.
+    if slot.key.load(Ordering::Acquire) != key
+        || slot.kind.load(Ordering::Relaxed) != MR_KIND_SEGMENT
+        || slot.pd.load(Ordering::Relaxed) != pd
+    {
+        return None;
+    }
+    let base = slot.addr.load(Ordering::Relaxed);
+    let rlen = slot.len.load(Ordering::Relaxed);
+    let end = addr.checked_add(len)?;
+    if addr < base || end > base.checked_add(rlen)? {
+        return None;
+    }
+    let off = slot
+        .seg_off
+        .load(Ordering::Relaxed)
+        .checked_add(addr - base)?;
+    seg.ptr(off, len).map(|p| p as *const u8)
 }
 
 /// What a registration publishes.

@@ -14,6 +14,7 @@
 
 use std::any::Any;
 use std::collections::VecDeque;
+use std::mem::MaybeUninit;
 use std::os::fd::AsRawFd;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
@@ -44,6 +45,15 @@ const NOT_READY_POLL: Duration = Duration::from_millis(1);
 const ATOMIC_WAIT_MIN: Duration = Duration::from_millis(100);
 const ATOMIC_WAIT_MAX: Duration = Duration::from_secs(10);
 
+/// Longest wait for an atomic served by the target's service thread: the QP's transport
+/// timeout, `(retry_cnt + 1)` ACK timeouts, clamped (worked out only when such an atomic runs).
+pub(crate) fn atomic_wait(timeout: u8, retry_cnt: u8) -> Duration {
+    match ack_timeout(timeout) {
+        None => ATOMIC_WAIT_MAX,
+        Some(t) => (t * (u32::from(retry_cnt) + 1)).clamp(ATOMIC_WAIT_MIN, ATOMIC_WAIT_MAX),
+    }
+}
+
 /// One receive SGE as stored in shared memory.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default)]
@@ -64,19 +74,52 @@ pub(crate) struct RecvEntry {
 }
 
 impl RecvEntry {
-    /// From a receive request (at most [`MAX_SGE`] SGEs; the caller checked).
-    pub(crate) fn from_wr(wr: &RecvWr<'_>) -> RecvEntry {
-        let mut e = RecvEntry {
-            wr_id: wr.wr_id,
-            num_sge: wr.sg_list.len().min(MAX_SGE) as u32,
-            ..Default::default()
-        };
-        for (d, s) in e.sge.iter_mut().zip(wr.sg_list) {
-            *d = RawSge {
-                addr: s.addr,
-                length: s.length,
-                lkey: s.lkey.0,
-            };
+    /// Write receive `wr` (at most [`MAX_SGE`] SGEs; the caller checked) into the ring slot
+    /// `p`, touching only the header and the SGEs it has: a one-SGE receive is one cache line.
+    ///
+    /// # Safety
+    /// `p` is valid for writes of one `RecvEntry` and owned by the caller (a claimed slot).
+    #[inline]
+    pub(crate) unsafe fn write_wr(p: *mut RecvEntry, wr: &RecvWr<'_>) {
+        let n = wr.sg_list.len().min(MAX_SGE);
+        // SAFETY: field projections of a pointer the caller vouches for; `i < MAX_SGE` stays
+        // inside the `sge` array.
+        unsafe {
+            std::ptr::addr_of_mut!((*p).wr_id).write(wr.wr_id);
+            std::ptr::addr_of_mut!((*p).num_sge).write(n as u32);
+            let sge = std::ptr::addr_of_mut!((*p).sge).cast::<RawSge>();
+            for (i, s) in wr.sg_list[..n].iter().enumerate() {
+                sge.add(i).write(RawSge {
+                    addr: s.addr,
+                    length: s.length,
+                    lkey: s.lkey.0,
+                });
+            }
+        }
+    }
+
+    /// Read the entry in the ring slot `p`: the header and the SGEs it announces (the count
+    /// clamped to [`MAX_SGE`]); the SGEs past that are not read (they read as zero here).
+    ///
+    /// # Safety
+    /// `p` is valid for reads of one `RecvEntry` and owned by the caller (a claimed slot).
+    #[inline]
+    pub(crate) unsafe fn read_used(p: *const RecvEntry) -> RecvEntry {
+        let mut e = RecvEntry::default();
+        // SAFETY: field projections of a pointer the caller vouches for; `i < n <= MAX_SGE`
+        // stays inside the `sge` array. Plain data: any bit pattern a peer left is valid.
+        unsafe {
+            e.wr_id = std::ptr::addr_of!((*p).wr_id).read();
+            let n = (std::ptr::addr_of!((*p).num_sge).read() as usize).min(MAX_SGE);
+            e.num_sge = n as u32;
+            let sge = std::ptr::addr_of!((*p).sge).cast::<RawSge>();
+            // The usual single SGE as one plain load (a loop becomes a `memcpy` call).
+            if n >= 1 {
+                e.sge[0] = sge.read();
+            }
+            for (i, d) in e.sge[..n].iter_mut().enumerate().skip(1) {
+                *d = sge.add(i).read();
+            }
         }
         e
     }
@@ -534,13 +577,6 @@ impl QpInner {
         Ok(())
     }
 
-    fn atomic_timeout(st: &SqState) -> Duration {
-        match ack_timeout(st.timeout) {
-            None => ATOMIC_WAIT_MAX,
-            Some(t) => (t * (u32::from(st.retry_cnt) + 1)).clamp(ATOMIC_WAIT_MIN, ATOMIC_WAIT_MAX),
-        }
-    }
-
     /// The transport retry budget for a target that is not connected: `(retry_cnt + 1)` ACK
     /// timeouts (none: wait forever, as `timeout = 0` means in verbs).
     fn not_ready_budget(st: &SqState) -> Option<Duration> {
@@ -622,12 +658,11 @@ impl QpInner {
                 );
                 continue;
             }
-            // Only INLINE requests pay for the buffer.
-            let mut inline_store: Option<[u8; MAX_INLINE]> = None;
+            // Only INLINE requests use the buffer (never zeroed: only what is gathered is read).
+            let mut inline_store = [MaybeUninit::<u8>::uninit(); MAX_INLINE];
             let inline = if wr.flags.contains(SendFlags::INLINE) {
-                let buf = inline_store.insert([0u8; MAX_INLINE]);
-                match gather_inline(self.seg(), self.pd, wr.sg_list, buf) {
-                    Ok(n) => Some(&buf[..n]),
+                match gather_inline(self.seg(), self.pd, wr.sg_list, &mut inline_store) {
+                    Ok(bytes) => Some(bytes),
                     Err(status) => {
                         self.complete_send(
                             &mut st.unsignaled,
@@ -672,7 +707,8 @@ impl QpInner {
                         pd: self.pd,
                         qpn: self.qpn,
                         remote,
-                        atomic_timeout: Self::atomic_timeout(&st),
+                        timeout: st.timeout,
+                        retry_cnt: st.retry_cnt,
                     },
                     &op,
                 ),
@@ -720,7 +756,9 @@ impl QpInner {
     fn after_attempt(&self, st: &mut SqState, outcome: Outcome, now: Instant) -> bool {
         let rnr_retry = st.rnr_retry;
         let budget = Self::not_ready_budget(st);
-        let alive = st.remote.as_ref().is_some_and(|r| r.seg.owner_alive());
+        // Only a not-ready target needs the (system-call) liveness check.
+        let alive = matches!(outcome, Outcome::NotReady)
+            && st.remote.as_ref().is_some_and(|r| r.seg.owner_alive());
         let Some(head) = st.backlog.front_mut() else {
             return false;
         };
@@ -798,7 +836,8 @@ impl QpInner {
                         pd: self.pd,
                         qpn: self.qpn,
                         remote,
-                        atomic_timeout: Self::atomic_timeout(st),
+                        timeout: st.timeout,
+                        retry_cnt: st.retry_cnt,
                     },
                     &Op {
                         opcode: head.opcode,
@@ -857,6 +896,9 @@ impl QpInner {
             });
         }
         let ring = rq.ring();
+        if wrs.len() > 1 {
+            ring.prefetch_push_run(wrs.len());
+        }
         for (index, wr) in wrs.iter().enumerate() {
             if wr.sg_list.len() > self.caps.max_recv_sge.max(1) as usize
                 || wr.sg_list.len() > MAX_SGE
@@ -883,9 +925,12 @@ impl QpInner {
                 self.recv_cq.push_local(c, false);
                 continue;
             }
-            if ring.len() >= u64::from(self.caps.max_recv_wr)
-                || ring.push(RecvEntry::from_wr(wr)).is_err()
-            {
+            let pushed = ring.push_limited(u64::from(self.caps.max_recv_wr), |p| {
+                // SAFETY: `push_limited` hands over a claimed slot of the receive ring; the
+                // SGE count was checked above.
+                unsafe { RecvEntry::write_wr(p, wr) }
+            });
+            if pushed.is_err() {
                 return Err(PostError {
                     index,
                     source: VerbsError::QueueFull,

@@ -13,7 +13,14 @@
 //!
 //! Full/empty: `push` reports [`RingError::Full`] only when `capacity` entries are really
 //! outstanding (a consumer in the middle of releasing the slot is waited for, briefly); `pop`
-//! reports empty when the next slot is not yet published.
+//! reports empty when the next slot is not yet published. `push_limited` bounds the count
+//! below the capacity without reading the consumers' index.
+//!
+//! `push_with` / `pop_with` let the caller write or read only part of a slot's payload (a
+//! receive with one SGE is one cache line of a three-line slot); `push` / `pop` are those with
+//! the whole payload, and the algorithm — and its loom model — is the same for both. The
+//! `prefetch_*` hints ask for slot lines ahead of use; they never change what the protocol
+//! does.
 #![allow(unexpected_cfgs)]
 
 use super::sync::{backoff, AtomicU64, DataCell, Ordering};
@@ -115,8 +122,26 @@ impl<'a, T: Copy> Ring<'a, T> {
     /// Append `v`.
     #[inline]
     pub(crate) fn push(&self, v: T) -> Result<(), RingError> {
+        self.push_with(|p| {
+            // SAFETY: `push_with` hands `fill` the slot it owns exclusively; T is plain data.
+            unsafe { p.write(v) }
+        })
+    }
+
+    /// Append an entry that `fill` writes in place (it may write only the fields the entry
+    /// uses: a receive with one SGE touches one cache line, not the whole slot).
+    ///
+    /// `fill` gets a pointer to the slot's payload, valid for writes of one `T` and owned by
+    /// this thread alone until the slot is published (after `fill` returns).
+    #[inline]
+    pub(crate) fn push_with(&self, fill: impl FnOnce(*mut T)) -> Result<(), RingError> {
         let mut pos = self.head.tail.0.load(Ordering::Relaxed);
+        // Ask for the slot's line in exclusive state: the sequence load below and the payload
+        // stores then cost one transfer from the consumer's cache instead of a read followed
+        // by an upgrade. A hint only; it has no effect on the protocol.
+        prefetch_write(self.cell(pos));
         let mut spins = 0u32;
+        let mut fill = Some(fill);
         loop {
             let cell = self.cell(pos);
             let seq = cell.seq.load(Ordering::Acquire);
@@ -129,9 +154,12 @@ impl<'a, T: Copy> Ring<'a, T> {
                     Ordering::Relaxed,
                 ) {
                     Ok(_) => {
-                        // SAFETY: winning the CAS on `tail` for `pos` gives this thread the
-                        // slot exclusively until it publishes it below; T is plain data.
-                        cell.val.with_mut(|p| unsafe { p.write(v) });
+                        if let Some(fill) = fill.take() {
+                            // Winning the CAS on `tail` for `pos` gives this thread the slot
+                            // exclusively until it publishes it below (the Acquire load of
+                            // `seq == pos` ordered the previous consumer's reads before this).
+                            cell.val.with_mut(fill);
+                        }
                         cell.seq.store(pos.wrapping_add(1), Ordering::Release);
                         return Ok(());
                     }
@@ -156,11 +184,57 @@ impl<'a, T: Copy> Ring<'a, T> {
         }
     }
 
+    /// Like [`Ring::push_with`], but [`RingError::Full`] once `limit` entries are outstanding
+    /// (published or being consumed).
+    ///
+    /// The count is checked without reading `head`, the line every consumer writes: a
+    /// producer that read it on each push would pull it away from the consumer each time (a
+    /// receive queue is usually kept full, so the check runs on every post). With
+    /// `limit >= capacity` the slot's own sequence word is the bound; below that, the slot of
+    /// position `tail - limit` tells whether that entry was consumed and released.
+    #[inline]
+    pub(crate) fn push_limited(
+        &self,
+        limit: u64,
+        fill: impl FnOnce(*mut T),
+    ) -> Result<(), RingError> {
+        if limit < self.capacity() {
+            let tail = self.head.tail.0.load(Ordering::Relaxed);
+            if tail >= limit {
+                let pos = tail - limit;
+                // Released slots read `pos + capacity` (or more, once refilled a lap later);
+                // published or claimed ones read `pos + 1` or less.
+                let seq = self.cell(pos).seq.load(Ordering::Acquire);
+                if (seq.wrapping_sub(pos) as i64) < self.capacity() as i64 {
+                    return Err(RingError::Full);
+                }
+            }
+        }
+        self.push_with(fill)
+    }
+
     /// Take the oldest entry, if one is published.
     #[inline]
     pub(crate) fn pop(&self) -> Result<Option<T>, RingError> {
+        self.pop_with(|p| {
+            // SAFETY: `pop_with` hands `read` the published slot it owns exclusively; any bit
+            // pattern is a valid T for the payloads rings carry.
+            unsafe { p.read() }
+        })
+    }
+
+    /// Take the oldest entry, if one is published, reading from it only what `read` reads.
+    ///
+    /// `read` gets a pointer to the slot's payload, valid for reads of one `T` and owned by
+    /// this thread alone until `read` returns (the slot is released after it).
+    #[inline]
+    pub(crate) fn pop_with<R>(
+        &self,
+        read: impl FnOnce(*const T) -> R,
+    ) -> Result<Option<R>, RingError> {
         let mut pos = self.head.head.0.load(Ordering::Relaxed);
         let mut spins = 0u32;
+        let mut read = Some(read);
         loop {
             let cell = self.cell(pos);
             let seq = cell.seq.load(Ordering::Acquire);
@@ -173,14 +247,15 @@ impl<'a, T: Copy> Ring<'a, T> {
                     Ordering::Relaxed,
                 ) {
                     Ok(_) => {
-                        // SAFETY: winning the CAS on `head` for `pos` gives this thread the
-                        // published slot exclusively until it releases it below.
-                        let v = cell.val.with(|p| unsafe { p.read() });
+                        // Winning the CAS on `head` for `pos` gives this thread the published
+                        // slot (made visible by the Acquire load of `seq == pos + 1`)
+                        // exclusively until it releases it below.
+                        let v = read.take().map(|read| cell.val.with(read));
                         cell.seq.store(
                             pos.wrapping_add(self.mask).wrapping_add(1),
                             Ordering::Release,
                         );
-                        return Ok(Some(v));
+                        return Ok(v);
                     }
                     Err(actual) => pos = actual,
                 }
@@ -197,6 +272,51 @@ impl<'a, T: Copy> Ring<'a, T> {
             backoff(spins);
         }
     }
+
+    /// Hint: fetch, in exclusive state, the slot `ahead` positions past the next one to pop
+    /// (a consumer's release writes it). A consumer that takes entries a producer wrote long
+    /// before (a sender taking the receives a peer posted) calls it after each pop, so the
+    /// transfer overlaps the current delivery instead of stalling the next one. No effect on
+    /// the protocol.
+    #[inline]
+    pub(crate) fn prefetch_for_pop(&self, ahead: u64) {
+        let pos = self.head.head.0.load(Ordering::Relaxed);
+        prefetch_write(self.cell(pos.wrapping_add(ahead)));
+    }
+
+    /// Hint: fetch, in exclusive state, the next `n` slots to fill (at most 16), all at once.
+    /// A producer about to push a batch into slots its consumers released (a receiver
+    /// reposting the receives it has just seen completed) then waits for one transfer, not for
+    /// `n` in a row. No effect on the protocol.
+    #[inline]
+    pub(crate) fn prefetch_push_run(&self, n: usize) {
+        let pos = self.head.tail.0.load(Ordering::Relaxed);
+        for k in 0..n.min(16) as u64 {
+            prefetch_write(self.cell(pos.wrapping_add(k)));
+        }
+    }
+
+    /// Hint: fetch, in exclusive state, the slot `ahead` positions past the next one to fill.
+    /// A producer that streams into a ring whose consumer lags (a sender filling a peer's
+    /// CQ) then finds the slot in its cache; with `ahead >= 1` it never takes the slot an
+    /// idle consumer is polling. No effect on the protocol.
+    #[inline]
+    pub(crate) fn prefetch_for_push(&self, ahead: u64) {
+        let pos = self.head.tail.0.load(Ordering::Relaxed);
+        prefetch_write(self.cell(pos.wrapping_add(ahead)));
+    }
+}
+
+/// Prefetch the cache line at `p` for writing (`PREFETCHW`), where the target has it.
+#[inline(always)]
+fn prefetch_write<T>(p: *const T) {
+    #[cfg(all(target_arch = "x86_64", not(loom)))]
+    // SAFETY: a prefetch is a hint: it never faults and never changes memory, whatever `p`.
+    unsafe {
+        core::arch::x86_64::_mm_prefetch::<{ core::arch::x86_64::_MM_HINT_ET0 }>(p.cast::<i8>());
+    }
+    #[cfg(not(all(target_arch = "x86_64", not(loom))))]
+    let _ = p;
 }
 
 /// Bytes a ring of `cap` slots of `T` occupies when laid out as [`RingHead`] followed by the
@@ -289,6 +409,62 @@ mod tests {
             assert_eq!(r.pop(), Ok(None));
             assert_eq!(r.len(), 0);
         }
+    }
+
+    /// A `push_with` filler writing `v`.
+    fn put<T>(v: T) -> impl FnOnce(*mut T) {
+        move |p| {
+            // SAFETY: the ring hands the filler its claimed slot, valid for one `T`.
+            unsafe { p.write(v) }
+        }
+    }
+
+    /// A `pop_with` reader of the first word only.
+    fn first_word<T>(p: *const T) -> u64 {
+        // SAFETY: the ring hands the reader its claimed slot; every `T` used here starts with
+        // a `u64`.
+        unsafe { p.cast::<u64>().read() }
+    }
+
+    #[test]
+    fn push_limited_counts_outstanding_entries_below_capacity() {
+        let h = heap::<u64>(8);
+        let r = Ring::new(&h.head, &h.cells).unwrap();
+        r.init();
+        for lap in 0..4u64 {
+            for i in 0..5 {
+                r.push_limited(5, put(lap * 10 + i)).unwrap();
+            }
+            assert_eq!(r.push_limited(5, put(99)), Err(RingError::Full));
+            assert_eq!(r.pop(), Ok(Some(lap * 10)));
+            // One consumed: one more fits, and then the limit holds again.
+            r.push_limited(5, put(lap * 10 + 5)).unwrap();
+            assert_eq!(r.push_limited(5, put(99)), Err(RingError::Full));
+            for i in 1..6 {
+                assert_eq!(r.pop(), Ok(Some(lap * 10 + i)));
+            }
+            assert_eq!(r.pop(), Ok(None));
+        }
+        // At capacity the slots themselves are the bound.
+        for i in 0..8 {
+            r.push_limited(8, put(i)).unwrap();
+        }
+        assert_eq!(r.push_limited(8, put(99)), Err(RingError::Full));
+    }
+
+    #[test]
+    fn partial_writes_and_reads_touch_only_what_they_name() {
+        let h = heap::<[u64; 4]>(2);
+        let r = Ring::new(&h.head, &h.cells).unwrap();
+        r.init();
+        r.push([1, 2, 3, 4]).unwrap();
+        assert_eq!(r.pop(), Ok(Some([1, 2, 3, 4])));
+        // The slot comes round again: a partial write leaves the rest as it was.
+        r.push([5, 6, 7, 8]).unwrap();
+        r.push_with(|p| put(9u64)(p.cast::<u64>())).unwrap();
+        assert_eq!(r.pop(), Ok(Some([5, 6, 7, 8])));
+        assert_eq!(r.pop_with(first_word), Ok(Some(9)));
+        assert_eq!(r.pop_with(first_word), Ok(None));
     }
 
     #[test]
@@ -414,6 +590,48 @@ mod loom_tests {
             assert_eq!(got.len() as u32, pushed, "every accepted push popped once");
             let ones: Vec<_> = got.iter().filter(|v| **v != 3).collect();
             assert!(ones.windows(2).all(|w| w[0] < w[1]), "producer order kept");
+        });
+    }
+
+    #[test]
+    fn push_limited_never_exceeds_the_limit() {
+        model(|| {
+            let h = heap(4);
+            let c = {
+                let h = h.clone();
+                loom::thread::spawn(move || {
+                    let r = Ring::new(&h.head, &h.cells).unwrap();
+                    r.pop().unwrap_or(None)
+                })
+            };
+            let r = Ring::new(&h.head, &h.cells).unwrap();
+            let put = |v: u64| {
+                move |p: *mut u64| {
+                    // SAFETY: the ring hands the filler its claimed slot, valid for a u64.
+                    unsafe { p.write(v) }
+                }
+            };
+            let first = r.push_limited(1, put(1)).is_ok();
+            let second = r.push_limited(1, put(2)).is_ok();
+            let popped = c.join().unwrap();
+            assert!(first, "an empty ring takes one entry");
+            if second {
+                assert_eq!(
+                    popped,
+                    Some(1),
+                    "a second entry only once the first was consumed"
+                );
+            }
+            let mut rest = Vec::new();
+            while let Ok(Some(v)) = r.pop() {
+                rest.push(v);
+            }
+            let total = usize::from(popped.is_some()) + rest.len();
+            assert_eq!(
+                total,
+                1 + usize::from(second),
+                "every accepted push popped once"
+            );
         });
     }
 

@@ -359,6 +359,12 @@ impl Segment {
         Ok(seg)
     }
 
+    /// True for the segment this process created (its own context's).
+    #[inline]
+    pub(crate) fn is_local(&self) -> bool {
+        self.local
+    }
+
     /// True when the owner is this process (memory of the owner is our memory).
     pub(crate) fn same_process(&self) -> bool {
         self.pid == sys::getpid()

@@ -16,7 +16,7 @@
 use std::os::fd::AsFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use super::ctx::{CtxShared, DOORBELL_TAG};
 use super::exec::{
@@ -42,8 +42,10 @@ fn serve(sh: &Arc<CtxShared>) {
     let sh = &**sh;
     let mut ready = Vec::with_capacity(16);
     loop {
-        let timeout_ms = next_timeout_ms(sh);
-        if let Err(err) = sys::epoll_wait(sh.epoll.as_fd(), timeout_ms, &mut ready) {
+        let timeout_ms = sh.service_sleep_ms();
+        let waited = sys::epoll_wait(sh.epoll.as_fd(), timeout_ms, &mut ready);
+        sh.service_awake();
+        if let Err(err) = waited {
             tracing::warn!(%err, "shm: service epoll_wait failed");
             std::thread::sleep(Duration::from_millis(10));
         }
@@ -58,23 +60,8 @@ fn serve(sh: &Arc<CtxShared>) {
             }
         }
         serve_doorbell(sh);
-        run_timers(sh);
+        sh.run_due_timers();
     }
-}
-
-fn next_timeout_ms(sh: &CtxShared) -> i32 {
-    let timers = sh.timers.lock();
-    let Some(next) = timers.iter().map(|(at, _)| *at).min() else {
-        return -1;
-    };
-    let now = Instant::now();
-    if next <= now {
-        return 0;
-    }
-    let d = next - now;
-    // Round up so the timer has expired when we wake.
-    let ms = d.as_micros().div_ceil(1000);
-    i32::try_from(ms).unwrap_or(i32::MAX)
 }
 
 fn peer_died(sh: &CtxShared, pid: i32) {
@@ -104,34 +91,6 @@ fn serve_doorbell(sh: &CtxShared) {
     }
     drop(qps);
     serve_mailbox(sh);
-}
-
-fn run_timers(sh: &CtxShared) {
-    let now = Instant::now();
-    let due: Vec<_> = {
-        let mut timers = sh.timers.lock();
-        let mut due = Vec::new();
-        timers.retain(|(at, qp)| {
-            if *at <= now {
-                due.push(qp.clone());
-                false
-            } else {
-                true
-            }
-        });
-        due
-    };
-    let mut seen: Vec<*const super::qp::QpInner> = Vec::new();
-    for w in due {
-        let ptr = w.as_ptr();
-        if seen.contains(&ptr) {
-            continue;
-        }
-        seen.push(ptr);
-        if let Some(qp) = w.upgrade() {
-            qp.progress();
-        }
-    }
 }
 
 /// Run the atomics peers asked for on our foreign (non-segment) memory.

@@ -81,6 +81,9 @@ impl SrqOps for ShmSrq {
     fn post_recv(&self, wrs: &[RecvWr<'_>]) -> Result<(), PostError> {
         let s = &self.shared;
         let ring = s.ring.ring();
+        if wrs.len() > 1 {
+            ring.prefetch_push_run(wrs.len());
+        }
         for (index, wr) in wrs.iter().enumerate() {
             if wr.sg_list.len() > s.max_sge as usize {
                 return Err(PostError {
@@ -92,7 +95,12 @@ impl SrqOps for ShmSrq {
                     )),
                 });
             }
-            if ring.len() >= u64::from(s.max_wr) || ring.push(RecvEntry::from_wr(wr)).is_err() {
+            let pushed = ring.push_limited(u64::from(s.max_wr), |p| {
+                // SAFETY: `push_limited` hands over a claimed slot of the SRQ ring; `write_wr`
+                // writes at most MAX_SGE SGEs.
+                unsafe { RecvEntry::write_wr(p, wr) }
+            });
+            if pushed.is_err() {
                 return Err(PostError {
                     index,
                     source: VerbsError::QueueFull,

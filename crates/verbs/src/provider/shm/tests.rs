@@ -640,6 +640,57 @@ fn receive_too_small_is_local_length_at_receiver() {
     assert_eq!(b.qp.state(), QpState::Error);
 }
 
+#[test]
+fn receive_slot_reused_with_fewer_sges_ignores_the_old_ones() {
+    // Receive queue of 3 (ring of 4 slots): the depth limit is below the ring's capacity.
+    let caps = QpCaps {
+        max_recv_wr: 3,
+        ..QpCaps::default()
+    };
+    let (a, b) = pair_with(caps, 64, AccessFlags::ALL);
+    let src = mr(&a.pd, 64);
+    let dst = mr(&b.pd, 256);
+    src.write_at(0, &[7u8; 64]).unwrap();
+    // The first three receives have three SGEs each (slots 0, 1, 2).
+    let three_sges = [
+        dst.sge(0, 4).unwrap(),
+        dst.sge(8, 4).unwrap(),
+        dst.sge(16, 4).unwrap(),
+    ];
+    for id in 0..3u64 {
+        b.qp.post_recv(&[RecvWr::new(id, &three_sges)]).unwrap();
+    }
+    let err = b.qp.post_recv(&[RecvWr::new(9, &three_sges)]).unwrap_err();
+    assert!(matches!(err.source, VerbsError::QueueFull), "depth 3 holds");
+    for id in 0..3u64 {
+        a.qp.post_send(
+            &[SendWr::new(id, &[src.sge(0, 12).unwrap()], WrOpcode::Send)
+                .with_flags(SendFlags::SIGNALED)],
+        )
+        .unwrap();
+        assert_eq!(wait_one(&a.cq).status, WcStatus::Success);
+        let r = wait_one(&b.cq);
+        assert_eq!((r.wr_id, r.status, r.byte_len), (id, WcStatus::Success, 12));
+    }
+    // One-SGE receives of 4 bytes go to slot 3, then to slot 0, which held a three-SGE
+    // receive: a 12-byte message must not spill into the SGEs the slot held before.
+    b.qp.post_recv(&[RecvWr::new(10, &[dst.sge(128, 4).unwrap()])])
+        .unwrap();
+    a.qp.post_send(&[
+        SendWr::new(10, &[src.sge(0, 4).unwrap()], WrOpcode::Send).with_flags(SendFlags::SIGNALED)
+    ])
+    .unwrap();
+    assert_eq!(wait_one(&a.cq).status, WcStatus::Success);
+    assert_eq!(wait_one(&b.cq).byte_len, 4);
+    b.qp.post_recv(&[RecvWr::new(11, &[dst.sge(136, 4).unwrap()])])
+        .unwrap();
+    a.qp.post_send(&[SendWr::new(11, &[src.sge(0, 12).unwrap()], WrOpcode::Send)])
+        .unwrap();
+    assert_eq!(wait_one(&a.cq).status, WcStatus::RemoteInvalidRequest);
+    let r = wait_one(&b.cq);
+    assert_eq!((r.wr_id, r.status), (11, WcStatus::LocalLength));
+}
+
 // ---------------------------------------------------------------- RNR
 
 #[test]

@@ -51,7 +51,7 @@ use crate::conn::{
 use crate::handle::Channel;
 use crate::remote::ExposedRegion;
 use crate::worker::shared::{ChannelShared, WorkerShared};
-use crate::worker::streams::{stream_key, Accepted, ConnHandle};
+use crate::worker::streams::{stream_key, Accepted, ConnHandle, FIRST_STREAM};
 use crate::worker::{
     self, direct_or_submit, Adopt, Command, Handlers, WorkerConfig, ONE_SIDED_DEPTH,
 };
@@ -335,15 +335,29 @@ impl Endpoint {
         let peer = control.peer_addr();
         let failed = Arc::new(AtomicBool::new(false));
         let eager_max = cfg.thresholds.eager_max;
+        // Accepting side: the stream the handshake opened goes to the listener from here, so
+        // handshakes are accepted in the order they finished.
+        let first = accept.as_ref().map(|_| {
+            Arc::new(ChannelShared::new(
+                stream_key(conn, FIRST_STREAM),
+                Arc::clone(&w.shared),
+                u64::from(cfg.max_queued),
+            ))
+        });
         w.shared.submit(Command::Adopt(Box::new(Adopt {
             driver,
             control: Some(control),
             lease: Some(lease),
-            accept,
+            accept: accept.clone(),
             failed: Arc::clone(&failed),
             peer,
             eager_max,
+            first_stream: first.clone(),
         })));
+        if let (Some(tx), Some(shared)) = (accept, first) {
+            // A listener that is gone drops the `Accepted`, which closes the stream.
+            let _ = tx.send(Accepted::new(shared, peer, eager_max));
+        }
         Ok(Adopted {
             conn,
             failed,
@@ -390,7 +404,7 @@ impl Endpoint {
 
     /// Open a stream on `conn`: no round trip, its `STREAM_OPEN` precedes its first message.
     fn open_stream(&self, w: &WorkerRef, conn: Arc<ConnHandle>) -> Channel {
-        let stream = conn.next_stream();
+        let (stream, first) = conn.next_stream();
         let window = u64::from(self.channel_config().max_queued);
         let shared = Arc::new(ChannelShared::new(
             stream_key(conn.conn, stream),
@@ -401,11 +415,12 @@ impl Endpoint {
         direct_or_submit(
             &w.shared,
             Arc::clone(&shared),
-            |g, shared| g.enqueue_open(id, stream, shared),
+            |g, shared| g.enqueue_open(id, stream, shared, !first),
             |shared| Command::OpenStream {
                 conn: id,
                 stream,
                 shared,
+                announce: !first,
             },
         );
         let (peer, eager_max) = (conn.peer, conn.eager_max);

@@ -454,7 +454,9 @@ fn channels_to_one_peer_share_one_connection_per_worker() {
     }
 }
 
-/// `share_connections = false`: every connect sets up a connection of its own.
+/// `share_connections = false`: every connect sets up a connection of its own, and channels
+/// set up by handshakes are accepted in the order the handshakes finished (each connection's
+/// first stream is opened by its handshake, not by a message racing the other connections').
 #[test]
 fn unshared_connections_are_one_per_channel() {
     for device in devices() {
@@ -470,17 +472,20 @@ fn unshared_connections_are_one_per_channel() {
         };
         let client = Endpoint::new(cfg).expect("client");
         let listener = server.listen("127.0.0.1:0").expect("listen");
-        let pairs: Vec<(Channel, Channel)> = (0..3)
-            .map(|_| {
-                let c = client.connect(listener.local_addr()).expect("connect");
-                (c, listener.accept_timeout(HANG).expect("accept"))
-            })
+        const N: usize = 24;
+        // All connects first, then all accepts: the k-th accepted is the k-th connected.
+        let clients: Vec<Channel> = (0..N)
+            .map(|_| client.connect(listener.local_addr()).expect("connect"))
             .collect();
-        for (i, (c, s)) in pairs.iter().enumerate() {
+        let servers: Vec<Channel> = (0..N)
+            .map(|_| listener.accept_timeout(HANG).expect("accept"))
+            .collect();
+        for (i, (c, s)) in clients.iter().zip(&servers).enumerate() {
             ping(c, s, &[i as u8; 10]);
+            ping(s, c, &[i as u8; 20]);
         }
-        assert_eq!(client.conn_stats().connects, 3, "{device}");
-        assert_eq!(server.conn_stats().accepts, 3, "{device}");
+        assert_eq!(client.conn_stats().connects, N as u64, "{device}");
+        assert_eq!(server.conn_stats().accepts, N as u64, "{device}");
         assert_eq!(
             client.pool_stats().live,
             0,

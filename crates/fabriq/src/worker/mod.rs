@@ -94,11 +94,13 @@ pub(crate) type CallReply = oneshot::Sender<Result<Vec<u8>, RpcError>>;
 /// `chan` names a stream ([`StreamKey`]); `conn` a connection (its QP number).
 pub(crate) enum Command {
     Adopt(Box<Adopt>),
-    /// Open stream `stream` on the (connecting side's) connection `conn`.
+    /// Open stream `stream` on the (connecting side's) connection `conn`; `announce`: send
+    /// `STREAM_OPEN` (every stream but the one the handshake opened).
     OpenStream {
         conn: u32,
         stream: u32,
         shared: Arc<ChannelShared>,
+        announce: bool,
     },
     Send {
         chan: StreamKey,
@@ -151,6 +153,8 @@ pub(crate) struct Adopt {
     pub(crate) failed: Arc<AtomicBool>,
     pub(crate) peer: SocketAddr,
     pub(crate) eager_max: u32,
+    /// Accepting side: the stream the handshake opened (already handed to the listener).
+    pub(crate) first_stream: Option<Arc<ChannelShared>>,
 }
 
 const WR_ONE_SIDED: u64 = 0x10;
@@ -550,8 +554,14 @@ impl Worker {
     }
 
     /// Direct stream open from an application thread (the inbox drained first).
-    pub(crate) fn enqueue_open(&mut self, conn: u32, stream: u32, shared: Arc<ChannelShared>) {
-        self.open_stream(conn, stream, shared);
+    pub(crate) fn enqueue_open(
+        &mut self,
+        conn: u32,
+        stream: u32,
+        shared: Arc<ChannelShared>,
+        announce: bool,
+    ) {
+        self.open_stream(conn, stream, shared, announce);
     }
 
     /// Direct RPC call from an application thread (the inbox drained first).
@@ -669,7 +679,8 @@ impl Worker {
                 conn,
                 stream,
                 shared,
-            } => self.open_stream(conn, stream, shared),
+                announce,
+            } => self.open_stream(conn, stream, shared, announce),
             Command::Send { chan, buf, trace } => self.command_send(chan, buf, trace),
             Command::Released { chan } => self.take_released(chan),
             Command::Call(call) => self.command_call(*call),
@@ -702,8 +713,15 @@ impl Worker {
             failed,
             peer,
             eager_max,
+            first_stream,
         } = a;
         let id = driver.qp().qp_num().0;
+        let window = u64::from(driver.core().config().max_queued);
+        let mut streams = FxHashMap::default();
+        if let Some(shared) = first_stream {
+            shared.set_window(window);
+            streams.insert(streams::FIRST_STREAM, StreamState::new(shared));
+        }
         if let Some(c) = &control {
             let _ = c.set_nonblocking(true);
             let _ = epoll::add(
@@ -718,7 +736,7 @@ impl Worker {
             ConnState {
                 driver,
                 backlog: VecDeque::new(),
-                streams: FxHashMap::default(),
+                streams,
                 one_sided_queue: VecDeque::new(),
                 one_sided: FxHashMap::default(),
                 control,
@@ -740,9 +758,9 @@ impl Worker {
         self.mark_dirty(id);
     }
 
-    /// Connecting side: a new stream on `conn`; its `STREAM_OPEN` goes out in order before
-    /// anything sent on it.
-    fn open_stream(&mut self, conn: u32, stream: u32, shared: Arc<ChannelShared>) {
+    /// Connecting side: a new stream on `conn`; its `STREAM_OPEN` (if `announce`) goes out in
+    /// order before anything sent on it.
+    fn open_stream(&mut self, conn: u32, stream: u32, shared: Arc<ChannelShared>, announce: bool) {
         let Some(st) = self.conns.get_mut(&conn) else {
             shared.fail(Failure::Closed);
             return;
@@ -752,9 +770,11 @@ impl Worker {
             return;
         }
         shared.set_window(u64::from(st.driver.core().config().max_queued));
-        // The open's completion is counted against the stream like its messages.
-        shared.count_in(0);
-        st.queue_stream_control(&self.buffers, stream, TraceFlags::STREAM_OPEN);
+        if announce {
+            // The open's completion is counted against the stream like its messages.
+            shared.count_in(0);
+            st.queue_stream_control(&self.buffers, stream, TraceFlags::STREAM_OPEN);
+        }
         st.streams.insert(stream, StreamState::new(shared));
         self.mark_dirty(conn);
     }

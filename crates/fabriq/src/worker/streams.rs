@@ -6,7 +6,9 @@
 //! the `stream` field of the message header, chosen by the side that connected, and opened and
 //! closed by empty messages flagged `STREAM_OPEN` / `STREAM_CLOSE` that travel in order with the
 //! stream's data (so an open always precedes the stream's first message and a close follows its
-//! last).
+//! last). Stream 1 of a connection is opened by the handshake itself: the accepting side hands
+//! it to `Listener::accept` from the handshake, so channels set up by handshakes are accepted in
+//! the order their handshakes finished (data of different connections has no order).
 //!
 //! This module owns the identifiers and the hand-offs:
 //! * [`StreamKey`]: a stream's id inside its worker, `(connection qpn << 32) | stream`;
@@ -22,6 +24,9 @@ use std::sync::Arc;
 
 use super::shared::{ChannelShared, WorkerShared};
 use super::Command;
+
+/// The stream the handshake opens on every connection.
+pub(crate) const FIRST_STREAM: u32 = 1;
 
 /// A stream's id inside its worker: connection (QP number) in the high half, the wire stream id
 /// in the low half.
@@ -52,6 +57,7 @@ pub(crate) struct ConnHandle {
     /// Eager threshold the connection started with.
     pub(crate) eager_max: u32,
     next_stream: AtomicU32,
+    first_taken: AtomicBool,
     /// Set by the worker when the connection failed: the pool must not hand it out again.
     pub(crate) failed: Arc<AtomicBool>,
 }
@@ -69,17 +75,22 @@ impl ConnHandle {
             conn,
             peer,
             eager_max,
-            next_stream: AtomicU32::new(1),
+            next_stream: AtomicU32::new(FIRST_STREAM),
+            first_taken: AtomicBool::new(false),
             failed,
         }
     }
 
-    /// A fresh stream id on this connection (never 0).
-    pub(crate) fn next_stream(&self) -> u32 {
+    /// A fresh stream id on this connection, and whether it is [`FIRST_STREAM`] (opened by the
+    /// handshake; the others need a `STREAM_OPEN`). Ids 0 and 1 are never reused.
+    pub(crate) fn next_stream(&self) -> (u32, bool) {
         loop {
             let s = self.next_stream.fetch_add(1, Ordering::Relaxed);
-            if s != 0 {
-                return s;
+            if s == FIRST_STREAM && !self.first_taken.swap(true, Ordering::AcqRel) {
+                return (s, true);
+            }
+            if s > FIRST_STREAM {
+                return (s, false);
             }
         }
     }

@@ -284,6 +284,8 @@ pub(crate) struct Worker {
     wcs: Vec<WorkCompletion>,
     loops: u64,
     epoll: OwnedFd,
+    /// The clock, read at most once per pass (see [`Worker::clock`]).
+    clock: Option<Instant>,
 }
 
 /// Start a worker: install its state in `shared` and start its thread (the poller in thread
@@ -326,6 +328,7 @@ pub(crate) fn spawn(
         has_cq_events,
         wcs: vec![WorkCompletion::EMPTY; 64],
         loops: 0,
+        clock: None,
     };
     shared.install(worker, buffers, cfg.progress, cfg.idle_spin);
     let name = format!("fabriq-worker-{}", shared.id);
@@ -486,6 +489,7 @@ impl Worker {
             return 0;
         }
         self.loops = self.loops.wrapping_add(1);
+        self.clock = None;
         let mut work = self.drain_inbox(shared);
         if shared.stopped.load(Ordering::Acquire) {
             return work;
@@ -549,6 +553,7 @@ impl Worker {
     /// Direct release from an application thread that got the lock: the credits go back and
     /// the connection is pumped at once (a credit update the peer waits for leaves now).
     pub(crate) fn release_now(&mut self, chan: StreamKey) {
+        self.clock = None;
         self.take_released(chan);
         self.pump_dirty();
     }
@@ -585,6 +590,12 @@ impl Worker {
             .get(&key_conn(chan))
             .filter(|c| c.streams.contains_key(&key_stream(chan)))
             .map(|c| c.driver.core().stats())
+    }
+
+    /// The time of this pass: the clock is read once per pass (a pass takes microseconds; the
+    /// protocol's timers are tens of microseconds and up), not per completion and channel.
+    fn clock(&mut self) -> Instant {
+        *self.clock.get_or_insert_with(now)
     }
 
     /// Arm the CQ before sleeping; false when the CQ has no event fd.
@@ -628,7 +639,7 @@ impl Worker {
             }
         };
         if n > 0 {
-            let now = now();
+            let now = self.clock();
             for wc in wcs.iter().take(n) {
                 self.completion(now, wc);
             }
@@ -929,11 +940,11 @@ impl Worker {
     }
 
     fn fire_timers(&mut self) -> usize {
-        let Some(Reverse((first, _))) = self.timers.peek() else {
+        let Some(&Reverse((first, _))) = self.timers.peek() else {
             return 0;
         };
-        let now = now();
-        if *first > now {
+        let now = self.clock();
+        if first > now {
             return 0;
         }
         let mut fired = 0;
@@ -975,7 +986,7 @@ impl Worker {
     }
 
     fn pump_channel(&mut self, id: u32) {
-        let now = now();
+        let now = self.clock();
         let Worker {
             me,
             conns,

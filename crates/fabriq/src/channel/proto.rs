@@ -321,6 +321,8 @@ pub enum Event<O, I> {
         id: MsgId,
         /// Its stream, as given to `send`.
         stream: u32,
+        /// Its trace flags, as given to `send`.
+        flags: TraceFlags,
         /// The payload given to `send`.
         payload: O,
     },
@@ -393,6 +395,7 @@ struct Queued<O> {
 struct Inflight<O> {
     payload: O,
     stream: u32,
+    flags: TraceFlags,
     kind: SendKind,
     /// The local SEND completion arrived.
     wc_done: bool,
@@ -998,6 +1001,7 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
                 self.events.push_back(Event::SendComplete {
                     id: MsgId(seq),
                     stream: m.stream,
+                    flags: m.flags,
                     payload: m.payload,
                 });
             }
@@ -1136,6 +1140,7 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
                 Inflight {
                     payload: q.payload,
                     stream: q.trace.stream,
+                    flags: q.trace.flags,
                     kind,
                     wc_done: false,
                     peer_done: false,

@@ -543,8 +543,6 @@ impl Worker {
         ss.to_report += ss.shared.released.swap(0, Ordering::AcqRel);
         if ss.to_report >= STREAM_REPORT_EVERY && !ss.report_queued && !ss.peer_closed {
             ss.report_queued = true;
-            // Its completion is counted against the stream like its messages.
-            ss.shared.count_in(0);
             st.queue_stream_control(&self.buffers, stream, TraceFlags::STREAM_CREDIT);
             self.mark_dirty(key_conn(chan));
         }
@@ -782,8 +780,6 @@ impl Worker {
         }
         shared.set_window(u64::from(st.driver.core().config().max_queued));
         if announce {
-            // The open's completion is counted against the stream like its messages.
-            shared.count_in(0);
             st.queue_stream_control(&self.buffers, stream, TraceFlags::STREAM_OPEN);
         }
         st.streams.insert(stream, StreamState::new(shared));
@@ -1015,9 +1011,6 @@ impl Worker {
                 }
                 if trace.flags.contains(TraceFlags::STREAM_CREDIT) && trace.stream_credits == 0 {
                     // Already carried by a message before it.
-                    if let Some(ss) = st.streams.get(&trace.stream) {
-                        ss.shared.send_progress(1, 0);
-                    }
                     buffers.recycle(buf);
                     continue;
                 }
@@ -1029,8 +1022,15 @@ impl Worker {
                     }
                     Err((e, buf)) => {
                         tracing::warn!(%e, "message refused by the channel");
-                        if let Some(ss) = st.streams.get(&trace.stream) {
-                            ss.shared.cancel_reservation(buf.len() as u64);
+                        let rpc = trace.flags.0
+                            & (TraceFlags::RPC_REQUEST | TraceFlags::RPC_RESPONSE)
+                            != 0;
+                        match st.streams.get(&trace.stream) {
+                            Some(_) if is_stream_control(trace.flags) => {}
+                            // RPC messages count in the send window only.
+                            Some(ss) if rpc => ss.shared.send_progress(1, buf.len() as u64),
+                            Some(ss) => ss.shared.cancel_reservation(buf.len() as u64),
+                            None => {}
                         }
                     }
                 }
@@ -1059,12 +1059,18 @@ impl Worker {
                         }
                     }
                     CoreEvent::SendComplete {
-                        payload, stream, ..
+                        payload,
+                        stream,
+                        flags,
+                        ..
                     } => {
                         let len = payload.len() as u64;
                         buffers.recycle(payload);
-                        if let Some(ss) = st.streams.get(&stream) {
-                            ss.shared.send_progress(1, len);
+                        // Stream-control messages are not in the stream's send window.
+                        if !is_stream_control(flags) {
+                            if let Some(ss) = st.streams.get(&stream) {
+                                ss.shared.send_progress(1, len);
+                            }
                         }
                     }
                     CoreEvent::Writable => {
@@ -1180,6 +1186,11 @@ fn into_payload(payload: Received<PoolBuf>) -> Payload {
     }
 }
 
+/// `STREAM_OPEN`, `STREAM_CLOSE` or `STREAM_CREDIT`: the worker's own messages of a stream.
+fn is_stream_control(flags: TraceFlags) -> bool {
+    flags.0 & (TraceFlags::STREAM_OPEN | TraceFlags::STREAM_CLOSE | TraceFlags::STREAM_CREDIT) != 0
+}
+
 /// A message the core delivered, with its stream.
 struct Arrival {
     seq: u64,
@@ -1213,10 +1224,7 @@ fn on_received(
             ss.shared.peer_consumed(u64::from(stream_credits));
         }
     }
-    if flags.contains(TraceFlags::STREAM_OPEN)
-        || flags.contains(TraceFlags::STREAM_CLOSE)
-        || flags.contains(TraceFlags::STREAM_CREDIT)
-    {
+    if is_stream_control(flags) {
         st.driver.core_mut().handle_released(1);
         return on_stream_control(st, me, stream, flags);
     }

@@ -189,6 +189,21 @@ pub fn qp_state_machine_allows_exactly_the_legal_transitions<P: TestProvider>(
                 join_partner(rx)?;
                 _rtr_partner = Some(b);
                 r
+            } else if from == QpState::Sqd {
+                // A device drains the send queue asynchronously after RTS -> SQD and refuses to
+                // leave SQD while the drain is in progress (rxe: `sq_draining` -> EINVAL, slow
+                // under emulation): legal once drained, so give the drain a bounded time.
+                let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+                loop {
+                    match a.modify(&attr_for(to, &spare)) {
+                        Err(VerbsError::InvalidArgument(_))
+                            if std::time::Instant::now() < deadline =>
+                        {
+                            std::thread::sleep(std::time::Duration::from_millis(5));
+                        }
+                        r => break r,
+                    }
+                }
             } else {
                 a.modify(&attr_for(to, &spare))
             };

@@ -292,6 +292,29 @@ pub struct Dest {
     pub need: AccessFlags,
 }
 
+impl Dest {
+    /// The first `len` bytes of a local scatter list as destinations needing LOCAL_WRITE;
+    /// `None` when the list holds fewer than `len` bytes.
+    pub fn local_scatter(sges: &[Sge], len: u64) -> Option<Vec<Dest>> {
+        let mut dests = Vec::with_capacity(sges.len());
+        let mut left = len;
+        for s in sges {
+            if left == 0 {
+                break;
+            }
+            let n = left.min(u64::from(s.length));
+            dests.push(Dest {
+                key: MemKey::Local(s.lkey),
+                addr: s.addr,
+                len: n,
+                need: AccessFlags::LOCAL_WRITE,
+            });
+            left -= n;
+        }
+        (left == 0).then_some(dests)
+    }
+}
+
 impl MrTable {
     fn dest_ok(t: &Tables, key: MemKey, addr: u64, len: u64, need: AccessFlags) -> bool {
         let mr = match key {

@@ -88,6 +88,30 @@ impl std::fmt::Debug for QpCore {
     }
 }
 
+/// What the responder works against: the QP's regions and rights, its receives (the SRQ if it
+/// has one, else its own queue) and its peer.
+fn responder_env<'a>(
+    cfg: &'a QpConfig,
+    srq: &'a Option<SoftSrq>,
+    rq: &'a mut RecvQueue,
+    access: AccessFlags,
+    remote_qpn: QpNum,
+    read_by_ref: bool,
+) -> ResponderEnv<'a> {
+    ResponderEnv {
+        table: &cfg.table,
+        access,
+        recv: match srq {
+            Some(s) => RecvSource::Shared(s),
+            None => RecvSource::Own(rq),
+        },
+        qp_num: cfg.qp_num,
+        remote_qpn,
+        max_payload: cfg.max_payload,
+        read_by_ref,
+    }
+}
+
 fn post_err(index: usize, source: VerbsError) -> PostError {
     PostError { index, source }
 }
@@ -606,19 +630,14 @@ impl QpCore {
                 }
                 let remote_qpn = self.remote.as_ref().map_or(QpNum(0), |r| r.qp_num);
                 let srq = self.cfg.srq.clone();
-                let recv = match &srq {
-                    Some(s) => RecvSource::Shared(s),
-                    None => RecvSource::Own(&mut self.rq),
-                };
-                let mut env = ResponderEnv {
-                    table: &self.cfg.table,
-                    access: self.access,
-                    recv,
-                    qp_num: self.cfg.qp_num,
+                let mut env = responder_env(
+                    &self.cfg,
+                    &srq,
+                    &mut self.rq,
+                    self.access,
                     remote_qpn,
-                    max_payload: self.cfg.max_payload,
                     read_by_ref,
-                };
+                );
                 let outcome = self.responder.handle_request(req, &mut env, out);
                 let read = self.responder.take_read_ref();
                 if let Some((wc, solicited)) = outcome.recv_completion {
@@ -700,20 +719,15 @@ impl QpCore {
         }
         let remote_qpn = self.remote.as_ref().map_or(QpNum(0), |r| r.qp_num);
         let srq = self.cfg.srq.clone();
-        let recv = match &srq {
-            Some(s) => RecvSource::Shared(s),
-            None => RecvSource::Own(&mut self.rq),
-        };
         let table = self.cfg.table.clone();
-        let mut env = ResponderEnv {
-            table: &table,
-            access: self.access,
-            recv,
-            qp_num: self.cfg.qp_num,
+        let mut env = responder_env(
+            &self.cfg,
+            &srq,
+            &mut self.rq,
+            self.access,
             remote_qpn,
-            max_payload: self.cfg.max_payload,
-            read_by_ref: false,
-        };
+            false,
+        );
         self.responder.begin_placement(req, len, &mut env, &table)
     }
 
@@ -737,19 +751,14 @@ impl QpCore {
         }
         let remote_qpn = self.remote.as_ref().map_or(QpNum(0), |r| r.qp_num);
         let srq = self.cfg.srq.clone();
-        let recv = match &srq {
-            Some(s) => RecvSource::Shared(s),
-            None => RecvSource::Own(&mut self.rq),
-        };
-        let mut env = ResponderEnv {
-            table: &self.cfg.table,
-            access: self.access,
-            recv,
-            qp_num: self.cfg.qp_num,
+        let mut env = responder_env(
+            &self.cfg,
+            &srq,
+            &mut self.rq,
+            self.access,
             remote_qpn,
-            max_payload: self.cfg.max_payload,
-            read_by_ref: false,
-        };
+            false,
+        );
         let outcome = self.responder.finish_placement(p, &mut env, out);
         if let Some((wc, solicited)) = outcome.recv_completion {
             self.cfg.recv_cq.push(wc, solicited);

@@ -12,7 +12,7 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::mr::{Dest, MemKey, MrTable};
+use super::mr::{Dest, MrTable};
 use super::responder::{psn_before, Placement};
 use super::tx::FrameSink;
 use super::wire::{NakCode, Response, ResponseKind};
@@ -511,22 +511,8 @@ impl Requester {
         if head.psn != psn || *want as usize != len || len == 0 {
             return None;
         }
-        let mut dests = Vec::with_capacity(sges.len());
-        let mut left = len as u64;
-        for s in sges {
-            if left == 0 {
-                break;
-            }
-            let n = left.min(u64::from(s.length));
-            dests.push(Dest {
-                key: MemKey::Local(s.lkey),
-                addr: s.addr,
-                len: n,
-                need: AccessFlags::LOCAL_WRITE,
-            });
-            left -= n;
-        }
-        if left > 0 || !table.check_dests(&dests) {
+        let dests = Dest::local_scatter(sges, len as u64)?;
+        if !table.check_dests(&dests) {
             return None;
         }
         Some(Placement::read_response(psn, dests, len, table))

@@ -498,25 +498,12 @@ impl Responder {
         let (imm, kind, recv, dests) = match req.op {
             RequestOp::Send { imm, .. } => {
                 let recv = env.recv.pop()?;
-                let mut dests = Vec::with_capacity(recv.sges.len());
-                let mut left = len as u64;
-                for s in &recv.sges {
-                    if left == 0 {
-                        break;
-                    }
-                    let n = left.min(u64::from(s.length));
-                    dests.push(Dest {
-                        key: MemKey::Local(s.lkey),
-                        addr: s.addr,
-                        len: n,
-                        need: AccessFlags::LOCAL_WRITE,
-                    });
-                    left -= n;
-                }
-                if left > 0 || !table.check_dests(&dests) {
+                let dests =
+                    Dest::local_scatter(&recv.sges, len as u64).filter(|d| table.check_dests(d));
+                let Some(dests) = dests else {
                     env.recv.unpop(recv);
                     return None;
-                }
+                };
                 (imm, PlaceKind::Send, Some(recv), dests)
             }
             RequestOp::Write {
@@ -814,15 +801,7 @@ mod tests {
         }
         fn run(&mut self, psn: u32, op: RequestOp<'_>) -> (Vec<Response<'static>>, RequestOutcome) {
             let mut out = Vec::new();
-            let mut env = ResponderEnv {
-                table: &self.table,
-                access: AccessFlags::ALL,
-                recv: RecvSource::Own(&mut self.rq),
-                qp_num: QpNum(1),
-                remote_qpn: QpNum(2),
-                max_payload: 1 << 20,
-                read_by_ref: false,
-            };
+            let mut env = test_env(&self.table, &mut self.rq);
             let req = Request {
                 qpn: 1,
                 psn,
@@ -847,6 +826,19 @@ mod tests {
                 )
                 .unwrap();
             v
+        }
+    }
+
+    /// The environment every fixture request runs in: all access, its own receive queue.
+    fn test_env<'a>(table: &'a Arc<MrTable>, rq: &'a mut RecvQueue) -> ResponderEnv<'a> {
+        ResponderEnv {
+            table,
+            access: AccessFlags::ALL,
+            recv: RecvSource::Own(rq),
+            qp_num: QpNum(1),
+            remote_qpn: QpNum(2),
+            max_payload: 1 << 20,
+            read_by_ref: false,
         }
     }
 
@@ -878,15 +870,7 @@ mod tests {
     impl Fixture {
         fn begin(&mut self, psn: u32, op: RequestOp<'_>, len: usize) -> Option<Placement> {
             let table = self.table.clone();
-            let mut env = ResponderEnv {
-                table: &table,
-                access: AccessFlags::ALL,
-                recv: RecvSource::Own(&mut self.rq),
-                qp_num: QpNum(1),
-                remote_qpn: QpNum(2),
-                max_payload: 1 << 20,
-                read_by_ref: false,
-            };
+            let mut env = test_env(&table, &mut self.rq);
             let req = Request {
                 qpn: 1,
                 psn,
@@ -897,15 +881,7 @@ mod tests {
         }
         fn finish(&mut self, p: Placement) -> (Vec<Response<'static>>, RequestOutcome) {
             let mut out = Vec::new();
-            let mut env = ResponderEnv {
-                table: &self.table,
-                access: AccessFlags::ALL,
-                recv: RecvSource::Own(&mut self.rq),
-                qp_num: QpNum(1),
-                remote_qpn: QpNum(2),
-                max_payload: 1 << 20,
-                read_by_ref: false,
-            };
+            let mut env = test_env(&self.table, &mut self.rq);
             let outcome = self.resp.finish_placement(p, &mut env, &mut out);
             self.resp.poll_ack(QpNum(2), &mut out);
             (decode_all(&out), outcome)

@@ -96,7 +96,9 @@ pub struct Config {
     /// `snd_ooh - Δ` comes from a slow path and is pruned (default 32).
     pub delta: u32,
     /// L: receiver bitmap length in packets; a PSN at or beyond `rcv_nxt + L` is dropped
-    /// and NACKed (default 64, at most 64).
+    /// and NACKed (default 64, the paper's; at most [`MAX_BITMAP_LEN`]). Make it larger
+    /// than the bandwidth-delay product in packets: while a hole is repaired the receiver
+    /// accepts only L packets beyond it.
     pub bitmap_len: u32,
     /// Probability that an ACK-clocked packet probes a new random path instead of the
     /// echoed one (default 0.01).
@@ -169,8 +171,10 @@ impl Default for Config {
 /// Largest `mss` a UDP datagram can hold after the data header.
 pub const MAX_MSS: u16 = (65_507 - DATA_HEADER_LEN) as u16;
 
-/// Largest receiver bitmap (two bits per slot in a 128-bit register).
-pub const MAX_BITMAP_LEN: u32 = 64;
+/// Largest receiver bitmap. The paper's NIC keeps 64 two-bit slots in a 128-bit register
+/// (the default `bitmap_len`); a software receiver can afford more when the
+/// bandwidth-delay product, in packets, exceeds 64.
+pub const MAX_BITMAP_LEN: u32 = 1024;
 
 /// A [`Config`] value out of its allowed range.
 #[derive(Debug, Clone, PartialEq, Error)]
@@ -223,7 +227,7 @@ impl Config {
         check(
             self.bitmap_len >= 2 && self.bitmap_len <= MAX_BITMAP_LEN,
             "bitmap_len",
-            "2..=64",
+            "2..=1024",
         )?;
         check(
             self.delta >= 1 && self.delta < self.bitmap_len,
@@ -394,7 +398,7 @@ mod tests {
         ));
         bad.sanitized().validate().unwrap();
         let bad = Config {
-            bitmap_len: 65,
+            bitmap_len: MAX_BITMAP_LEN + 1,
             mss: 0,
             num_paths: 0,
             min_window: f64::NAN,

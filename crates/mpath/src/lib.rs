@@ -46,6 +46,7 @@ mod config;
 mod congestion;
 mod connection;
 pub mod frame;
+mod psnmap;
 mod recv;
 mod rtt;
 mod send;

@@ -10,6 +10,8 @@
 //! Slot `i` of the bitmap describes PSN `rcv_nxt + i`; a PSN at or beyond
 //! `rcv_nxt + window` is dropped. The multi-path receiver uses `window = L`; the
 //! single-path (go-back-N) receiver uses `window = 1`, which accepts only `rcv_nxt`.
+//! The bitmap is a PSN-indexed ring (`crate::psnmap`): advancing `rcv_nxt` clears one
+//! slot instead of shifting the whole bitmap.
 
 use std::collections::VecDeque;
 
@@ -17,11 +19,9 @@ use bytes::Bytes;
 
 use crate::connection::{ConnectionError, Event, MessageId, Payload};
 use crate::frame::DataHeader;
+use crate::psnmap::PsnRing;
 use crate::seq;
 use crate::Instant;
-
-/// Number of payload buffer slots (the largest bitmap).
-const SLOTS: u32 = 64;
 
 /// State of one bitmap slot (2 bits).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -40,7 +40,8 @@ pub(crate) enum SlotState {
     TailWithCompletion = 3,
 }
 
-/// The receiver's protocol state (what a NIC would keep per connection).
+/// The receiver's protocol state (what a NIC would keep per connection), besides the
+/// bitmap ([`Receiver::bitmap_bytes`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct ReceiverState {
     /// Next PSN expected in order; every PSN below it was received.
@@ -49,21 +50,16 @@ pub(crate) struct ReceiverState {
     pub(crate) last_nack_psn: u32,
     /// Messages delivered so far: the id of the next message.
     pub(crate) rcv_msn: u64,
-    /// 2 bits per slot, slot 0 in the low bits of word 0.
-    bitmap: [u64; 2],
 }
 
-impl ReceiverState {
-    fn bits(&self) -> u128 {
-        u128::from(self.bitmap[0]) | (u128::from(self.bitmap[1]) << 64)
-    }
+/// The 2-bit arrival slots of `[rcv_nxt, rcv_nxt + window)`; every other entry of the
+/// ring is empty.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Bitmap(PsnRing<2>);
 
-    fn set_bits(&mut self, b: u128) {
-        self.bitmap = [b as u64, (b >> 64) as u64];
-    }
-
-    pub(crate) fn slot(&self, i: u32) -> SlotState {
-        match (self.bits() >> (2 * i)) & 3 {
+impl Bitmap {
+    fn slot(&self, psn: u32) -> SlotState {
+        match self.0.get(psn) {
             0 => SlotState::Empty,
             1 => SlotState::Received,
             2 => SlotState::Tail,
@@ -71,15 +67,13 @@ impl ReceiverState {
         }
     }
 
-    fn set_slot(&mut self, i: u32, s: SlotState) {
-        let shift = 2 * i;
-        let b = (self.bits() & !(3u128 << shift)) | ((s as u128) << shift);
-        self.set_bits(b);
+    fn set_slot(&mut self, psn: u32, s: SlotState) {
+        self.0.set(psn, s as u8);
     }
 
-    /// Drops slot 0 and moves every other slot down by one (`rcv_nxt` advanced).
-    fn shift(&mut self) {
-        self.set_bits(self.bits() >> 2);
+    /// Empties `psn`'s slot as `rcv_nxt` moves past it, for the PSN one window later.
+    fn release(&mut self, psn: u32) {
+        self.0.clear_range(psn, 1);
     }
 }
 
@@ -125,6 +119,7 @@ pub(crate) enum RecvOutcome {
 #[derive(Debug)]
 pub(crate) struct Receiver {
     pub(crate) state: ReceiverState,
+    bitmap: Bitmap,
     /// Accepted window in packets (L for multi-path, 1 for go-back-N).
     window: u32,
     slots: Vec<Slot>,
@@ -138,16 +133,20 @@ pub(crate) struct Receiver {
 
 impl Receiver {
     pub(crate) fn new(initial_psn: u32, window: u32, max_message_len: u64) -> Self {
-        let window = window.clamp(1, 64);
+        let window = window.clamp(1, crate::MAX_BITMAP_LEN);
+        let bitmap = Bitmap(PsnRing::new(window));
+        // Buffer slots by PSN modulo a power of two that covers the window (it divides
+        // 2^32, so live PSNs never collide across a wrap).
+        let slots = window.next_power_of_two();
         Receiver {
             state: ReceiverState {
                 rcv_nxt: initial_psn,
                 last_nack_psn: 0,
                 rcv_msn: 0,
-                bitmap: [0; 2],
             },
+            bitmap,
             window,
-            slots: (0..SLOTS).map(|_| Slot::default()).collect(),
+            slots: (0..slots).map(|_| Slot::default()).collect(),
             assembly: Assembly::default(),
             max_message_len,
             nack_holdoff_until: None,
@@ -155,9 +154,14 @@ impl Receiver {
         }
     }
 
-    /// Buffer slot of a PSN: 64 divides 2^32, so live PSNs never collide across a wrap.
+    /// Bytes of the arrival bitmap (protocol state besides [`ReceiverState`]).
+    pub(crate) fn bitmap_bytes(&self) -> usize {
+        self.bitmap.0.state_bytes()
+    }
+
+    /// Buffer slot of a PSN.
     fn slot_index(&self, psn: u32) -> usize {
-        (psn % SLOTS) as usize
+        (psn as usize) & (self.slots.len() - 1)
     }
 
     /// Handles one data packet. Delivered messages are pushed to `events`.
@@ -192,7 +196,7 @@ impl Receiver {
                 return Ok(RecvOutcome::EarlySync);
             }
         }
-        if self.state.slot(off) != SlotState::Empty {
+        if self.bitmap.slot(h.psn) != SlotState::Empty {
             return Ok(RecvOutcome::Duplicate);
         }
         let mark = if h.tail {
@@ -214,7 +218,7 @@ impl Receiver {
             )?;
             self.advance(events)?;
         } else {
-            self.state.set_slot(off, mark);
+            self.bitmap.set_slot(h.psn, mark);
             let idx = self.slot_index(h.psn);
             if let Some(slot) = self.slots.get_mut(idx) {
                 slot.msn = h.msn;
@@ -231,11 +235,11 @@ impl Receiver {
 
     /// Consumes slot 0 after `rcv_nxt` was received, then every filled slot after it.
     fn advance(&mut self, events: &mut VecDeque<Event>) -> Result<(), ConnectionError> {
-        // Slot 0 (just consumed) is cleared by the first shift.
-        self.state.shift();
+        // The slot of rcv_nxt (just consumed) is released by the first step.
+        self.bitmap.release(self.state.rcv_nxt);
         self.state.rcv_nxt = self.state.rcv_nxt.wrapping_add(1);
         loop {
-            let mark = self.state.slot(0);
+            let mark = self.bitmap.slot(self.state.rcv_nxt);
             if mark == SlotState::Empty {
                 return Ok(());
             }
@@ -260,7 +264,7 @@ impl Receiver {
                 *s = slot;
             }
             r?;
-            self.state.shift();
+            self.bitmap.release(self.state.rcv_nxt);
             self.state.rcv_nxt = self.state.rcv_nxt.wrapping_add(1);
         }
     }
@@ -347,20 +351,67 @@ mod tests {
     }
 
     #[test]
-    fn bitmap_slots_shift() {
-        let mut s = ReceiverState {
-            rcv_nxt: 0,
-            last_nack_psn: 0,
-            rcv_msn: 0,
-            bitmap: [0; 2],
-        };
-        s.set_slot(63, SlotState::TailWithCompletion);
-        s.set_slot(1, SlotState::Received);
-        assert_eq!(s.slot(63), SlotState::TailWithCompletion);
-        s.shift();
-        assert_eq!(s.slot(0), SlotState::Received);
-        assert_eq!(s.slot(62), SlotState::TailWithCompletion);
-        assert_eq!(s.slot(63), SlotState::Empty);
+    fn bitmap_slots_are_released_as_rcv_nxt_moves() {
+        let mut b = Bitmap(PsnRing::new(64));
+        b.set_slot(63, SlotState::TailWithCompletion);
+        b.set_slot(1, SlotState::Received);
+        b.set_slot(0, SlotState::Received);
+        assert_eq!(b.slot(63), SlotState::TailWithCompletion);
+        b.release(0);
+        assert_eq!(b.slot(1), SlotState::Received);
+        assert_eq!(b.slot(63), SlotState::TailWithCompletion);
+        // PSN 64 takes PSN 0's place one window later, and starts empty.
+        assert_eq!(b.slot(64), SlotState::Empty);
+    }
+
+    #[test]
+    fn a_window_beyond_64_packets_reassembles_across_the_wrap() {
+        let window = 512;
+        let first = u32::MAX - 200;
+        let mut r = Receiver::new(first, window, 1 << 20);
+        let mut ev = VecDeque::new();
+        let (now, d) = (Instant::ZERO, Duration::from_micros(1));
+        // One message per PSN; all but the first arrive, newest first, then the hole.
+        for i in (1..window).rev() {
+            let psn = first.wrapping_add(i);
+            let got = r.on_data(now, d, &hdr(psn, i, 0, true), &[i as u8], &mut ev);
+            assert_eq!(got, Ok(RecvOutcome::Accepted), "psn {psn}");
+        }
+        assert!(ev.is_empty());
+        let beyond = first.wrapping_add(window);
+        assert_eq!(
+            r.on_data(now, d, &hdr(beyond, window, 0, true), b"x", &mut ev),
+            Ok(RecvOutcome::Overflow(Some(first)))
+        );
+        assert_eq!(
+            r.on_data(now, d, &hdr(first, 0, 0, true), &[0], &mut ev),
+            Ok(RecvOutcome::Accepted)
+        );
+        assert_eq!(r.state.rcv_nxt, first.wrapping_add(window));
+        let got: Vec<u8> = ev
+            .drain(..)
+            .map(|e| match e {
+                Event::MessageReceived {
+                    payload: Payload::Bytes(b),
+                    ..
+                } => b[0],
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        let want: Vec<u8> = (0..window).map(|i| i as u8).collect();
+        assert_eq!(got, want);
+        // The next window starts empty although its PSNs share the ring's positions.
+        assert_eq!(
+            r.on_data(
+                now,
+                d,
+                &hdr(beyond.wrapping_add(1), window + 1, 0, true),
+                b"y",
+                &mut ev
+            ),
+            Ok(RecvOutcome::Accepted)
+        );
+        assert!(ev.is_empty(), "PSN {beyond} is still missing");
     }
 
     #[test]

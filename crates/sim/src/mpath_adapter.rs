@@ -22,8 +22,8 @@ pub const OOO_HISTOGRAM_CAP: usize = 4096;
 #[derive(Debug, Clone)]
 struct OooObserver {
     expected: u32,
-    /// Bit i: PSN `expected + i` received (i < window ≤ 64).
-    received: u64,
+    /// Entry i: PSN `expected + i` received (i < window ≤ `MAX_BITMAP_LEN`).
+    received: std::collections::VecDeque<bool>,
     window: u32,
     histogram: Vec<u64>,
     /// Payload bytes of accepted (new, within-bitmap) data packets.
@@ -32,10 +32,11 @@ struct OooObserver {
 
 impl OooObserver {
     fn new(window: u32) -> Self {
+        let window = window.clamp(1, fabriq_mpath::MAX_BITMAP_LEN);
         OooObserver {
             expected: 0,
-            received: 0,
-            window: window.clamp(1, 64),
+            received: std::iter::repeat(false).take(window as usize).collect(),
+            window,
             histogram: Vec::new(),
             accepted_bytes: 0,
         }
@@ -56,14 +57,18 @@ impl OooObserver {
             self.histogram[bucket] += 1;
             return;
         }
-        if self.received & (1 << off) != 0 {
+        let Some(seen) = self.received.get_mut(off as usize) else {
+            return;
+        };
+        if *seen {
             return; // duplicate
         }
+        *seen = true;
         self.histogram[bucket] += 1;
         self.accepted_bytes += u64::from(payload_len);
-        self.received |= 1 << off;
-        while self.received & 1 == 1 {
-            self.received >>= 1;
+        while self.received.front() == Some(&true) {
+            self.received.pop_front();
+            self.received.push_back(false);
             self.expected = self.expected.wrapping_add(1);
         }
     }

@@ -145,7 +145,7 @@ fn stats_json(qp: &QueuePair) -> String {
     );
     if let Some(m) = st.mpath {
         out.push_str(&format!(
-            ",\"mpath\":{{\"data_packets_sent\":{},\"retransmits\":{},\"timeouts\":{},\"recoveries\":{},\"acks_sent\":{},\"max_ooo_gap\":{},\"duplicates_received\":{},\"ooo_drops\":{},\"sync_early_drops\":{},\"slow_path_prunes\":{},\"ecn_echoes\":{},\"srtt_us\":{},\"cwnd\":{:.1}}}",
+            ",\"mpath\":{{\"data_packets_sent\":{},\"retransmits\":{},\"timeouts\":{},\"recoveries\":{},\"acks_sent\":{},\"max_ooo_gap\":{},\"duplicates_received\":{},\"ooo_drops\":{},\"sync_early_drops\":{},\"slow_path_prunes\":{},\"ecn_echoes\":{},\"nacks_sent\":{},\"nacks_received\":{},\"repeated_resends\":{},\"unused_send_opportunities\":{},\"rto_us\":{},\"srtt_us\":{},\"cwnd\":{:.1}}}",
             m.data_packets_sent,
             m.retransmits,
             m.timeouts,
@@ -157,6 +157,11 @@ fn stats_json(qp: &QueuePair) -> String {
             m.sync_early_drops,
             m.slow_path_prunes,
             m.ecn_echoes,
+            m.nacks_sent,
+            m.nacks_received,
+            m.repeated_resends,
+            m.unused_send_opportunities,
+            m.rto.as_micros(),
             m.srtt.as_micros(),
             m.cwnd
         ));

@@ -25,6 +25,7 @@ use thiserror::Error;
 use crate::config::{Config, Mode};
 use crate::congestion::{Dcqcn, Window};
 use crate::frame::{self, AckHeader, DataHeader, DecodeError, Frame, NackHeader};
+use crate::psnmap::PsnRing;
 use crate::recv::{Receiver, ReceiverState, RecvOutcome};
 use crate::rtt::RttEstimator;
 use crate::send::{packets_for, SendQueue};
@@ -197,10 +198,6 @@ pub(crate) struct SenderState {
     pub(crate) snd_retx: u32,
     /// Next PSN the tail-loss resend may send again.
     pub(crate) snd_tail: u32,
-    /// SACK bitmap: bit `i` set = PSN `snd_una + i` was selectively acknowledged. Lets
-    /// recovery and tail resend skip packets that arrived (not in the paper's 66 bytes;
-    /// 8 bytes that avoid resending a whole bitmap window per loss).
-    pub(crate) sacked: u64,
     /// Packets SACKed above `snd_una` (window inflation); `<= snd_nxt - snd_una`.
     pub(crate) inflate: u32,
     /// Retransmissions sent and not yet acknowledged.
@@ -333,6 +330,11 @@ enum Reply {
 pub struct Connection {
     config: Config,
     s: SenderState,
+    /// SACK scoreboard: PSN `p` in `[snd_una, snd_una + L)` was selectively acknowledged
+    /// when its bit is set (bits outside that range are zero). Lets recovery and tail
+    /// resend skip packets that arrived (not in the paper's 66 bytes; L/8 bytes that avoid
+    /// resending a whole bitmap window per loss).
+    sacked: PsnRing<1>,
     receiver: Receiver,
     queue: SendQueue,
     dcqcn: Dcqcn,
@@ -390,7 +392,6 @@ impl Connection {
             recovery: psn,
             snd_retx: psn,
             snd_tail: psn,
-            sacked: 0,
             inflate: 0,
             retx_in_flight: 0,
             window: Window::new(initial_window, config.min_window, config.max_window),
@@ -406,10 +407,12 @@ impl Connection {
             ..Timers::default()
         };
         let dcqcn = Dcqcn::new(&config.dcqcn);
+        let sacked = PsnRing::new(config.bitmap_len);
+        let receiver = Receiver::new(psn, window, config.max_message_len);
         let stats = Stats {
             state_size: ProtocolStateSize {
-                sender: std::mem::size_of::<SenderState>(),
-                receiver: std::mem::size_of::<ReceiverState>(),
+                sender: std::mem::size_of::<SenderState>() + sacked.state_bytes(),
+                receiver: std::mem::size_of::<ReceiverState>() + receiver.bitmap_bytes(),
                 rate_control: if config.mode == Mode::SinglePath {
                     std::mem::size_of::<Dcqcn>()
                 } else {
@@ -420,7 +423,8 @@ impl Connection {
             ..Stats::default()
         };
         let mut c = Connection {
-            receiver: Receiver::new(psn, window, config.max_message_len),
+            receiver,
+            sacked,
             queue: SendQueue::new(psn),
             rng: SmallRng::seed_from_u64(config.seed),
             config,

@@ -62,7 +62,7 @@ impl Connection {
         }
         let advanced = seq::dist(self.s.snd_una, aack);
         self.s.inflate = self.s.inflate.saturating_sub(advanced);
-        self.s.sacked = self.s.sacked.checked_shr(advanced).unwrap_or(0);
+        self.sacked.clear_range(self.s.snd_una, advanced);
         self.s.snd_una = aack;
         if seq::lt(self.s.snd_nxt, aack) {
             self.s.snd_nxt = aack; // go-back-N rewound below an ACK that then arrived
@@ -100,15 +100,19 @@ impl Connection {
         }
     }
 
-    pub(super) fn is_sacked(&self, psn: u32) -> bool {
+    /// Whether `psn` lies in the scoreboard's range `[snd_una, snd_una + capacity)`.
+    fn on_scoreboard(&self, psn: u32) -> bool {
         let off = seq::diff(psn, self.s.snd_una);
-        (0..64).contains(&off) && self.s.sacked & (1u64 << off) != 0
+        off >= 0 && off.unsigned_abs() < self.sacked.capacity()
+    }
+
+    pub(super) fn is_sacked(&self, psn: u32) -> bool {
+        self.on_scoreboard(psn) && self.sacked.get(psn) != 0
     }
 
     pub(super) fn mark_sacked(&mut self, psn: u32) {
-        let off = seq::diff(psn, self.s.snd_una);
-        if (0..64).contains(&off) {
-            self.s.sacked |= 1u64 << off;
+        if self.on_scoreboard(psn) {
+            self.sacked.set(psn, 1);
         }
     }
 
@@ -118,16 +122,13 @@ impl Connection {
             return 0;
         }
         let total = u64::from(seq::dist(from, until));
-        let lo = seq::dist(self.s.snd_una, from).min(64);
-        let hi = seq::dist(self.s.snd_una, until).min(64);
-        let width = hi - lo;
-        let ones = if width >= 64 {
-            u64::MAX
-        } else {
-            (1u64 << width) - 1
-        };
-        let mask = ones.checked_shl(lo).unwrap_or(0);
-        total - u64::from((self.s.sacked & mask).count_ones())
+        let cap = self.sacked.capacity();
+        let lo = seq::dist(self.s.snd_una, from).min(cap);
+        let hi = seq::dist(self.s.snd_una, until).min(cap);
+        let known = self
+            .sacked
+            .count_nonzero(self.s.snd_una.wrapping_add(lo), hi - lo);
+        total - u64::from(known)
     }
 
     /// First PSN at or after `from` and before `until` that is not SACKed.

@@ -788,11 +788,11 @@ mod state {
     /// Per-connection protocol state, counted field by field (bytes):
     ///
     /// sender (`SenderState`): snd_una 4, snd_nxt 4, snd_max 4, snd_ooh 4, recovery 4,
-    /// snd_retx 4, snd_tail 4, inflate 4, retransmissions in flight 4, SACK bitmap 8,
-    /// cwnd 8 (f64), RTT estimator 12 (srtt 4, rttvar 4, flag), rto count 1, recovery
-    /// flags 2, padding → 72.
-    /// receiver (`ReceiverState`): rcv_nxt 4, last NACKed PSN 4, message counter 8,
-    /// bitmap 2 bits × 64 = 16 → 32.
+    /// snd_retx 4, snd_tail 4, inflate 4, retransmissions in flight 4, cwnd 8 (f64),
+    /// RTT estimator 12 (srtt 4, rttvar 4, flag), rto count 1, recovery flags 2,
+    /// padding → 64; SACK scoreboard 1 bit × L = 8 → 72.
+    /// receiver (`ReceiverState`): rcv_nxt 4, last NACKed PSN 4, message counter 8 → 16;
+    /// bitmap 2 bits × L = 16 → 32.
     /// Multi-path total 104 ≤ 128. Of these, the multi-path additions over a
     /// single-path RC connection are snd_ooh, recovery, snd_retx, snd_tail, inflate,
     /// retransmissions in flight, SACK bitmap, cwnd, the receive bitmap and the two
@@ -805,6 +805,16 @@ mod state {
         assert_eq!(size.receiver, 32, "{size:?}");
         assert_eq!(size.rate_control, 0);
         assert!(size.protocol() <= 128, "{size:?}");
+        // A larger bitmap adds L/8 + L/4 bytes.
+        let wide = Connection::new(
+            Config {
+                bitmap_len: 256,
+                ..cfg()
+            },
+            Instant::ZERO,
+        );
+        let size = wide.stats().state_size;
+        assert_eq!((size.sender, size.receiver), (64 + 32, 16 + 64), "{size:?}");
         let sp = Connection::new(
             Config {
                 mode: crate::Mode::SinglePath,

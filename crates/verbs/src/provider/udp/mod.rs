@@ -23,7 +23,10 @@
 //! default fits a 1500-byte MTU), `min_rto_ms` (mpath RTO floor, default 2),
 //! `line_rate_mbps` (single-path rate cap, default 10000), `min_ack_timeout_ms` (RC safety-net
 //! timer floor, default 1000), `delta` (mpath's out-of-order tolerance Δ in packets, default
-//! 32, below the 64-packet receive bitmap), `gso` (datagrams per UDP GSO send, 1 = off,
+//! 32), `bitmap` (mpath's receive bitmap L in packets, above Δ, default 256: the paper's NIC
+//! keeps 64, but a software receiver can afford a window that covers the millisecond round
+//! trips of a kernel-queued path, so a loss does not drop everything sent during its repair),
+//! `gso` (datagrams per UDP GSO send, 1 = off,
 //! default 1), `gro` (`on` | `off`, UDP GRO on receive, default off). Bind address:
 //! `DeviceConfig::bind_addr`, else `FABRIQ_UDP_BIND`, else `127.0.0.1:0`; a non-zero port
 //! makes the VP sockets take consecutive ports from it, port 0 gives each an ephemeral port.
@@ -56,6 +59,9 @@ pub const BIND_ENV: &str = "FABRIQ_UDP_BIND";
 /// IPv4 + UDP + our header + mpath's data header, taken from a 1500-byte MTU.
 const DEFAULT_MSS: u16 =
     (1500 - 20 - 8 - wire::HEADER_LEN - fabriq_mpath::frame::DATA_HEADER_LEN) as u16;
+
+/// mpath's receive bitmap L: four times the paper's 64 slots (see the module docs).
+const DEFAULT_BITMAP: u32 = 256;
 
 /// The `udp` provider.
 pub struct UdpProvider;
@@ -100,6 +106,7 @@ impl Options {
         let mut mpath = fabriq_mpath::Config {
             num_paths: 16,
             mss: DEFAULT_MSS,
+            bitmap_len: DEFAULT_BITMAP,
             min_rto: Duration::from_millis(2),
             initial_rtt: Duration::from_micros(200),
             max_message_len: qp::MAX_FRAME as u64,
@@ -129,6 +136,7 @@ impl Options {
                 "line_rate_mbps" => mpath.dcqcn.line_rate_bps = num::<f64>(k, v)? * 1e6,
                 "min_ack_timeout_ms" => min_ack_timeout = Duration::from_millis(num(k, v)?),
                 "delta" => mpath.delta = num(k, v)?,
+                "bitmap" => mpath.bitmap_len = num(k, v)?,
                 "gso" => {
                     gso_segments = num(k, v)?;
                     if gso_segments == 0 || gso_segments > sys::MAX_GSO_SEGMENTS {
@@ -145,7 +153,7 @@ impl Options {
                 _ => {
                     return Err(VerbsError::InvalidArgument(format!(
                         "unknown udp option {k:?} (known: paths, mode, mss, min_rto_ms, \
-                         line_rate_mbps, min_ack_timeout_ms, delta, gso, gro)"
+                         line_rate_mbps, min_ack_timeout_ms, delta, bitmap, gso, gro)"
                     )))
                 }
             }

@@ -46,7 +46,9 @@ fn bad_options_are_refused() {
         ("gso", "0"),
         ("gso", "65"),
         ("gro", "maybe"),
-        ("delta", "64"),
+        ("delta", "256"),
+        ("bitmap", "1025"),
+        ("bitmap", "16"),
     ] {
         let mut cfg = DeviceConfig::default();
         cfg.options.insert(k.into(), v.into());

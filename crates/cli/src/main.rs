@@ -7,6 +7,7 @@
 #![forbid(unsafe_code)]
 
 mod cmd;
+mod out;
 
 use clap::Parser;
 
@@ -22,6 +23,8 @@ fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     match cli.command.run() {
         Ok(()) => std::process::ExitCode::SUCCESS,
+        // The reader of the report went away (`fabriq demo | head`): nothing left to say.
+        Err(err) if out::is_closed_pipe(&err) => std::process::ExitCode::SUCCESS,
         Err(err) => {
             eprintln!("error: {err}");
             for cause in err.chain().skip(1) {

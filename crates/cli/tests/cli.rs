@@ -251,3 +251,27 @@ fn demo_runs_end_to_end() {
         }
     }
 }
+
+/// `fabriq demo | head -1`: the reader goes away after one line; the demo ends with success,
+/// no panic, and takes its server process with it.
+#[test]
+fn demo_into_a_closed_pipe_ends_quietly() {
+    use std::io::{BufRead, BufReader};
+    let _one_at_a_time = PERF.lock().unwrap_or_else(|e| e.into_inner());
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_fabriq"))
+        .args(["demo", "-n", "40"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn fabriq demo");
+    let mut first = String::new();
+    BufReader::new(child.stdout.take().expect("stdout"))
+        .read_line(&mut first)
+        .expect("first line");
+    assert!(first.starts_with("fabriq demo:"), "{first:?}");
+    // The reader is dropped here: the pipe is closed.
+    let out = child.wait_with_output().expect("wait");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert!(out.status.success(), "{}: {stderr}", out.status);
+}

@@ -10,6 +10,7 @@ use std::io::{BufRead, BufReader, Write as _};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use crate::out::outln;
 use anyhow::{bail, Context as _};
 use fabriq::{CasLock, Config, Endpoint, RegionDescriptor, Rpc};
 
@@ -47,7 +48,7 @@ fn serve(config: Config) -> anyhow::Result<()> {
     ep.serve("echo", |req| Ok(req.to_vec()));
     let region = ep.expose(4096).context("exposing the lock region")?;
     let listener = ep.listen("127.0.0.1:0").context("listening")?;
-    println!("LISTEN {}", listener.local_addr());
+    outln!("LISTEN {}", listener.local_addr())?;
     std::io::stdout().flush().ok();
     let ch = listener
         .accept_timeout(TIMEOUT)
@@ -110,22 +111,22 @@ fn run_client(config: Config, addr: &str, n: u32) -> anyhow::Result<()> {
     let connect = t0.elapsed();
     let desc = RegionDescriptor::from_bytes(&ch.recv_timeout(TIMEOUT)?)
         .context("server sent a bad region descriptor")?;
-    println!("fabriq demo: two processes, device {}", ep.device());
-    println!("  connected to {addr} in {}", us(connect));
+    outln!("fabriq demo: two processes, device {}", ep.device())?;
+    outln!("  connected to {addr} in {}", us(connect))?;
     // A second channel to the same peer is a new stream on the pooled connection.
     let t1 = Instant::now();
     let second = ep.connect(addr).context("opening a second channel")?;
     let pooled = t1.elapsed();
     drop(second);
-    println!(
+    outln!(
         "  a second channel to it in {} (a stream on the same pooled connection: {} connection set up)",
         us(pooled),
         ep.conn_stats().connects
-    );
-    println!(
+    )?;
+    outln!(
         "  thresholds: eager up to {} B, rendezvous above (RDMA READ in chunks)",
         ch.eager_max()
-    );
+    )?;
 
     // Eager: 8-byte ping-pong.
     let mut lat = Lat::new();
@@ -137,12 +138,12 @@ fn run_client(config: Config, addr: &str, n: u32) -> anyhow::Result<()> {
         lat.samples.push(t.elapsed() / 2);
         anyhow::ensure!(back[..] == msg, "eager echo corrupted");
     }
-    println!(
+    outln!(
         "  eager 8 B message:       one-way p50 {}  p99 {}  ({} round trips)",
         us(lat.pct(0.5)),
         us(lat.pct(0.99)),
         n
-    );
+    )?;
 
     // Rendezvous: 1 MiB ping-pong.
     let big: Vec<u8> = (0..1 << 20).map(|i: u32| (i % 251) as u8).collect();
@@ -158,15 +159,15 @@ fn run_client(config: Config, addr: &str, n: u32) -> anyhow::Result<()> {
     }
     let secs = start.elapsed().as_secs_f64();
     let gib_s = (2.0 * f64::from(rounds) * (1u64 << 20) as f64) / secs / (1u64 << 30) as f64;
-    println!(
+    outln!(
         "  rendezvous 1 MiB message: one-way p50 {}  ({gib_s:.2} GiB/s, {rounds} round trips)",
         us(lat.pct(0.5)),
-    );
+    )?;
     let st = ch.stats()?;
-    println!(
+    outln!(
         "    sent {} eager / {} rendezvous; the peer pulled the large ones with RDMA READ",
         st.eager_sent, st.rendezvous_sent
-    );
+    )?;
 
     // RPC.
     let rpc = Rpc::new(ch.clone());
@@ -177,12 +178,12 @@ fn run_client(config: Config, addr: &str, n: u32) -> anyhow::Result<()> {
         lat.samples.push(t.elapsed());
         anyhow::ensure!(r == i.to_le_bytes(), "RPC reply mismatch");
     }
-    println!(
+    outln!(
         "  RPC echo (4 B):          p50 {}  p99 {}  ({} calls, handler runs on the server's worker)",
         us(lat.pct(0.5)),
         us(lat.pct(0.99)),
         n
-    );
+    )?;
     let threads = 8u32;
     let per = (n / 2).max(10);
     let start = Instant::now();
@@ -201,10 +202,10 @@ fn run_client(config: Config, addr: &str, n: u32) -> anyhow::Result<()> {
         w.join().map_err(|_| anyhow::anyhow!("caller panicked"))??;
     }
     let rate = f64::from(threads * per) / start.elapsed().as_secs_f64();
-    println!("  RPC rate, {threads} callers:      {rate:.0} calls/s");
+    outln!("  RPC rate, {threads} callers:      {rate:.0} calls/s")?;
     match rpc.call("no-such-method", b"", TIMEOUT) {
         Err(fabriq::RpcError::UnknownMethod(_)) => {
-            println!("  RPC to an unknown method: UnknownMethod error, as expected")
+            outln!("  RPC to an unknown method: UnknownMethod error, as expected")?
         }
         other => bail!("unknown method answered {other:?}"),
     }
@@ -223,10 +224,10 @@ fn run_client(config: Config, addr: &str, n: u32) -> anyhow::Result<()> {
         lock.unlock()?;
     }
     let count = u64::from_le_bytes(lock.region().read(8, 8)?[..8].try_into()?);
-    println!(
+    outln!(
         "  CAS lock on server memory: acquire p50 {}  ({rounds} lock/increment/unlock, counter = {count})",
         us(lat.pct(0.5)),
-    );
-    println!("done.");
+    )?;
+    outln!("done.")?;
     Ok(())
 }

@@ -7,6 +7,7 @@
 
 use std::fmt::Write as _;
 
+use crate::out::{out, outln};
 use anyhow::Context as _;
 use fabriq_verbs::{Context, DeviceAttr, DeviceInfo, PortAttr};
 use serde::Serialize;
@@ -70,9 +71,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let failed_selected = args.device.is_some() && report.devices.iter().any(|d| d.error.is_some());
     if args.json {
         let text = serde_json::to_string_pretty(&report).context("encode JSON")?;
-        println!("{text}");
+        outln!("{text}")?;
     } else {
-        print!("{}", render_text(&report));
+        out!("{}", render_text(&report))?;
     }
     if failed_selected {
         anyhow::bail!(

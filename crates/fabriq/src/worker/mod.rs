@@ -424,6 +424,8 @@ pub(crate) fn direct_or_submit<V>(
         // Earlier commands of this thread (queued while the state was busy) go first.
         g.drain_inbox(w);
         direct(&mut g, value);
+        // What was just handed in leaves first; the pass (CQ, timers) follows.
+        g.pump_now();
         g.progress(w);
         drop(g);
         w.notify_parked();
@@ -973,6 +975,13 @@ impl Worker {
             }
         }
         fired
+    }
+
+    /// Post what the connections marked dirty have queued (a direct operation's message
+    /// leaves before the rest of the pass).
+    pub(crate) fn pump_now(&mut self) {
+        self.clock = None;
+        self.pump_dirty();
     }
 
     fn pump_dirty(&mut self) {

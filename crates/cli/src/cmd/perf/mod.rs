@@ -399,12 +399,12 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 
 fn print_report(args: &Args, report: &report::PerfReport) -> anyhow::Result<()> {
     if args.json {
-        println!(
+        crate::out::outln!(
             "{}",
             serde_json::to_string_pretty(report).context("encode JSON")?
-        );
+        )?;
     } else {
-        print!("{}", report::render_text(report));
+        crate::out::out!("{}", report::render_text(report))?;
     }
     if report.errors > 0 {
         anyhow::bail!("{} data check(s) failed", report.errors);

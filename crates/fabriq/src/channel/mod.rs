@@ -6,6 +6,7 @@
 
 pub mod driver;
 pub mod proto;
+mod window;
 pub mod wire;
 
 #[cfg(test)]

@@ -32,11 +32,12 @@
 //! it is then handed back in [`Event::SendComplete`]. On a fatal error the core drops what it
 //! holds (payload types release their memory on drop).
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
 
 use fabriq_verbs::{RemoteAddr, Sge, WcOpcode, WcStatus, WorkCompletion};
 
+use super::window::SeqWindow;
 use super::wire::{
     self, FrameBody, HeadBuf, MsgHeader, MsgKind, Rts, TraceFlags, TraceHeader, FIN_BODY_LEN,
     HEADER_LEN, RTS_BODY_LEN,
@@ -442,7 +443,7 @@ pub struct ChannelCore<O, I> {
     /// Next sequence number to assign; sequence numbers start at 1.
     next_seq: u64,
     queued: VecDeque<Queued<O>>,
-    inflight: BTreeMap<u64, Inflight<O>>,
+    inflight: SeqWindow<Inflight<O>>,
     /// Frames we may still send: `0 <= credits <= peer.rx_slots`.
     credits: u32,
     /// Free send-queue entries: `0 <= sq_free <= sq_depth`.
@@ -503,7 +504,7 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
             stats: ChannelStats::default(),
             next_seq: 1,
             queued: VecDeque::new(),
-            inflight: BTreeMap::new(),
+            inflight: SeqWindow::default(),
             credits: peer.rx_slots,
             sq_free: sq,
             tx_free: (0..sq).rev().collect(),
@@ -819,9 +820,8 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
         }
         if ack > self.peer_acked {
             self.peer_acked = ack;
-            let done: Vec<u64> = self.inflight.range(..=ack).map(|(s, _)| *s).collect();
-            for s in done {
-                if let Some(m) = self.inflight.get_mut(&s) {
+            for s in self.inflight.seqs_through(ack) {
+                if let Some(m) = self.inflight.get_mut(s) {
                     m.peer_done = true;
                 }
                 self.maybe_complete(s);
@@ -868,7 +868,7 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
                 if seq == 0 || seq >= self.next_seq {
                     return self.protocol_error(format!("FIN for unknown message {seq}"));
                 }
-                if let Some(m) = self.inflight.get_mut(&seq) {
+                if let Some(m) = self.inflight.get_mut(seq) {
                     if m.kind != SendKind::Rendezvous {
                         return self.protocol_error(format!("FIN for eager message {seq}"));
                     }
@@ -957,7 +957,7 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
         self.tx_free.push(tx_slot as u32);
         self.sq_free += 1;
         if let TxUse::Data(seq) = was {
-            if let Some(m) = self.inflight.get_mut(&seq) {
+            if let Some(m) = self.inflight.get_mut(seq) {
                 m.wc_done = true;
             }
             self.maybe_complete(seq);
@@ -994,10 +994,10 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
     fn maybe_complete(&mut self, seq: u64) {
         let done = self
             .inflight
-            .get(&seq)
+            .get(seq)
             .is_some_and(|m| m.wc_done && m.peer_done);
         if done {
-            if let Some(m) = self.inflight.remove(&seq) {
+            if let Some(m) = self.inflight.remove(seq) {
                 self.events.push_back(Event::SendComplete {
                     id: MsgId(seq),
                     stream: m.stream,
@@ -1135,7 +1135,7 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
                 _ => None,
             };
             self.push_send(head, payload, TxUse::Data(q.seq));
-            self.inflight.insert(
+            let fresh = self.inflight.insert(
                 q.seq,
                 Inflight {
                     payload: q.payload,
@@ -1146,6 +1146,8 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
                     peer_done: false,
                 },
             );
+            // Sequence numbers are handed out in queue order and leave the queue in order.
+            debug_assert!(fresh, "message {} added out of order", q.seq);
         }
         // 4. A lone update when credits or an ack must go and nothing carried them.
         let peer_view = self.granted_total as i64 - self.received_total as i64;

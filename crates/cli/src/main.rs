@@ -19,7 +19,19 @@ struct Cli {
     command: cmd::Command,
 }
 
+/// Diagnostics of the library on standard error when `FABRIQ_LOG` holds a filter
+/// (`FABRIQ_LOG=debug`, `FABRIQ_LOG=fabriq=trace,fabriq_verbs=debug`); silent otherwise.
+fn init_logging() {
+    if let Ok(filter) = std::env::var("FABRIQ_LOG") {
+        tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+            .with_writer(std::io::stderr)
+            .init();
+    }
+}
+
 fn main() -> std::process::ExitCode {
+    init_logging();
     let cli = Cli::parse();
     match cli.command.run() {
         Ok(()) => std::process::ExitCode::SUCCESS,

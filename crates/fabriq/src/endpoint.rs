@@ -335,15 +335,16 @@ impl Endpoint {
         let peer = control.peer_addr();
         let failed = Arc::new(AtomicBool::new(false));
         let eager_max = cfg.thresholds.eager_max;
-        // Accepting side: the stream the handshake opened goes to the listener from here, so
-        // handshakes are accepted in the order they finished.
-        let first = accept.as_ref().map(|_| {
-            Arc::new(ChannelShared::new(
-                stream_key(conn, FIRST_STREAM),
-                Arc::clone(&w.shared),
-                u64::from(cfg.max_queued),
-            ))
-        });
+        // The stream the handshake opened exists on the worker from the adoption on, on both
+        // sides: the peer may send on it as soon as its side is ready, and a message for a
+        // stream the worker does not know is dropped. Accepting side: it goes to the listener
+        // from here, so handshakes are accepted in the order they finished; connecting side:
+        // the first channel opened on the connection takes it.
+        let first = Arc::new(ChannelShared::new(
+            stream_key(conn, FIRST_STREAM),
+            Arc::clone(&w.shared),
+            u64::from(cfg.max_queued),
+        ));
         w.shared.submit(Command::Adopt(Box::new(Adopt {
             driver,
             control: Some(control),
@@ -352,16 +353,21 @@ impl Endpoint {
             failed: Arc::clone(&failed),
             peer,
             eager_max,
-            first_stream: first.clone(),
+            first_stream: Some(Arc::clone(&first)),
         })));
-        if let (Some(tx), Some(shared)) = (accept, first) {
-            // A listener that is gone drops the `Accepted`, which closes the stream.
-            let _ = tx.send(Accepted::new(shared, peer, eager_max));
-        }
+        let first = match accept {
+            Some(tx) => {
+                // A listener that is gone drops the `Accepted`, which closes the stream.
+                let _ = tx.send(Accepted::new(first, peer, eager_max));
+                None
+            }
+            None => Some(first),
+        };
         Ok(Adopted {
             conn,
             failed,
             eager_max,
+            first,
         })
     }
 
@@ -376,6 +382,7 @@ impl Endpoint {
             addr,
             a.eager_max,
             a.failed,
+            a.first,
         ))
     }
 
@@ -405,6 +412,13 @@ impl Endpoint {
     /// Open a stream on `conn`: no round trip, its `STREAM_OPEN` precedes its first message.
     fn open_stream(&self, w: &WorkerRef, conn: Arc<ConnHandle>) -> Channel {
         let (stream, first) = conn.next_stream();
+        let (peer, eager_max) = (conn.peer, conn.eager_max);
+        if first {
+            // The handshake's stream: on the worker since the adoption.
+            if let Some(shared) = conn.take_first() {
+                return Channel::new(shared, self.clone(), peer, eager_max, Some(conn));
+            }
+        }
         let window = u64::from(self.channel_config().max_queued);
         let shared = Arc::new(ChannelShared::new(
             stream_key(conn.conn, stream),
@@ -423,7 +437,6 @@ impl Endpoint {
                 announce: !first,
             },
         );
-        let (peer, eager_max) = (conn.peer, conn.eager_max);
         Channel::new(shared, self.clone(), peer, eager_max, Some(conn))
     }
 
@@ -552,6 +565,8 @@ struct Adopted {
     conn: u32,
     failed: Arc<AtomicBool>,
     eager_max: u32,
+    /// Connecting side: the handshake's stream, registered on the worker, for the first channel.
+    first: Option<Arc<ChannelShared>>,
 }
 
 /// Accepts channels connected to a listening address: every channel a peer opens, whether on a

@@ -6,9 +6,11 @@
 //! the `stream` field of the message header, chosen by the side that connected, and opened and
 //! closed by empty messages flagged `STREAM_OPEN` / `STREAM_CLOSE` that travel in order with the
 //! stream's data (so an open always precedes the stream's first message and a close follows its
-//! last). Stream 1 of a connection is opened by the handshake itself: the accepting side hands
-//! it to `Listener::accept` from the handshake, so channels set up by handshakes are accepted in
-//! the order their handshakes finished (data of different connections has no order).
+//! last). Stream 1 of a connection is opened by the handshake itself and is on the worker from
+//! the connection's adoption, on both sides (the peer may send on it at once): the accepting
+//! side hands it to `Listener::accept` from the handshake, so channels set up by handshakes are
+//! accepted in the order their handshakes finished (data of different connections has no
+//! order); the connecting side keeps it in the [`ConnHandle`] for the first channel opened.
 //!
 //! This module owns the identifiers and the hand-offs:
 //! * [`StreamKey`]: a stream's id inside its worker, `(connection qpn << 32) | stream`;
@@ -21,6 +23,8 @@
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Arc;
+
+use parking_lot::Mutex;
 
 use super::shared::{ChannelShared, WorkerShared};
 use super::Command;
@@ -58,6 +62,9 @@ pub(crate) struct ConnHandle {
     pub(crate) eager_max: u32,
     next_stream: AtomicU32,
     first_taken: AtomicBool,
+    /// The handshake's stream, registered on the worker at the adoption (so that what the
+    /// peer sends on it before the first channel is opened is kept), until that channel takes it.
+    first: Mutex<Option<Arc<ChannelShared>>>,
     /// Set by the worker when the connection failed: the pool must not hand it out again.
     pub(crate) failed: Arc<AtomicBool>,
 }
@@ -69,6 +76,7 @@ impl ConnHandle {
         peer: SocketAddr,
         eager_max: u32,
         failed: Arc<AtomicBool>,
+        first: Option<Arc<ChannelShared>>,
     ) -> ConnHandle {
         ConnHandle {
             worker,
@@ -77,8 +85,14 @@ impl ConnHandle {
             eager_max,
             next_stream: AtomicU32::new(FIRST_STREAM),
             first_taken: AtomicBool::new(false),
+            first: Mutex::new(first),
             failed,
         }
+    }
+
+    /// The handshake's stream, for the channel that drew [`FIRST_STREAM`].
+    pub(crate) fn take_first(&self) -> Option<Arc<ChannelShared>> {
+        self.first.lock().take()
     }
 
     /// A fresh stream id on this connection, and whether it is [`FIRST_STREAM`] (opened by the

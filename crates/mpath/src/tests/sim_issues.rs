@@ -62,14 +62,12 @@ fn traffic_leaves_a_blackholed_path_and_losses_are_recovered_once() {
     );
 }
 
-#[test]
-fn a_bitmap_larger_than_the_bdp_keeps_loss_recovery_cheap() {
-    // 40 Gb/s and 16 µs RTT: about 76 packets in flight, more than the paper's L = 64. A
-    // loss pins the receiver's bitmap at the hole for a round trip; with L = 256 what is
-    // sent meanwhile still fits, so nothing is dropped beyond the bitmap and each loss
-    // costs one retransmission, not a stall (docs/MPRDMA.md, Known core issues 3).
+/// 20 000 packets at 40 Gb/s and a 16 µs RTT (about 76 packets in flight, more than the
+/// paper's L = 64) with 0.5% loss, receive bitmap `bitmap_len`: the pair when the transfer is
+/// acknowledged, and the packets sent.
+fn long_rtt_lossy_transfer(bitmap_len: u32) -> (Pair, u64) {
     let mut p = Pair::new(Config {
-        bitmap_len: 256,
+        bitmap_len,
         ..base_config(11)
     });
     p.network(|n| {
@@ -82,6 +80,15 @@ fn a_bitmap_larger_than_the_bdp_keeps_loss_recovery_cheap() {
     p.a.send(p.now, Payload::Virtual(packets * 1024), false)
         .unwrap();
     assert!(p.run_until(Duration::from_secs(10), |p| p.a_acked() == 1));
+    (p, packets)
+}
+
+#[test]
+fn a_bitmap_larger_than_the_bdp_keeps_loss_recovery_cheap() {
+    // A loss pins the receiver's bitmap at the hole for a round trip; with L = 256 what is
+    // sent meanwhile still fits, so nothing is dropped beyond the bitmap and each loss
+    // costs one retransmission, not a stall (docs/MPRDMA.md, Known core issues 3).
+    let (p, packets) = long_rtt_lossy_transfer(256);
     let t = p.now - Instant::ZERO;
     assert!(p.net.dropped > 50, "only {} losses", p.net.dropped);
     assert_eq!(p.b.stats().ooo_drops, 0, "bitmap overflow drops");
@@ -106,19 +113,9 @@ fn a_bitmap_larger_than_the_bdp_keeps_loss_recovery_cheap() {
 
 #[test]
 fn with_the_papers_bitmap_below_the_bdp_losses_overflow_it() {
-    // The same run with L = 64: the bitmap drops and the slowdown the larger bitmap
-    // removes (the reason the udp provider defaults to L = 256).
-    let mut p = Pair::new(base_config(11));
-    p.network(|n| {
-        n.rate_bps = Some(40e9);
-        n.latency = Duration::from_micros(8);
-        n.ecn_threshold_bytes = Some(60_000);
-    });
-    p.ab.loss = 0.005;
-    let packets = 20_000u64;
-    p.a.send(p.now, Payload::Virtual(packets * 1024), false)
-        .unwrap();
-    assert!(p.run_until(Duration::from_secs(10), |p| p.a_acked() == 1));
+    // The same run with L = 64: the bitmap drops the larger bitmap removes (the reason the
+    // udp provider defaults to L = 256).
+    let (p, _) = long_rtt_lossy_transfer(64);
     assert!(p.b.stats().ooo_drops > 0);
 }
 

@@ -47,10 +47,29 @@ pub fn side(ctx: &Context, cqe: u32, caps: QpCaps, access: AccessFlags) -> Side 
 
 /// Take both QPs through INIT and RTR to the state `rts()` names.
 pub fn connect_with(a: &Side, b: &Side, rts: impl Fn() -> QpAttr) {
+    connect_through(a, b, QpAttr::rtr, rts);
+}
+
+/// Connect with the shortest RNR timer and `rnr_retry` RNR retries (7 = infinite).
+pub fn connect_with_rnr_retry(a: &Side, b: &Side, rnr_retry: u8) {
+    connect_through(
+        a,
+        b,
+        |remote| QpAttr::rtr(remote).with_min_rnr_timer(1),
+        || QpAttr::rts().with_rnr_retry(rnr_retry),
+    );
+}
+
+fn connect_through(
+    a: &Side,
+    b: &Side,
+    rtr: impl Fn(QpEndpoint) -> QpAttr,
+    rts: impl Fn() -> QpAttr,
+) {
     let (ea, eb) = (a.qp.endpoint(), b.qp.endpoint());
     for (s, remote) in [(a, &eb), (b, &ea)] {
         s.qp.modify(&QpAttr::init(AccessFlags::ALL)).unwrap();
-        s.qp.modify(&QpAttr::rtr(remote.clone())).unwrap();
+        s.qp.modify(&rtr(remote.clone())).unwrap();
         s.qp.modify(&rts()).unwrap();
     }
 }

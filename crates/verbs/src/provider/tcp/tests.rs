@@ -6,7 +6,8 @@ use std::net::{TcpListener, TcpStream};
 use std::time::Duration;
 
 use crate::soft::testing::{
-    self as fixture, big_regions, connect_with, read_back, wait, wait_state, Side, WAIT,
+    self as fixture, big_regions, connect_with, connect_with_rnr_retry, read_back, wait,
+    wait_state, Side, WAIT,
 };
 use crate::soft::wire::{self, Frame};
 use crate::*;
@@ -418,13 +419,7 @@ fn rnr_is_retried_until_a_receive_is_posted() {
     let a = side(&ctx_a, QpCaps::default(), AccessFlags::ALL);
     let b = side(&ctx_b, QpCaps::default(), AccessFlags::ALL);
     // Shortest RNR timer, infinite RNR retries.
-    let (ea, eb) = (a.qp.endpoint(), b.qp.endpoint());
-    for (s, remote) in [(&a, &eb), (&b, &ea)] {
-        s.qp.modify(&QpAttr::init(AccessFlags::ALL)).unwrap();
-        s.qp.modify(&QpAttr::rtr(remote.clone()).with_min_rnr_timer(1))
-            .unwrap();
-        s.qp.modify(&QpAttr::rts().with_rnr_retry(7)).unwrap();
-    }
+    connect_with_rnr_retry(&a, &b, 7);
     a.mr.write_at(0, b"late").unwrap();
     a.qp.post_send(&[SendWr::new(1, &[a.mr.sge(0, 4).unwrap()], WrOpcode::Send)])
         .unwrap();
@@ -444,13 +439,7 @@ fn rnr_retry_exceeded_then_the_queue_flushes() {
     let ctx_b = open("thread");
     let a = side(&ctx_a, QpCaps::default(), AccessFlags::ALL);
     let b = side(&ctx_b, QpCaps::default(), AccessFlags::ALL);
-    let (ea, eb) = (a.qp.endpoint(), b.qp.endpoint());
-    for (s, remote) in [(&a, &eb), (&b, &ea)] {
-        s.qp.modify(&QpAttr::init(AccessFlags::ALL)).unwrap();
-        s.qp.modify(&QpAttr::rtr(remote.clone()).with_min_rnr_timer(1))
-            .unwrap();
-        s.qp.modify(&QpAttr::rts().with_rnr_retry(2)).unwrap();
-    }
+    connect_with_rnr_retry(&a, &b, 2);
     a.qp.post_send(&[
         SendWr::new(1, &[], WrOpcode::Send),
         SendWr::new(2, &[], WrOpcode::Send),
@@ -1246,13 +1235,7 @@ fn large_send_without_a_fitting_receive_keeps_rc_semantics() {
     let ctx_b = open("thread");
     let a = side(&ctx_a, QpCaps::default(), AccessFlags::ALL);
     let b = side(&ctx_b, QpCaps::default(), AccessFlags::ALL);
-    let (ea, eb) = (a.qp.endpoint(), b.qp.endpoint());
-    for (s, remote) in [(&a, &eb), (&b, &ea)] {
-        s.qp.modify(&QpAttr::init(AccessFlags::ALL)).unwrap();
-        s.qp.modify(&QpAttr::rtr(remote.clone()).with_min_rnr_timer(1))
-            .unwrap();
-        s.qp.modify(&QpAttr::rts().with_rnr_retry(7)).unwrap();
-    }
+    connect_with_rnr_retry(&a, &b, 7);
     let len = 2 << 20;
     let (big_a, big_b, pattern) = big_regions(&a, &b, len);
     a.qp.post_send(&[SendWr::new(

@@ -18,7 +18,9 @@
 //! once the stream's `STREAM_OPEN` arrived).
 //!
 //! A third group, `qp_phases`, times the verbs steps of a connect on one in-process QP pair, to
-//! show where the time goes: creating a QP, RESET → INIT, and INIT → RTR → RTS of both QPs.
+//! show where the time goes: creating a QP, RESET → INIT, and INIT → RTR → RTS of both QPs. A
+//! fourth, `control_floor`, is one blocking loopback TCP round trip between two threads: the
+//! least each control-stream exchange of a handshake costs.
 //!
 //! `cargo bench -p fabriq --bench conn` (`-- endpoint_connect` for one group)
 
@@ -373,5 +375,48 @@ fn phases_bench(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, bench, endpoint_bench, phases_bench);
+/// The floor of a handshake step: one round trip of 64 bytes over a loopback TCP connection
+/// between two threads with blocking reads (each hop wakes a sleeping reader), the way the
+/// hello / hello-ack / ready exchange runs on a control stream.
+fn control_floor_bench(c: &mut Criterion) {
+    use std::io::{Read, Write};
+    let mut g = c.benchmark_group("control_floor");
+    g.measurement_time(Duration::from_secs(2));
+    let Ok(listener) = std::net::TcpListener::bind("127.0.0.1:0") else {
+        return;
+    };
+    let Ok(addr) = listener.local_addr() else {
+        return;
+    };
+    let echo = std::thread::spawn(move || {
+        let Ok((mut s, _)) = listener.accept() else {
+            return;
+        };
+        let _ = s.set_nodelay(true);
+        let mut b = [0u8; 64];
+        while s.read_exact(&mut b).is_ok() && s.write_all(&b).is_ok() {}
+    });
+    let Ok(mut s) = std::net::TcpStream::connect(addr) else {
+        return;
+    };
+    let _ = s.set_nodelay(true);
+    let mut b = [0u8; 64];
+    g.bench_function("blocking_tcp_round_trip_64B", |bench| {
+        bench.iter(|| {
+            s.write_all(&b).expect("write");
+            s.read_exact(&mut b).expect("read");
+        })
+    });
+    drop(s);
+    let _ = echo.join();
+    g.finish();
+}
+
+criterion_group!(
+    benches,
+    bench,
+    endpoint_bench,
+    phases_bench,
+    control_floor_bench
+);
 criterion_main!(benches);

@@ -41,6 +41,21 @@ fn endpoint(device: &str, token: &str) -> Option<Endpoint> {
     }
 }
 
+/// A server endpoint listening on loopback and a client endpoint, both from `cfg`; `None`
+/// (with a note) where the device does not open.
+fn server_client_listener(cfg: Config) -> Option<(Endpoint, Endpoint, fabriq::Listener)> {
+    let server = match Endpoint::new(cfg.clone()) {
+        Ok(e) => e,
+        Err(e) => {
+            eprintln!("skipping {}: {e}", cfg.device);
+            return None;
+        }
+    };
+    let client = Endpoint::new(cfg).expect("client");
+    let listener = server.listen("127.0.0.1:0").expect("listen");
+    Some((server, client, listener))
+}
+
 fn ping(a: &Channel, b: &Channel, what: &[u8]) {
     a.send(what).expect("send");
     assert_eq!(&b.recv_timeout(HANG).expect("recv")[..], what);
@@ -466,12 +481,9 @@ fn unshared_connections_are_one_per_channel() {
             handshake_timeout_ms: 10_000,
             ..Config::default()
         };
-        let Ok(server) = Endpoint::new(cfg.clone()) else {
-            eprintln!("skipping {device}");
+        let Some((server, client, listener)) = server_client_listener(cfg) else {
             continue;
         };
-        let client = Endpoint::new(cfg).expect("client");
-        let listener = server.listen("127.0.0.1:0").expect("listen");
         const N: usize = 24;
         // All connects first, then all accepts: the k-th accepted is the k-th connected.
         let clients: Vec<Channel> = (0..N)
@@ -508,12 +520,9 @@ fn a_stalled_channel_does_not_block_its_siblings() {
             handshake_timeout_ms: 10_000,
             ..Config::default()
         };
-        let Ok(server) = Endpoint::new(cfg.clone()) else {
-            eprintln!("skipping {device}");
+        let Some((_server, client, listener)) = server_client_listener(cfg) else {
             continue;
         };
-        let client = Endpoint::new(cfg).expect("client");
-        let listener = server.listen("127.0.0.1:0").expect("listen");
         let stalled = client.connect(listener.local_addr()).expect("connect a");
         let stalled_peer = listener.accept_timeout(HANG).expect("accept a");
         let busy = client.connect(listener.local_addr()).expect("connect b");
@@ -618,17 +627,15 @@ fn a_failed_pooled_connection_is_replaced() {
 fn the_first_message_on_a_new_connection_is_never_lost() {
     const ROUNDS: u32 = 600;
     for device in devices() {
-        let Some(server) = endpoint(&device, "") else {
-            continue;
-        };
         let cfg = Config {
             device: device.clone(),
             handshake_timeout_ms: 10_000,
             share_connections: false,
             ..Config::default()
         };
-        let client = Endpoint::new(cfg).expect("client endpoint");
-        let listener = server.listen("127.0.0.1:0").expect("listen");
+        let Some((_server, client, listener)) = server_client_listener(cfg) else {
+            continue;
+        };
         let addr = listener.local_addr();
         let greeter = std::thread::spawn(move || {
             for i in 0..ROUNDS {

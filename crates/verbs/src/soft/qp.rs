@@ -88,30 +88,6 @@ impl std::fmt::Debug for QpCore {
     }
 }
 
-/// What the responder works against: the QP's regions and rights, its receives (the SRQ if it
-/// has one, else its own queue) and its peer.
-fn responder_env<'a>(
-    cfg: &'a QpConfig,
-    srq: &'a Option<SoftSrq>,
-    rq: &'a mut RecvQueue,
-    access: AccessFlags,
-    remote_qpn: QpNum,
-    read_by_ref: bool,
-) -> ResponderEnv<'a> {
-    ResponderEnv {
-        table: &cfg.table,
-        access,
-        recv: match srq {
-            Some(s) => RecvSource::Shared(s),
-            None => RecvSource::Own(rq),
-        },
-        qp_num: cfg.qp_num,
-        remote_qpn,
-        max_payload: cfg.max_payload,
-        read_by_ref,
-    }
-}
-
 fn post_err(index: usize, source: VerbsError) -> PostError {
     PostError { index, source }
 }
@@ -628,17 +604,9 @@ impl QpCore {
                     // ERROR drops silently; RESET/INIT cannot have a connection.
                     _ => return None,
                 }
-                let remote_qpn = self.remote.as_ref().map_or(QpNum(0), |r| r.qp_num);
-                let srq = self.cfg.srq.clone();
-                let mut env = responder_env(
-                    &self.cfg,
-                    &srq,
-                    &mut self.rq,
-                    self.access,
-                    remote_qpn,
-                    read_by_ref,
-                );
-                let outcome = self.responder.handle_request(req, &mut env, out);
+                let (responder, mut env) = self.responder_with_env(read_by_ref);
+                let remote_qpn = env.remote_qpn;
+                let outcome = responder.handle_request(req, &mut env, out);
                 let read = self.responder.take_read_ref();
                 if let Some((wc, solicited)) = outcome.recv_completion {
                     self.cfg.recv_cq.push(wc, solicited);
@@ -717,18 +685,27 @@ impl QpCore {
         {
             return None;
         }
-        let remote_qpn = self.remote.as_ref().map_or(QpNum(0), |r| r.qp_num);
-        let srq = self.cfg.srq.clone();
         let table = self.cfg.table.clone();
-        let mut env = responder_env(
-            &self.cfg,
-            &srq,
-            &mut self.rq,
-            self.access,
-            remote_qpn,
-            false,
-        );
-        self.responder.begin_placement(req, len, &mut env, &table)
+        let (responder, mut env) = self.responder_with_env(false);
+        responder.begin_placement(req, len, &mut env, &table)
+    }
+
+    /// The responder and what it works against: the QP's regions and rights, its receives
+    /// (the SRQ if it has one, else its own queue) and its peer.
+    fn responder_with_env(&mut self, read_by_ref: bool) -> (&mut Responder, ResponderEnv<'_>) {
+        let env = ResponderEnv {
+            table: &self.cfg.table,
+            access: self.access,
+            recv: match &self.cfg.srq {
+                Some(s) => RecvSource::Shared(s),
+                None => RecvSource::Own(&mut self.rq),
+            },
+            qp_num: self.cfg.qp_num,
+            remote_qpn: self.remote.as_ref().map_or(QpNum(0), |r| r.qp_num),
+            max_payload: self.cfg.max_payload,
+            read_by_ref,
+        };
+        (&mut self.responder, env)
     }
 
     /// Complete a placement whose payload arrived whole; responses are appended to `out`. In
@@ -749,17 +726,9 @@ impl QpCore {
             self.abandon_placement(p);
             return;
         }
-        let remote_qpn = self.remote.as_ref().map_or(QpNum(0), |r| r.qp_num);
-        let srq = self.cfg.srq.clone();
-        let mut env = responder_env(
-            &self.cfg,
-            &srq,
-            &mut self.rq,
-            self.access,
-            remote_qpn,
-            false,
-        );
-        let outcome = self.responder.finish_placement(p, &mut env, out);
+        let (responder, mut env) = self.responder_with_env(false);
+        let remote_qpn = env.remote_qpn;
+        let outcome = responder.finish_placement(p, &mut env, out);
         if let Some((wc, solicited)) = outcome.recv_completion {
             self.cfg.recv_cq.push(wc, solicited);
         }

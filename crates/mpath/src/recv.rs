@@ -73,7 +73,7 @@ impl Bitmap {
 
     /// Empties `psn`'s slot as `rcv_nxt` moves past it, for the PSN one window later.
     fn release(&mut self, psn: u32) {
-        self.0.clear_range(psn, 1);
+        self.0.set(psn, 0);
     }
 }
 

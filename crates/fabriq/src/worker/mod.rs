@@ -424,9 +424,9 @@ pub(crate) fn direct_or_submit<V>(
         // Earlier commands of this thread (queued while the state was busy) go first.
         g.drain_inbox(w);
         direct(&mut g, value);
-        // What was just handed in leaves first; the pass (CQ, timers) follows.
+        // What was just handed in leaves first; the pass (CQ, timers) follows on the same clock.
         g.pump_now();
-        g.progress(w);
+        g.pass(w);
         drop(g);
         w.notify_parked();
         return;
@@ -487,11 +487,16 @@ fn epoll_wait(ep: &OwnedFd, timeout: Option<Duration>) -> Vec<u64> {
 impl Worker {
     /// One pass of the loop body: inbox, CQ, timers, channels. Returns the work done (0: idle).
     pub(crate) fn progress(&mut self, shared: &WorkerShared) -> usize {
+        self.clock = None;
+        self.pass(shared)
+    }
+
+    /// A progress pass on the clock already read (right after [`Worker::pump_now`]).
+    fn pass(&mut self, shared: &WorkerShared) -> usize {
         if shared.stopped.load(Ordering::Acquire) {
             return 0;
         }
         self.loops = self.loops.wrapping_add(1);
-        self.clock = None;
         let mut work = self.drain_inbox(shared);
         if shared.stopped.load(Ordering::Acquire) {
             return work;

@@ -13,6 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::channel::proto::TraceInfo;
+use crate::channel::wire::STREAM_REPORT_EVERY;
 use crate::channel::{ChannelError, ChannelStats, Thresholds};
 use crate::endpoint::Endpoint;
 use crate::mempool::PoolBuf;
@@ -244,12 +245,14 @@ impl Channel {
         Ok(())
     }
 
-    /// The application consumed a message: its receive slot's credit may go back. Applied at
-    /// once when the worker's lock is free, else through the inbox (a batch of releases costs
-    /// one command).
+    /// The application consumed a message: the peer's stream window may open. The count rides
+    /// on the stream's next message (the worker takes it when it sends one); only once a
+    /// report's worth ([`STREAM_REPORT_EVERY`]) has built up is the worker told, at once when
+    /// its lock is free, else through the inbox, so that a lone `STREAM_CREDIT` goes out for a
+    /// reader that does not send. (The slot's connection credit went back at delivery.)
     fn released(&self) {
         let s = &self.inner.shared;
-        if s.released.fetch_add(1, std::sync::atomic::Ordering::AcqRel) == 0 {
+        if s.released.fetch_add(1, std::sync::atomic::Ordering::AcqRel) + 1 == STREAM_REPORT_EVERY {
             match s.worker.try_lock_state() {
                 Some(mut g) => {
                     g.release_now(s.id);
@@ -287,6 +290,10 @@ impl Channel {
     /// Receive from async code.
     pub async fn recv_async(&self) -> Result<Message, ChannelError> {
         let s = &self.inner.shared;
+        s.rx_async_waiters.fetch_add(1, Ordering::SeqCst);
+        let _waiting = AsyncWaiter(&s.rx_async_waiters);
+        // Pairs with `ChannelShared::deliver`: counted before looking at the queue.
+        std::sync::atomic::fence(Ordering::SeqCst);
         loop {
             let notified = s.rx_notify.notified();
             tokio::pin!(notified);

@@ -250,6 +250,11 @@ impl ChannelDriver {
         }
     }
 
+    /// True when the core has an event for [`ChannelDriver::poll_event`].
+    pub fn has_events(&self) -> bool {
+        self.core.has_events()
+    }
+
     /// Next event of the core.
     pub fn poll_event(&mut self) -> Option<CoreEvent> {
         self.core.poll_event()

@@ -737,6 +737,11 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
         self.ack_deadline
     }
 
+    /// True when [`ChannelCore::poll_event`] has something.
+    pub fn has_events(&self) -> bool {
+        !self.events.is_empty() || (self.state == State::Open && self.was_full && self.can_queue())
+    }
+
     /// Next event.
     pub fn poll_event(&mut self) -> Option<Event<O, I>> {
         if self.events.is_empty() && self.state == State::Open && self.was_full && self.can_queue()

@@ -1012,47 +1012,11 @@ impl Worker {
         let mut newly_failed = None;
         for _round in 0..64 {
             let mut progress = 0usize;
-            // Backlog into the core, in order; each message carries its stream's window report.
-            while let Some((buf, mut trace)) = st.backlog.pop_front() {
-                if let Some(ss) = st.streams.get_mut(&trace.stream) {
-                    let owed = std::mem::take(&mut ss.to_report);
-                    trace.stream_credits = trace
-                        .stream_credits
-                        .saturating_add(owed.min(u32::MAX.into()) as u32);
-                    if trace.flags.contains(TraceFlags::STREAM_CREDIT) {
-                        ss.report_queued = false;
-                    }
-                }
-                if trace.flags.contains(TraceFlags::STREAM_CREDIT) && trace.stream_credits == 0 {
-                    // Already carried by a message before it.
-                    buffers.recycle(buf);
-                    continue;
-                }
-                match st.driver.send(buf, trace) {
-                    Ok(_) => progress += 1,
-                    Err((ChannelError::WouldBlock, buf)) => {
-                        st.backlog.push_front((buf, trace));
-                        break;
-                    }
-                    Err((e, buf)) => {
-                        tracing::warn!(%e, "message refused by the channel");
-                        let rpc = trace.flags.0
-                            & (TraceFlags::RPC_REQUEST | TraceFlags::RPC_RESPONSE)
-                            != 0;
-                        match st.streams.get(&trace.stream) {
-                            Some(_) if is_stream_control(trace.flags) => {}
-                            // RPC messages count in the send window only.
-                            Some(ss) if rpc => ss.shared.send_progress(1, buf.len() as u64),
-                            Some(ss) => ss.shared.cancel_reservation(buf.len() as u64),
-                            None => {}
-                        }
-                    }
-                }
-            }
-            progress += post_one_sided(st, buffers, next_one_sided);
-            progress += st.driver.pump(now, &mut &**buffers);
+            // Events first: a delivered message reaches its reader before the housekeeping of
+            // the round (reposting the slot, acks), which is off the message's path.
+            let mut events = 0usize;
             while let Some(ev) = st.driver.poll_event() {
-                progress += 1;
+                events += 1;
                 match ev {
                     CoreEvent::Received {
                         seq,
@@ -1108,7 +1072,61 @@ impl Worker {
                     }
                 }
             }
+            progress += events;
+            // Backlog into the core, in order; each message carries its stream's window report.
+            while let Some((buf, mut trace)) = st.backlog.pop_front() {
+                if let Some(ss) = st.streams.get_mut(&trace.stream) {
+                    // What the application consumed since the last report, whether or not the
+                    // worker was told (it is told only once a report's worth built up).
+                    let owed = std::mem::take(&mut ss.to_report)
+                        + ss.shared.released.swap(0, Ordering::AcqRel);
+                    trace.stream_credits = trace
+                        .stream_credits
+                        .saturating_add(owed.min(u32::MAX.into()) as u32);
+                    if trace.flags.contains(TraceFlags::STREAM_CREDIT) {
+                        ss.report_queued = false;
+                    }
+                }
+                if trace.flags.contains(TraceFlags::STREAM_CREDIT) && trace.stream_credits == 0 {
+                    // Already carried by a message before it.
+                    buffers.recycle(buf);
+                    continue;
+                }
+                match st.driver.send(buf, trace) {
+                    Ok(_) => progress += 1,
+                    Err((ChannelError::WouldBlock, buf)) => {
+                        st.backlog.push_front((buf, trace));
+                        break;
+                    }
+                    Err((e, buf)) => {
+                        tracing::warn!(%e, "message refused by the channel");
+                        let rpc = trace.flags.0
+                            & (TraceFlags::RPC_REQUEST | TraceFlags::RPC_RESPONSE)
+                            != 0;
+                        match st.streams.get(&trace.stream) {
+                            Some(_) if is_stream_control(trace.flags) => {}
+                            // RPC messages count in the send window only.
+                            Some(ss) if rpc => ss.shared.send_progress(1, buf.len() as u64),
+                            Some(ss) => ss.shared.cancel_reservation(buf.len() as u64),
+                            None => {}
+                        }
+                    }
+                }
+            }
+            let backlog_moved = progress > events;
+            let one_sided = post_one_sided(st, buffers, next_one_sided);
+            progress += one_sided;
+            progress += st.driver.pump(now, &mut &**buffers);
             if progress == 0 || newly_failed.is_some() {
+                break;
+            }
+            // Another round only for what this one may have left: events (a reply's error, a
+            // window that opened), a backlog that moved but is not empty (an RPC reply queued
+            // by a handler), one-sided operations beyond the depth.
+            let again = st.driver.has_events()
+                || (backlog_moved && !st.backlog.is_empty())
+                || (one_sided > 0 && !st.one_sided_queue.is_empty());
+            if !again {
                 break;
             }
         }

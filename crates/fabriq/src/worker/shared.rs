@@ -13,7 +13,6 @@
 //!   then sleep — in the worker's epoll (caller mode, one thread at a time) or on the worker's
 //!   park condvar, which every progress pass that did work notifies.
 
-use std::collections::VecDeque;
 use std::os::fd::OwnedFd;
 use std::sync::atomic::{fence, AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -260,7 +259,12 @@ impl WorkerShared {
         let _ = rustix::io::write(&self.wake_fd, &1u64.to_ne_bytes());
     }
 
+    /// The next queued command. An empty inbox is told by two loads (a pop of an empty
+    /// `SegQueue` pays a full fence); a command being pushed meanwhile is seen by the next pass.
     pub(crate) fn pop(&self) -> Option<Command> {
+        if self.inbox.is_empty() {
+            return None;
+        }
         self.inbox.pop()
     }
 
@@ -543,20 +547,19 @@ impl Failure {
     }
 }
 
-struct Rx {
-    queue: VecDeque<Message>,
-    failure: Option<Failure>,
-}
-
 /// One channel's (stream's) hand-off state.
 pub(crate) struct ChannelShared {
     /// The stream's key on its worker (`worker::streams::StreamKey`).
     pub(crate) id: u64,
     pub(crate) worker: Arc<WorkerShared>,
-    rx: Mutex<Rx>,
-    /// Messages in `rx.queue` (read without the lock by waiters that poll).
-    rx_len: AtomicUsize,
+    /// Delivered messages in order (lock-free: the worker pushes, readers pop; waiters that
+    /// poll look at it with two loads).
+    rx: SegQueue<Message>,
+    /// Why the stream stopped, once it did (`failed` is set after it).
+    failure: Mutex<Option<Failure>>,
     pub(crate) rx_notify: tokio::sync::Notify,
+    /// Async receivers waiting on `rx_notify` (a delivery notifies only when there are some).
+    pub(crate) rx_async_waiters: AtomicUsize,
     /// Messages accepted from this handle (or by the worker for RPC) and not yet completed.
     pub(crate) outstanding: AtomicU64,
     /// Most outstanding (accepted, not yet acknowledged) messages before `send` blocks. Set to
@@ -576,9 +579,10 @@ pub(crate) struct ChannelShared {
     /// Async senders waiting on `tx_notify` (it is only notified when there are some).
     pub(crate) tx_async_waiters: AtomicUsize,
     failed: AtomicBool,
-    /// Messages the application consumed whose credits the worker has not yet taken; a
-    /// `Released` command is sent only when this leaves zero, so a stream of receives costs
-    /// one inbox push per batch, not per message.
+    /// Messages the application consumed that the worker has not yet counted into a stream
+    /// window report: taken by the worker whenever it sends a message of the stream (the count
+    /// rides on it), and the worker is told (`Released`) only when this reaches
+    /// `STREAM_REPORT_EVERY`, so a stream of receives costs no worker call per message.
     pub(crate) released: AtomicU64,
 }
 
@@ -587,12 +591,10 @@ impl ChannelShared {
         ChannelShared {
             id,
             worker,
-            rx: Mutex::new(Rx {
-                queue: VecDeque::new(),
-                failure: None,
-            }),
-            rx_len: AtomicUsize::new(0),
+            rx: SegQueue::new(),
+            failure: Mutex::new(None),
             rx_notify: tokio::sync::Notify::new(),
+            rx_async_waiters: AtomicUsize::new(0),
             outstanding: AtomicU64::new(0),
             window: AtomicU64::new(window),
             outstanding_bytes: AtomicU64::new(0),
@@ -607,27 +609,31 @@ impl ChannelShared {
     /// Worker: a message for the application (blocking waiters are woken by the progress pass
     /// that delivered it).
     pub(crate) fn deliver(&self, m: Message) {
-        self.rx.lock().queue.push_back(m);
-        self.rx_len.fetch_add(1, Ordering::Release);
-        self.rx_notify.notify_one();
+        self.rx.push(m);
+        // Pairs with `recv_async`'s count-then-look: either it sees the message or this sees
+        // it waiting.
+        fence(Ordering::SeqCst);
+        if self.rx_async_waiters.load(Ordering::SeqCst) > 0 {
+            self.rx_notify.notify_one();
+        }
     }
 
     /// Worker: the stream closed here; drop what the application never read. Returns how many
     /// messages that was (their receive slots' credits go back to the peer).
     pub(crate) fn discard(&self) -> u64 {
-        let mut rx = self.rx.lock();
-        let n = rx.queue.len() as u64;
-        rx.queue.clear();
-        self.rx_len.store(0, Ordering::Release);
+        let mut n = 0;
+        while self.rx.pop().is_some() {
+            n += 1;
+        }
         n
     }
 
     /// Worker: the channel stopped.
     pub(crate) fn fail(&self, f: Failure) {
         {
-            let mut rx = self.rx.lock();
-            if rx.failure.is_none() {
-                rx.failure = Some(f);
+            let mut failure = self.failure.lock();
+            if failure.is_none() {
+                *failure = Some(f);
             }
         }
         self.failed.store(true, Ordering::SeqCst);
@@ -642,7 +648,7 @@ impl ChannelShared {
     }
 
     pub(crate) fn failure(&self) -> Option<Failure> {
-        self.rx.lock().failure.clone()
+        self.failure.lock().clone()
     }
 
     /// Worker: the window, once the channel's settings are known.
@@ -752,18 +758,20 @@ impl ChannelShared {
 
     /// Application: take a delivered message without waiting.
     pub(crate) fn try_take(&self) -> Result<Option<Message>, ChannelError> {
-        if self.rx_len.load(Ordering::Acquire) == 0 && !self.is_failed() {
+        // `is_empty` is two loads; popping an empty queue would pay a full fence.
+        if !self.rx.is_empty() {
+            if let Some(m) = self.rx.pop() {
+                return Ok(Some(m));
+            }
+        }
+        if !self.is_failed() {
             return Ok(None);
         }
-        let mut rx = self.rx.lock();
-        if let Some(m) = rx.queue.pop_front() {
-            self.rx_len.fetch_sub(1, Ordering::Release);
+        // Stopped: what was delivered before the failure is still read first.
+        if let Some(m) = self.rx.pop() {
             return Ok(Some(m));
         }
-        match &rx.failure {
-            Some(f) => Err(f.to_error()),
-            None => Ok(None),
-        }
+        Err(self.failure().unwrap_or(Failure::Closed).to_error())
     }
 
     /// Application: take a delivered message, waiting up to `timeout` (`None`: forever).

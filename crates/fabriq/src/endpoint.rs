@@ -40,7 +40,7 @@ use std::time::Duration;
 use fabriq_verbs::{AccessFlags, Context, ProtectionDomain, QpCaps};
 use parking_lot::Mutex;
 
-use crate::channel::driver::ChannelDriver;
+use crate::channel::driver::{ChannelDriver, INLINE_MAX};
 use crate::channel::proto::ChannelConfig;
 use crate::channel::{ChannelError, PeerGeometry};
 use crate::config::Config;
@@ -253,7 +253,9 @@ impl Endpoint {
             max_recv_wr: cfg.rx_slots.min(attr.max_qp_wr),
             max_send_sge: 2.min(attr.max_sge),
             max_recv_sge: 1,
-            max_inline_data: 0,
+            // Small sends (headers + a small payload) go inline: copied at post time, so the
+            // device reads no gather list (`ChannelDriver` decides per send).
+            max_inline_data: INLINE_MAX.min(attr.max_inline_data),
         };
         if caps.max_recv_wr < cfg.rx_slots || caps.max_send_wr < cfg.sq_depth {
             return Err(ChannelError::InvalidConfig(format!(

@@ -22,6 +22,8 @@ use crate::mempool::{MemPool, PoolBuf, PoolError};
 
 /// Bytes per send-header slot.
 const TX_SLOT: usize = 64;
+/// Largest send (headers + payload) the endpoint asks its QPs to take inline.
+pub const INLINE_MAX: u32 = 128;
 const _: () = assert!(MAX_HEAD_LEN <= TX_SLOT);
 
 impl OutPayload for PoolBuf {
@@ -77,6 +79,8 @@ pub struct ChannelDriver {
     tx_heads: MemoryRegion,
     slot_size: usize,
     scratch: Vec<u8>,
+    /// Sends up to this many bytes (headers + payload) are posted inline.
+    inline_max: u32,
 }
 
 impl std::fmt::Debug for ChannelDriver {
@@ -105,6 +109,7 @@ impl ChannelDriver {
         )?;
         let tx_heads = pd.alloc_mr(TX_SLOT * config.sq_depth as usize, AccessFlags::LOCAL_WRITE)?;
         let core = ChannelCore::new(config, peer)?;
+        let inline_max = qp.query().caps.max_inline_data;
         Ok(ChannelDriver {
             qp,
             core,
@@ -112,6 +117,7 @@ impl ChannelDriver {
             tx_heads,
             slot_size,
             scratch: vec![0; slot_size],
+            inline_max,
         })
     }
 
@@ -232,10 +238,14 @@ impl ChannelDriver {
                     }
                     _ => std::slice::from_ref(&head_sge),
                 };
+                let total = list.iter().map(|s| u64::from(s.length)).sum::<u64>();
+                let flags = if total <= u64::from(self.inline_max) {
+                    SendFlags::SIGNALED | SendFlags::INLINE
+                } else {
+                    SendFlags::SIGNALED
+                };
                 self.qp
-                    .post_send(&[
-                        SendWr::new(wr_id, list, WrOpcode::Send).with_flags(SendFlags::SIGNALED)
-                    ])
+                    .post_send(&[SendWr::new(wr_id, list, WrOpcode::Send).with_flags(flags)])
                     .map_err(|e| ChannelError::Verbs(e.source))
             }
             WorkRequest::Read {

@@ -49,7 +49,7 @@ pub use device::{
     PortState, Transport,
 };
 pub use error::{Result, VerbsError};
-pub use mr::{AccessFlags, Lkey, MemoryRegion, MrInfo, Rkey};
+pub use mr::{AccessFlags, Lkey, MemoryRegion, MrInfo, PageKind, Rkey};
 pub use pd::ProtectionDomain;
 pub use qp::{
     ack_timeout, rnr_timer, QpAttr, QpCaps, QpEndpoint, QpInfo, QpInitAttr, QpNum, QpState,

@@ -74,6 +74,26 @@ pub struct MrInfo {
     pub access: AccessFlags,
 }
 
+/// What backs a region's memory (see `provider::pages`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+pub enum PageKind {
+    /// Base pages (4 KiB), or memory the caller brought.
+    #[default]
+    Base,
+    /// Aligned to huge pages and advised `MADV_HUGEPAGE`, with transparent huge pages enabled
+    /// on the system: the kernel backs it with huge pages where it can.
+    Transparent,
+    /// Huge pages from the kernel's explicit pool (`MAP_HUGETLB`), reserved at allocation.
+    Explicit,
+}
+
+impl PageKind {
+    /// True for either kind of huge page.
+    pub fn is_huge(self) -> bool {
+        self != PageKind::Base
+    }
+}
+
 impl MrInfo {
     /// True when `[addr, addr+len)` lies inside the region (a zero-length access at any address
     /// inside or at the end of the region counts as inside).
@@ -124,6 +144,12 @@ impl MemoryRegion {
     /// Identity and bounds.
     pub fn info(&self) -> MrInfo {
         self.info
+    }
+
+    /// What backs the region: huge pages when the provider allocated it
+    /// (`ProtectionDomain::alloc_mr`) and the system has them, base pages otherwise.
+    pub fn pages(&self) -> PageKind {
+        self.ops.pages()
     }
     /// Start virtual address.
     pub fn addr(&self) -> u64 {

@@ -4,8 +4,10 @@
 //! - **Slabs** of [`PoolConfig::slab_size`] bytes (2 MiB by default) obtained from the provider
 //!   with `ProtectionDomain::alloc_mr`, so each slab is registered exactly once and lives where
 //!   the provider moves bytes fastest (for `shm`, a shared segment the peer maps, which is what
-//!   makes one-sided access and zero-copy work; huge pages, where available, are the provider's
-//!   choice, not the pool's).
+//!   makes one-sided access and zero-copy work). A slab is one huge page: the providers back
+//!   such regions with huge pages when the system has them (the kernel's explicit pool, else
+//!   transparent huge pages; base pages otherwise), and [`PoolStats::huge_page_bytes`] says
+//!   how many slab bytes got them.
 //! - **Size classes**: powers of two from [`PoolConfig::min_class`] (64 B) to
 //!   [`PoolConfig::max_class`] (the rendezvous chunk size, 64 KiB by default). A slab is carved
 //!   into one class at a time; allocation and free are O(1) stack operations on side metadata
@@ -172,6 +174,10 @@ pub struct PoolStats {
     pub bytes_idle: u64,
     /// Slabs registered now.
     pub slabs: u64,
+    /// Bytes of those slabs on huge pages (explicit or transparent; see
+    /// [`fabriq_verbs::PageKind`]): all of them where the system has huge pages, none
+    /// otherwise.
+    pub huge_page_bytes: u64,
     /// Large buffers outstanding now.
     pub large_buffers: u64,
     /// Registrations made by the pool (slabs and large buffers).

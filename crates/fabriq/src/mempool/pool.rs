@@ -489,6 +489,13 @@ impl MemPool {
             bytes_in_use: c.bytes_in_use,
             bytes_idle: (local.idle.len() * local.cfg.slab_size) as u64,
             slabs: (local.slabs.len() - local.vacant.len()) as u64,
+            huge_page_bytes: local
+                .slabs
+                .iter()
+                .flatten()
+                .filter(|s| s.mr.pages().is_huge())
+                .count() as u64
+                * local.cfg.slab_size as u64,
             large_buffers: c.large_buffers,
             registrations: c.registrations,
             deregistrations: c.deregistrations,

@@ -21,6 +21,7 @@ use crate::{
     VerbsError, WorkCompletion,
 };
 
+pub mod pages;
 #[cfg(feature = "rdma-core")]
 pub mod rdma_core;
 #[cfg(feature = "shm")]
@@ -103,6 +104,10 @@ pub trait MrOps: Send + Sync + 'static {
     fn info(&self) -> MrInfo;
     /// For downcasting.
     fn as_any(&self) -> &dyn Any;
+    /// What backs the region's memory.
+    fn pages(&self) -> crate::mr::PageKind {
+        crate::mr::PageKind::Base
+    }
 }
 
 /// A completion queue.

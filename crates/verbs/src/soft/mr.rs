@@ -21,7 +21,7 @@ use std::sync::Arc;
 use parking_lot::RwLock;
 
 use crate::provider::MrOps;
-use crate::{AccessFlags, Lkey, MrInfo, Result, Rkey, Sge, VerbsError, WcStatus};
+use crate::{AccessFlags, Lkey, MrInfo, PageKind, Result, Rkey, Sge, VerbsError, WcStatus};
 
 /// Why a remote access was refused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -428,10 +428,12 @@ unsafe fn write_raw(addr: u64, data: &[u8]) {
     unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), addr as usize as *mut u8, data.len()) }
 }
 
-/// Zeroed, page-aligned anonymous memory owned by a region (`alloc_mr`).
+/// Zeroed, page-aligned anonymous memory owned by a region (`alloc_mr`): on huge pages when
+/// its length is a multiple of one and the system has them (`provider::pages`).
 pub struct AnonMemory {
     ptr: *mut u8,
     len: usize,
+    pages: PageKind,
 }
 
 // SAFETY: the mapping is plain process memory owned by this value; it is accessed through raw
@@ -443,25 +445,12 @@ unsafe impl Sync for AnonMemory {}
 impl AnonMemory {
     /// Map `len` zeroed bytes.
     pub fn new(len: usize) -> Result<AnonMemory> {
-        use rustix::mm::{mmap_anonymous, MapFlags, ProtFlags};
         if len == 0 {
             return Err(VerbsError::InvalidArgument("zero-length mapping".into()));
         }
-        // SAFETY: a fresh private anonymous mapping at an address the kernel chooses aliases no
-        // existing memory.
-        let ptr = unsafe {
-            mmap_anonymous(
-                std::ptr::null_mut(),
-                len,
-                ProtFlags::READ | ProtFlags::WRITE,
-                MapFlags::PRIVATE,
-            )
-        }
-        .map_err(|e| VerbsError::io(format!("mmap {len} bytes"), e))?;
-        Ok(AnonMemory {
-            ptr: ptr.cast(),
-            len,
-        })
+        let (ptr, pages) = crate::provider::pages::map(len)
+            .map_err(|e| VerbsError::io(format!("mmap {len} bytes"), e))?;
+        Ok(AnonMemory { ptr, len, pages })
     }
 
     /// Start address.
@@ -478,13 +467,18 @@ impl AnonMemory {
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
+
+    /// What backs the mapping.
+    pub fn pages(&self) -> PageKind {
+        self.pages
+    }
 }
 
 impl Drop for AnonMemory {
     fn drop(&mut self) {
         // SAFETY: `ptr`/`len` are exactly the mapping created in `new`, unmapped only here; the
         // owning region was removed from its table first, so no access is in flight.
-        let _ = unsafe { rustix::mm::munmap(self.ptr.cast(), self.len) };
+        unsafe { crate::provider::pages::unmap(self.ptr, self.len) };
     }
 }
 
@@ -519,6 +513,11 @@ impl MrOps for SoftMr {
     }
     fn as_any(&self) -> &dyn Any {
         self
+    }
+    fn pages(&self) -> PageKind {
+        self._backing
+            .as_ref()
+            .map_or(PageKind::Base, AnonMemory::pages)
     }
 }
 

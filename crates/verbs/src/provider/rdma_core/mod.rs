@@ -29,7 +29,7 @@ use self::shadow::{Shadow, SqShadow};
 
 use std::any::Any;
 use std::collections::HashMap;
-use std::ffi::{c_int, c_void, CStr};
+use std::ffi::{c_int, CStr};
 use std::os::fd::BorrowedFd;
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::{Arc, Mutex};

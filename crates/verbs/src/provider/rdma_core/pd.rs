@@ -37,6 +37,8 @@ pub(super) struct Mr {
     pub(super) info: MrInfo,
     /// Memory allocated by `alloc_mr`, unmapped after deregistration.
     pub(super) owned: Option<(usize, usize)>,
+    /// What backs `owned` (base pages for caller memory).
+    pub(super) pages: crate::PageKind,
 }
 
 // SAFETY: see `CtxInner`.
@@ -49,8 +51,9 @@ impl Drop for Mr {
         // SAFETY: registered once, deregistered once; the keys stop working here.
         unsafe { (self.pd.ctx.v.dereg_mr)(self.raw) };
         if let Some((addr, len)) = self.owned {
-            // SAFETY: mapped by `alloc_mr` with this length, no longer registered.
-            unsafe { libc::munmap(addr as *mut c_void, len) };
+            // SAFETY: mapped by `alloc_mr` (`pages::map`) with this length, no longer
+            // registered.
+            unsafe { crate::provider::pages::unmap(addr as *mut u8, len) };
         }
     }
 }
@@ -62,6 +65,9 @@ impl MrOps for Mr {
     fn as_any(&self) -> &dyn Any {
         self
     }
+    fn pages(&self) -> crate::PageKind {
+        self.pages
+    }
 }
 
 impl Pd {
@@ -71,6 +77,7 @@ impl Pd {
         len: usize,
         access: AccessFlags,
         owned: Option<(usize, usize)>,
+        pages: crate::PageKind,
     ) -> Result<Box<dyn MrOps>> {
         // SAFETY: live PD; the caller guarantees the memory (see PdOps::reg_mr).
         let raw =
@@ -91,6 +98,7 @@ impl Pd {
                 access,
             },
             owned,
+            pages,
         }))
     }
 }
@@ -102,29 +110,19 @@ impl PdOps for Pd {
         len: usize,
         access: AccessFlags,
     ) -> Result<Box<dyn MrOps>> {
-        self.register(addr, len, access, None)
+        self.register(addr, len, access, None, crate::PageKind::Base)
     }
 
     fn alloc_mr(&self, len: usize, access: AccessFlags) -> Result<Box<dyn MrOps>> {
-        // SAFETY: anonymous private mapping, zero-filled by the kernel.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            return Err(errno_err("mmap for alloc_mr"));
-        }
-        match self.register(p.cast(), len, access, Some((p as usize, len))) {
+        // Anonymous private memory, zero-filled by the kernel, on huge pages where the
+        // system has them (fewer translation entries for the NIC).
+        let (p, pages) =
+            crate::provider::pages::map(len).map_err(|e| VerbsError::io("mmap for alloc_mr", e))?;
+        match self.register(p, len, access, Some((p as usize, len)), pages) {
             Ok(mr) => Ok(mr),
             Err(e) => {
                 // SAFETY: mapped above, never registered.
-                unsafe { libc::munmap(p, len) };
+                unsafe { crate::provider::pages::unmap(p, len) };
                 Err(e)
             }
         }

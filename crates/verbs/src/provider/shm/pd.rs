@@ -135,6 +135,15 @@ impl MrOps for ShmMr {
     fn as_any(&self) -> &dyn Any {
         self
     }
+    fn pages(&self) -> crate::PageKind {
+        let huge = crate::provider::pages::HUGE_PAGE as u64;
+        let aligned = self.info.addr % huge == 0 && self.info.len % huge == 0;
+        if self.heap_run.is_some() && aligned && self.core.shared.seg.huge_pages() {
+            crate::PageKind::Transparent
+        } else {
+            crate::PageKind::Base
+        }
+    }
 }
 
 impl Drop for ShmMr {

@@ -216,6 +216,9 @@ pub(crate) struct Segment {
     pidfd: Option<OwnedFd>,
     /// True when the owner is this process.
     local: bool,
+    /// True when this mapping's heap is advised onto transparent huge pages and the system
+    /// backs shared memory with them (`provider::pages`).
+    huge: bool,
 }
 
 // SAFETY: the mapping is process-wide and lives until drop; every access through `base` goes
@@ -261,7 +264,7 @@ impl Segment {
         while nonce == 0 {
             nonce = rand::random::<u64>();
         }
-        let seg = Segment {
+        let mut seg = Segment {
             base,
             memfd,
             pid: sys::getpid(),
@@ -269,7 +272,9 @@ impl Segment {
             doorbell,
             pidfd: None,
             local: true,
+            huge: false,
         };
+        seg.advise_heap();
         // SAFETY: the liveness area lies in the header page of our fresh mapping, 64-byte
         // aligned, and nothing uses it yet.
         unsafe { sys::robust_mutex_init(seg.liveness_mutex()) }
@@ -329,7 +334,9 @@ impl Segment {
             doorbell: placeholder,
             pidfd: None,
             local: false,
+            huge: false,
         };
+        seg.advise_heap();
         let h = seg.header();
         if h.magic.load(Ordering::Acquire) != MAGIC
             || h.version.load(Ordering::Relaxed) != VERSION
@@ -449,6 +456,19 @@ impl Segment {
     }
 
     /// Start of our mapping.
+    /// Advise the heap of this mapping onto huge pages (each process advises its own mapping
+    /// of a segment).
+    fn advise_heap(&mut self) {
+        // SAFETY: `HEAP_OFF < SEG_SIZE`: the range lies inside this mapping.
+        let heap = unsafe { self.base.as_ptr().add(HEAP_OFF as usize) };
+        self.huge = crate::provider::pages::advise_shared(heap, (SEG_SIZE - HEAP_OFF) as usize);
+    }
+
+    /// True when regions of the heap aligned to huge pages are backed by them.
+    pub(crate) fn huge_pages(&self) -> bool {
+        self.huge
+    }
+
     pub(crate) fn base(&self) -> *mut u8 {
         self.base.as_ptr()
     }

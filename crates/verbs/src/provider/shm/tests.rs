@@ -130,6 +130,31 @@ fn keys_are_random_and_deregistration_is_immediate() {
 }
 
 #[test]
+fn huge_page_regions_are_advised_where_shared_memory_takes_huge_pages() {
+    let ctx = Context::open("shm0").unwrap();
+    let pd = ctx.alloc_pd().unwrap();
+    let huge = crate::provider::pages::HUGE_PAGE;
+    let want = if crate::provider::pages::shmem_transparent_enabled() {
+        PageKind::Transparent
+    } else {
+        PageKind::Base
+    };
+    let m = mr(&pd, 2 * huge);
+    assert_eq!(
+        m.addr() % huge as u64,
+        0,
+        "heap regions of huge-page multiples are aligned"
+    );
+    assert_eq!(m.pages(), want);
+    assert_eq!(mr(&pd, huge + 4096).pages(), PageKind::Base);
+    // Caller memory registered in place is the caller's pages.
+    let mut own = vec![0u8; 4096];
+    // SAFETY: `own` outlives the region.
+    let r = unsafe { pd.reg_mr(own.as_mut_ptr(), own.len(), AccessFlags::LOCAL_WRITE) }.unwrap();
+    assert_eq!(r.pages(), PageKind::Base);
+}
+
+#[test]
 fn alloc_mr_is_zeroed_even_when_reused() {
     let ctx = Context::open("shm0").unwrap();
     let pd = ctx.alloc_pd().unwrap();

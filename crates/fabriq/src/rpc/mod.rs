@@ -4,7 +4,7 @@
 //! that received the request (in caller mode: the application thread that progressed it) and
 //! their reply is sent inline from there — no thread hop on the server. A call is posted by the
 //! calling thread when it gets the worker's lock, and the caller progresses the worker while it
-//! waits for the reply. Deadlines are kept by the caller's worker (its timer heap), so a call always ends: with
+//! waits for the reply. Deadlines are kept by the caller's worker (its timer wheel), so a call always ends: with
 //! the reply, [`RpcError::Timeout`], [`RpcError::UnknownMethod`] or [`RpcError::PeerGone`].
 
 pub mod wire;

@@ -28,9 +28,9 @@
 mod buffers;
 pub(crate) mod shared;
 pub(crate) mod streams;
+mod wheel;
 
-use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -276,7 +276,9 @@ pub(crate) struct Worker {
     buffers: Arc<Buffers>,
     conns: FxHashMap<u32, ConnState>,
     dirty: Vec<u32>,
-    timers: BinaryHeap<Reverse<(Instant, Timer)>>,
+    timers: wheel::TimerWheel<(Instant, Timer)>,
+    /// Timers that fired in this pass (kept to reuse its allocation).
+    fired: Vec<(Instant, Timer)>,
     handlers: Arc<Handlers>,
     orphans: FxHashMap<u32, Vec<WorkCompletion>>,
     next_one_sided: u64,
@@ -321,7 +323,8 @@ pub(crate) fn spawn(
         buffers: Arc::clone(&buffers),
         conns: FxHashMap::default(),
         dirty: Vec::new(),
-        timers: BinaryHeap::new(),
+        timers: wheel::TimerWheel::new(now()),
+        fired: Vec::new(),
         handlers,
         orphans: FxHashMap::default(),
         next_one_sided: 1,
@@ -615,8 +618,8 @@ impl Worker {
     /// Time to the earliest timer.
     fn next_timer_in(&self) -> Option<Duration> {
         self.timers
-            .peek()
-            .map(|Reverse((t, _))| t.saturating_duration_since(now()))
+            .next_deadline()
+            .map(|t| t.saturating_duration_since(now()))
     }
 
     /// Handle what epoll reported: control streams that became readable.
@@ -871,7 +874,7 @@ impl Worker {
             },
         ));
         self.timers
-            .push(Reverse((deadline, Timer::Call(chan, call_id))));
+            .insert(deadline, (deadline, Timer::Call(chan, call_id)));
         self.mark_dirty(key_conn(chan));
     }
 
@@ -943,20 +946,17 @@ impl Worker {
     }
 
     fn fire_timers(&mut self) -> usize {
-        let Some(&Reverse((first, _))) = self.timers.peek() else {
+        let Some(first) = self.timers.next_deadline() else {
             return 0;
         };
         let now = self.clock();
         if first > now {
             return 0;
         }
-        let mut fired = 0;
-        while let Some(Reverse((t, timer))) = self.timers.peek().copied() {
-            if t > now {
-                break;
-            }
-            self.timers.pop();
-            fired += 1;
+        let mut due = std::mem::take(&mut self.fired);
+        self.timers.poll(now, |_, entry| due.push(entry));
+        let fired = due.len();
+        for (t, timer) in due.drain(..) {
             match timer {
                 Timer::Channel(id) => {
                     if let Some(st) = self.conns.get_mut(&id) {
@@ -979,6 +979,7 @@ impl Worker {
                 }
             }
         }
+        self.fired = due;
         fired
     }
 
@@ -1134,7 +1135,7 @@ impl Worker {
         if let Some(t) = st.driver.core().poll_timeout() {
             if st.timer_at.map_or(true, |cur| t < cur) {
                 st.timer_at = Some(t);
-                timers.push(Reverse((t, Timer::Channel(id))));
+                timers.insert(t, (t, Timer::Channel(id)));
             }
         }
         if let Some(why) = newly_failed {

@@ -46,6 +46,7 @@ use std::time::Duration;
 
 use fabriq_verbs::{AccessFlags, PostError, QpCaps, VerbsError};
 
+pub(crate) use handshake::spin_pause;
 pub use control::{ControlEvent, ControlStream, QpLease};
 pub use manager::{
     ConnManager, ConnStats, Established, Incoming, Listener, ListenerCloser, PendingConn, Role,

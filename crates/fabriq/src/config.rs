@@ -12,8 +12,9 @@
 //! idle_spin_us = 50          # busy-poll this long after the last work, then sleep
 //! rpc_timeout_ms = 5000      # default deadline of Rpc::call_default
 //! handshake_timeout_ms = 5000
-//! handshake_spin_us = 200    # each handshake wait on the control stream busy-polls this long,
-//!                            # then sleeps (0: never spin)
+//! # handshake_spin_us = 50   # each handshake wait on the control stream busy-polls this long,
+//!                            # then sleeps (0: never spin); unset: 50 on a host of 4 or more
+//!                            # CPUs, else 0
 //! link_speed_gbps = 0        # picks thresholds: 25 → 2K/32K, 100 → 4K/64K, 200 → 8K/128K; 0 = device's
 //! rx_slots = 16              # receive ring per channel (the peer's credits); slots hold the
 //!                            # eager threshold + headers
@@ -51,6 +52,13 @@ use std::time::Duration;
 use crate::channel::proto::ChannelConfig;
 use crate::channel::wire::HEADER_LEN;
 use crate::channel::Thresholds;
+
+/// The handshake's busy-poll budget when [`Config::handshake_spin_us`] is unset, on a host
+/// with enough CPUs, microseconds.
+pub const DEFAULT_HANDSHAKE_SPIN_US: u64 = 50;
+
+/// The fewest CPUs on which an unset [`Config::handshake_spin_us`] spins.
+pub const HANDSHAKE_SPIN_MIN_CPUS: usize = 4;
 
 /// Errors reading a configuration.
 #[derive(Debug, thiserror::Error)]
@@ -140,9 +148,10 @@ pub struct Config {
     /// Connection handshake timeout, milliseconds.
     pub handshake_timeout_ms: u64,
     /// Busy-poll budget of each wait on a control stream during a connection handshake
-    /// (hello-ack, hello, Ready, the next accepted channel), microseconds; then the wait
-    /// sleeps. 0: never spin.
-    pub handshake_spin_us: u64,
+    /// (hello-ack, hello, Ready, the listener's wait for the next peer), microseconds; then the
+    /// wait sleeps. 0: never spin. `None`: [`DEFAULT_HANDSHAKE_SPIN_US`] on a host of at least
+    /// [`HANDSHAKE_SPIN_MIN_CPUS`] CPUs, else 0 (see [`Config::handshake_spin`]).
+    pub handshake_spin_us: Option<u64>,
     /// Link speed for the threshold profile (0: ask the device).
     pub link_speed_gbps: u32,
     /// Receive slots per channel.
@@ -185,7 +194,7 @@ impl Default for Config {
             idle_spin_us: 50,
             rpc_timeout_ms: 5000,
             handshake_timeout_ms: 5000,
-            handshake_spin_us: 200,
+            handshake_spin_us: None,
             link_speed_gbps: 0,
             rx_slots: 16,
             sq_depth: 128,
@@ -278,7 +287,9 @@ impl Config {
             self.handshake_timeout_ms,
             parse
         );
-        var!("FABRIQ_HANDSHAKE_SPIN_US", self.handshake_spin_us, parse);
+        if let Some(v) = get("FABRIQ_HANDSHAKE_SPIN_US") {
+            self.handshake_spin_us = Some(parse("FABRIQ_HANDSHAKE_SPIN_US", &v)?);
+        }
         var!("FABRIQ_LINK_SPEED_GBPS", self.link_speed_gbps, parse);
         var!("FABRIQ_RX_SLOTS", self.rx_slots, parse);
         var!("FABRIQ_SQ_DEPTH", self.sq_depth, parse);
@@ -377,9 +388,23 @@ impl Config {
         Duration::from_millis(self.handshake_timeout_ms.max(1))
     }
 
-    /// The handshake's busy-poll budget per wait.
+    /// The handshake's busy-poll budget per wait: `handshake_spin_us`, or when unset
+    /// [`DEFAULT_HANDSHAKE_SPIN_US`] where the host has at least [`HANDSHAKE_SPIN_MIN_CPUS`]
+    /// CPUs and 0 elsewhere. A loopback handshake keeps four threads busy at once (the two
+    /// handshake threads and the two workers adopting the connection, which then idle-spin);
+    /// with fewer cores a spinning thread holds a core the thread it waits for needs, and a
+    /// cached connect measured slower on a 2-core host with spinning than without
+    /// (`docs/BENCHMARKS.md`).
     pub fn handshake_spin(&self) -> Duration {
-        Duration::from_micros(self.handshake_spin_us)
+        let us = self.handshake_spin_us.unwrap_or_else(|| {
+            let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+            if cpus >= HANDSHAKE_SPIN_MIN_CPUS {
+                DEFAULT_HANDSHAKE_SPIN_US
+            } else {
+                0
+            }
+        });
+        Duration::from_micros(us)
     }
 
     /// The idle spin budget.
@@ -511,5 +536,32 @@ mod tests {
         );
         let err = Config::default().with_env_vars(|k| (k == "FABRIQ_WORKERS").then(|| "0".into()));
         assert!(matches!(err, Err(ConfigError::Invalid(_))));
+    }
+
+    #[test]
+    fn handshake_spin_is_explicit_or_follows_the_cpu_count() {
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let auto = if cpus >= HANDSHAKE_SPIN_MIN_CPUS {
+            DEFAULT_HANDSHAKE_SPIN_US
+        } else {
+            0
+        };
+        assert_eq!(
+            Config::default().handshake_spin(),
+            Duration::from_micros(auto)
+        );
+        let c = Config::from_toml_str("handshake_spin_us = 0\n").expect("valid");
+        assert_eq!(c.handshake_spin(), Duration::ZERO);
+        let c = Config::default()
+            .with_env_vars(|k| (k == "FABRIQ_HANDSHAKE_SPIN_US").then(|| "120".into()))
+            .expect("valid");
+        assert_eq!(c.handshake_spin(), Duration::from_micros(120));
+        // Longer than the whole handshake is refused.
+        let c = Config {
+            handshake_timeout_ms: 1,
+            handshake_spin_us: Some(1001),
+            ..Config::default()
+        };
+        assert!(matches!(c.validate(), Err(ConfigError::Invalid(_))));
     }
 }

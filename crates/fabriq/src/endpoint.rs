@@ -548,7 +548,6 @@ impl Endpoint {
             .map_err(|e| ChannelError::Handshake(format!("spawn acceptor: {e}")))?;
         Ok(Listener {
             local,
-            spin: self.inner.config.handshake_spin(),
             endpoint: Arc::downgrade(&self.inner),
             rx: Mutex::new(rx),
             failures: Mutex::new(fail_rx),
@@ -575,8 +574,6 @@ struct Adopted {
 /// new connection or on one it already has with this endpoint.
 pub struct Listener {
     local: SocketAddr,
-    /// How long `accept` polls for a channel before it sleeps (`Config::handshake_spin_us`).
-    spin: Duration,
     endpoint: Weak<Inner>,
     rx: Mutex<std::sync::mpsc::Receiver<Accepted>>,
     failures: Mutex<std::sync::mpsc::Receiver<ConnError>>,
@@ -614,55 +611,17 @@ impl Listener {
     /// Wait for the next channel. Peers whose handshake fails are not returned here; see
     /// [`Listener::next_failure`].
     pub fn accept(&self) -> Result<Channel, ChannelError> {
-        let rx = self.rx.lock();
-        let a = match self.spin_recv(&rx, self.spin) {
-            Some(a) => a,
-            None => rx.recv().map_err(|_| ChannelError::Closed)?,
-        };
-        drop(rx);
+        let a = self.rx.lock().recv().map_err(|_| ChannelError::Closed)?;
         self.channel(a)
     }
 
     /// Wait at most `timeout` for the next channel.
     pub fn accept_timeout(&self, timeout: Duration) -> Result<Channel, ChannelError> {
-        let start = std::time::Instant::now();
-        let rx = self.rx.lock();
-        let a = match self.spin_recv(&rx, self.spin.min(timeout)) {
-            Some(a) => a,
-            None => rx
-                .recv_timeout(timeout.saturating_sub(start.elapsed()))
-                .map_err(|e| match e {
-                    std::sync::mpsc::RecvTimeoutError::Timeout => ChannelError::Timeout,
-                    std::sync::mpsc::RecvTimeoutError::Disconnected => ChannelError::Closed,
-                })?,
-        };
-        drop(rx);
+        let a = self.rx.lock().recv_timeout(timeout).map_err(|e| match e {
+            std::sync::mpsc::RecvTimeoutError::Timeout => ChannelError::Timeout,
+            std::sync::mpsc::RecvTimeoutError::Disconnected => ChannelError::Closed,
+        })?;
         self.channel(a)
-    }
-
-    /// Poll for an accepted channel for up to `spin` (a handshake finishing meanwhile hands
-    /// it over without a thread wake-up); `None` if none came (or the acceptor is gone: the
-    /// blocking receive that follows reports it).
-    fn spin_recv(
-        &self,
-        rx: &std::sync::mpsc::Receiver<Accepted>,
-        spin: Duration,
-    ) -> Option<Accepted> {
-        if spin.is_zero() {
-            return None;
-        }
-        let until = std::time::Instant::now() + spin;
-        loop {
-            match rx.try_recv() {
-                Ok(a) => return Some(a),
-                Err(std::sync::mpsc::TryRecvError::Disconnected) => return None,
-                Err(std::sync::mpsc::TryRecvError::Empty) => {}
-            }
-            if std::time::Instant::now() >= until {
-                return None;
-            }
-            crate::conn::spin_pause();
-        }
     }
 
     /// Wait at most `timeout` for the next handshake that failed on this side (auth token or

@@ -669,7 +669,7 @@ fn cached_connects_deliver_the_first_messages_with_spinning_on_and_off() {
             let cfg = Config {
                 device: device.clone(),
                 handshake_timeout_ms: 10_000,
-                handshake_spin_us: spin_us,
+                handshake_spin_us: Some(spin_us),
                 ..Config::default()
             };
             let Some((server, client, listener)) = server_client_listener(cfg) else {

@@ -46,7 +46,6 @@ use std::time::Duration;
 
 use fabriq_verbs::{AccessFlags, PostError, QpCaps, VerbsError};
 
-pub(crate) use handshake::spin_pause;
 pub use control::{ControlEvent, ControlStream, QpLease};
 pub use manager::{
     ConnManager, ConnStats, Established, Incoming, Listener, ListenerCloser, PendingConn, Role,
@@ -196,7 +195,7 @@ pub struct ConnConfig {
     /// sleeps in the kernel until the message or the deadline. Spinning saves the thread
     /// wake-up at each hop of the exchange (tens of microseconds on a loaded host) at the cost
     /// of a busy core while it lasts. Zero: never spin (block at once); at most
-    /// `handshake_timeout`. Default 200 µs.
+    /// `handshake_timeout`. Default 50 µs.
     pub handshake_spin: Duration,
     /// Remote-access rights granted to the peer on each QP. Default READ | WRITE | ATOMIC.
     pub access: AccessFlags,
@@ -236,7 +235,7 @@ impl Default for ConnConfig {
     fn default() -> Self {
         ConnConfig {
             handshake_timeout: Duration::from_secs(5),
-            handshake_spin: Duration::from_micros(200),
+            handshake_spin: Duration::from_micros(50),
             access: AccessFlags::LOCAL_WRITE
                 | AccessFlags::REMOTE_READ
                 | AccessFlags::REMOTE_WRITE

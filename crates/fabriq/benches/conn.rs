@@ -20,7 +20,8 @@
 //! `handshake_spin_us`, the workers' `idle_spin_us`) has run out and the server's acceptor
 //! thread sleeps when the hello arrives; plain **cached** rounds follow each other at once,
 //! the way a burst of reconnects would. `FABRIQ_BENCH_HANDSHAKE_SPIN_US` sets the handshake's
-//! busy-poll budget (default: the `Config` default).
+//! busy-poll budget in `connect` and `endpoint_connect` (default: the configurations' default,
+//! 50 µs on a host of 4 or more CPUs, else 0).
 //!
 //! A third group, `qp_phases`, times the verbs steps of a connect on one in-process QP pair, to
 //! show where the time goes: creating a QP, RESET → INIT, and INIT → RTR → RTS of both QPs. A
@@ -64,8 +65,15 @@ fn manager(device: &str, cfg: ConnConfig) -> Result<ConnManager, String> {
     ConnManager::new(&pd, &cq, cfg).map_err(|e| e.to_string())
 }
 
+/// `FABRIQ_BENCH_HANDSHAKE_SPIN_US`, if set.
+fn spin_override_us() -> Option<u64> {
+    std::env::var("FABRIQ_BENCH_HANDSHAKE_SPIN_US")
+        .ok()
+        .and_then(|v| v.parse().ok())
+}
+
 fn rig(device: &str, cached: bool) -> Result<Rig, String> {
-    let cfg = if cached {
+    let mut cfg = if cached {
         ConnConfig::default()
     } else {
         ConnConfig {
@@ -74,6 +82,9 @@ fn rig(device: &str, cached: bool) -> Result<Rig, String> {
             ..ConnConfig::default()
         }
     };
+    if let Some(us) = spin_override_us() {
+        cfg.handshake_spin = Duration::from_micros(us);
+    }
     let server_mgr = manager(device, cfg.clone())?;
     let client = manager(device, cfg)?;
     let listener = server_mgr
@@ -219,10 +230,7 @@ fn endpoint_bench(c: &mut Criterion) {
                 reuse_control_streams: cached,
                 ..Config::default()
             };
-            if let Some(us) = std::env::var("FABRIQ_BENCH_HANDSHAKE_SPIN_US")
-                .ok()
-                .and_then(|v| v.parse().ok())
-            {
+            if let Some(us) = spin_override_us() {
                 cfg.handshake_spin_us = Some(us);
             }
             let (server, client) = match (Endpoint::new(cfg.clone()), Endpoint::new(cfg)) {

@@ -53,13 +53,6 @@ use crate::channel::proto::ChannelConfig;
 use crate::channel::wire::HEADER_LEN;
 use crate::channel::Thresholds;
 
-/// The handshake's busy-poll budget when [`Config::handshake_spin_us`] is unset, on a host
-/// with enough CPUs, microseconds.
-pub const DEFAULT_HANDSHAKE_SPIN_US: u64 = 50;
-
-/// The fewest CPUs on which an unset [`Config::handshake_spin_us`] spins.
-pub const HANDSHAKE_SPIN_MIN_CPUS: usize = 4;
-
 /// Errors reading a configuration.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -149,8 +142,8 @@ pub struct Config {
     pub handshake_timeout_ms: u64,
     /// Busy-poll budget of each wait on a control stream during a connection handshake
     /// (hello-ack, hello, Ready, the listener's wait for the next peer), microseconds; then the
-    /// wait sleeps. 0: never spin. `None`: [`DEFAULT_HANDSHAKE_SPIN_US`] on a host of at least
-    /// [`HANDSHAKE_SPIN_MIN_CPUS`] CPUs, else 0 (see [`Config::handshake_spin`]).
+    /// wait sleeps. 0: never spin. `None`: [`crate::conn::default_handshake_spin`] (50 µs on a
+    /// host of 4 or more CPUs, else 0).
     pub handshake_spin_us: Option<u64>,
     /// Link speed for the threshold profile (0: ask the device).
     pub link_speed_gbps: u32,
@@ -389,22 +382,10 @@ impl Config {
     }
 
     /// The handshake's busy-poll budget per wait: `handshake_spin_us`, or when unset
-    /// [`DEFAULT_HANDSHAKE_SPIN_US`] where the host has at least [`HANDSHAKE_SPIN_MIN_CPUS`]
-    /// CPUs and 0 elsewhere. A loopback handshake keeps four threads busy at once (the two
-    /// handshake threads and the two workers adopting the connection, which then idle-spin);
-    /// with fewer cores a spinning thread holds a core the thread it waits for needs, and a
-    /// cached connect measured slower on a 2-core host with spinning than without
-    /// (`docs/BENCHMARKS.md`).
+    /// [`crate::conn::default_handshake_spin`] (50 µs on a host of 4 or more CPUs, else 0).
     pub fn handshake_spin(&self) -> Duration {
-        let us = self.handshake_spin_us.unwrap_or_else(|| {
-            let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-            if cpus >= HANDSHAKE_SPIN_MIN_CPUS {
-                DEFAULT_HANDSHAKE_SPIN_US
-            } else {
-                0
-            }
-        });
-        Duration::from_micros(us)
+        self.handshake_spin_us
+            .map_or_else(crate::conn::default_handshake_spin, Duration::from_micros)
     }
 
     /// The idle spin budget.
@@ -541,15 +522,13 @@ mod tests {
     #[test]
     fn handshake_spin_is_explicit_or_follows_the_cpu_count() {
         let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let auto = if cpus >= HANDSHAKE_SPIN_MIN_CPUS {
-            DEFAULT_HANDSHAKE_SPIN_US
+        let auto = if cpus >= crate::conn::HANDSHAKE_SPIN_MIN_CPUS {
+            crate::conn::DEFAULT_HANDSHAKE_SPIN
         } else {
-            0
+            Duration::ZERO
         };
-        assert_eq!(
-            Config::default().handshake_spin(),
-            Duration::from_micros(auto)
-        );
+        assert_eq!(Config::default().handshake_spin(), auto);
+        assert_eq!(crate::conn::ConnConfig::default().handshake_spin, auto);
         let c = Config::from_toml_str("handshake_spin_us = 0\n").expect("valid");
         assert_eq!(c.handshake_spin(), Duration::ZERO);
         let c = Config::default()

@@ -183,6 +183,29 @@ impl ConnError {
     }
 }
 
+/// The busy-poll budget of a handshake wait on a host of at least [`HANDSHAKE_SPIN_MIN_CPUS`]
+/// CPUs (see [`default_handshake_spin`]).
+pub const DEFAULT_HANDSHAKE_SPIN: Duration = Duration::from_micros(50);
+
+/// The fewest CPUs on which the default handshake spins.
+pub const HANDSHAKE_SPIN_MIN_CPUS: usize = 4;
+
+/// The default of [`ConnConfig::handshake_spin`] (and of an unset
+/// `Config::handshake_spin_us`): [`DEFAULT_HANDSHAKE_SPIN`] on a host of at least
+/// [`HANDSHAKE_SPIN_MIN_CPUS`] CPUs, else zero. A loopback handshake keeps four threads busy at
+/// once (the two handshake threads, and through an `Endpoint` the two workers adopting the
+/// connection, which then idle-spin); with fewer cores a spinning thread holds the core the
+/// thread it waits for needs, and connects measured slower with spinning than without on a
+/// 2-core host (`docs/BENCHMARKS.md`).
+pub fn default_handshake_spin() -> Duration {
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if cpus >= HANDSHAKE_SPIN_MIN_CPUS {
+        DEFAULT_HANDSHAKE_SPIN
+    } else {
+        Duration::ZERO
+    }
+}
+
 /// Configuration of a [`ConnManager`]: the handshake's parameters and this side's announcement.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(default)]
@@ -195,7 +218,8 @@ pub struct ConnConfig {
     /// sleeps in the kernel until the message or the deadline. Spinning saves the thread
     /// wake-up at each hop of the exchange (tens of microseconds on a loaded host) at the cost
     /// of a busy core while it lasts. Zero: never spin (block at once); at most
-    /// `handshake_timeout`. Default 50 µs.
+    /// `handshake_timeout`. Default: [`default_handshake_spin`] (50 µs on a host of 4 or more
+    /// CPUs, else zero).
     pub handshake_spin: Duration,
     /// Remote-access rights granted to the peer on each QP. Default READ | WRITE | ATOMIC.
     pub access: AccessFlags,
@@ -235,7 +259,7 @@ impl Default for ConnConfig {
     fn default() -> Self {
         ConnConfig {
             handshake_timeout: Duration::from_secs(5),
-            handshake_spin: Duration::from_micros(50),
+            handshake_spin: default_handshake_spin(),
             access: AccessFlags::LOCAL_WRITE
                 | AccessFlags::REMOTE_READ
                 | AccessFlags::REMOTE_WRITE

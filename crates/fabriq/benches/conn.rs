@@ -15,12 +15,19 @@
 //! **cold**: `qp_cache_size = 0`, `reuse_control_streams = false`; **cached**: defaults;
 //! **pooled**: defaults with one other channel to the peer kept open, so the connect finds the
 //! pooled connection and only opens a stream on it (no handshake; the server's `accept` returns
-//! once the stream's `STREAM_OPEN` arrived).
+//! once the stream's `STREAM_OPEN` arrived). **cached_idle**: cached, with 2 ms of idleness
+//! (untimed) before each connect, so that every busy-poll budget (the handshake's
+//! `handshake_spin_us`, the workers' `idle_spin_us`) has run out and the server's acceptor
+//! thread sleeps when the hello arrives; plain **cached** rounds follow each other at once,
+//! the way a burst of reconnects would. `FABRIQ_BENCH_HANDSHAKE_SPIN_US` sets the handshake's
+//! busy-poll budget in `connect` and `endpoint_connect` (default: the configurations' default,
+//! 50 µs on a host of 4 or more CPUs, else 0).
 //!
 //! A third group, `qp_phases`, times the verbs steps of a connect on one in-process QP pair, to
 //! show where the time goes: creating a QP, RESET → INIT, and INIT → RTR → RTS of both QPs. A
-//! fourth, `control_floor`, is one blocking loopback TCP round trip between two threads: the
-//! least each control-stream exchange of a handshake costs.
+//! fourth, `control_floor`, is one loopback TCP round trip between two threads, with blocking
+//! reads (each hop wakes a sleeping thread) and with busy-polled non-blocking reads: the least
+//! each control-stream exchange of a handshake costs.
 //!
 //! `cargo bench -p fabriq --bench conn` (`-- endpoint_connect` for one group)
 
@@ -58,8 +65,15 @@ fn manager(device: &str, cfg: ConnConfig) -> Result<ConnManager, String> {
     ConnManager::new(&pd, &cq, cfg).map_err(|e| e.to_string())
 }
 
+/// `FABRIQ_BENCH_HANDSHAKE_SPIN_US`, if set.
+fn spin_override_us() -> Option<u64> {
+    std::env::var("FABRIQ_BENCH_HANDSHAKE_SPIN_US")
+        .ok()
+        .and_then(|v| v.parse().ok())
+}
+
 fn rig(device: &str, cached: bool) -> Result<Rig, String> {
-    let cfg = if cached {
+    let mut cfg = if cached {
         ConnConfig::default()
     } else {
         ConnConfig {
@@ -68,6 +82,9 @@ fn rig(device: &str, cached: bool) -> Result<Rig, String> {
             ..ConnConfig::default()
         }
     };
+    if let Some(us) = spin_override_us() {
+        cfg.handshake_spin = Duration::from_micros(us);
+    }
     let server_mgr = manager(device, cfg.clone())?;
     let client = manager(device, cfg)?;
     let listener = server_mgr
@@ -201,17 +218,21 @@ fn endpoint_bench(c: &mut Criterion) {
     g.measurement_time(Duration::from_secs(3));
     g.warm_up_time(Duration::from_millis(500));
     for device in devices() {
-        for (mode, cached, pooled) in [
-            ("cold", false, false),
-            ("cached", true, false),
-            ("pooled", true, true),
+        for (mode, cached, pooled, idle) in [
+            ("cold", false, false, None),
+            ("cached", true, false, None),
+            ("cached_idle", true, false, Some(Duration::from_millis(2))),
+            ("pooled", true, true, None),
         ] {
-            let cfg = Config {
+            let mut cfg = Config {
                 device: device.clone(),
                 qp_cache_size: if cached { 64 } else { 0 },
                 reuse_control_streams: cached,
                 ..Config::default()
             };
+            if let Some(us) = spin_override_us() {
+                cfg.handshake_spin_us = Some(us);
+            }
             let (server, client) = match (Endpoint::new(cfg.clone()), Endpoint::new(cfg)) {
                 (Ok(s), Ok(c)) => (s, c),
                 (Err(e), _) | (_, Err(e)) => {
@@ -250,6 +271,10 @@ fn endpoint_bench(c: &mut Criterion) {
                         let mut total = Duration::ZERO;
                         for _ in 0..iters {
                             round += 1;
+                            if let Some(gap) = idle {
+                                // Untimed: every busy-poll budget runs out.
+                                std::thread::sleep(gap);
+                            }
                             let r = endpoint_round(
                                 &server,
                                 &client,
@@ -405,6 +430,60 @@ fn control_floor_bench(c: &mut Criterion) {
         bench.iter(|| {
             s.write_all(&b).expect("write");
             s.read_exact(&mut b).expect("read");
+        })
+    });
+    drop(s);
+    let _ = echo.join();
+
+    // The same exchange with both threads busy-polling non-blocking sockets (yielding between
+    // tries), as the handshake does within its spin budget.
+    fn spin_read(s: &mut std::net::TcpStream, b: &mut [u8]) -> bool {
+        let mut off = 0;
+        while off < b.len() {
+            match s.read(&mut b[off..]) {
+                Ok(0) => return false,
+                Ok(n) => off += n,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => std::thread::yield_now(),
+                Err(_) => return false,
+            }
+        }
+        true
+    }
+    fn spin_write(s: &mut std::net::TcpStream, b: &[u8]) -> bool {
+        let mut off = 0;
+        while off < b.len() {
+            match s.write(&b[off..]) {
+                Ok(n) => off += n,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => std::thread::yield_now(),
+                Err(_) => return false,
+            }
+        }
+        true
+    }
+    let Ok(listener) = std::net::TcpListener::bind("127.0.0.1:0") else {
+        return;
+    };
+    let Ok(addr) = listener.local_addr() else {
+        return;
+    };
+    let echo = std::thread::spawn(move || {
+        let Ok((mut s, _)) = listener.accept() else {
+            return;
+        };
+        let _ = s.set_nodelay(true);
+        let _ = s.set_nonblocking(true);
+        let mut b = [0u8; 64];
+        while spin_read(&mut s, &mut b) && spin_write(&mut s, &b) {}
+    });
+    let Ok(mut s) = std::net::TcpStream::connect(addr) else {
+        return;
+    };
+    let _ = s.set_nodelay(true);
+    let _ = s.set_nonblocking(true);
+    g.bench_function("spinning_tcp_round_trip_64B", |bench| {
+        bench.iter(|| {
+            assert!(spin_write(&mut s, &b), "write");
+            assert!(spin_read(&mut s, &mut b), "read");
         })
     });
     drop(s);

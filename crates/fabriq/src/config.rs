@@ -12,6 +12,9 @@
 //! idle_spin_us = 50          # busy-poll this long after the last work, then sleep
 //! rpc_timeout_ms = 5000      # default deadline of Rpc::call_default
 //! handshake_timeout_ms = 5000
+//! # handshake_spin_us = 50   # each handshake wait on the control stream busy-polls this long,
+//!                            # then sleeps (0: never spin); unset: 50 on a host of 4 or more
+//!                            # CPUs, else 0
 //! link_speed_gbps = 0        # picks thresholds: 25 → 2K/32K, 100 → 4K/64K, 200 → 8K/128K; 0 = device's
 //! rx_slots = 16              # receive ring per channel (the peer's credits); slots hold the
 //!                            # eager threshold + headers
@@ -36,7 +39,7 @@
 //! ```
 //!
 //! Environment: `FABRIQ_DEVICE`, `FABRIQ_WORKERS`, `FABRIQ_PROGRESS`, `FABRIQ_PIN_WORKERS`, `FABRIQ_IDLE_SPIN_US`,
-//! `FABRIQ_RPC_TIMEOUT_MS`, `FABRIQ_HANDSHAKE_TIMEOUT_MS`, `FABRIQ_LINK_SPEED_GBPS`,
+//! `FABRIQ_RPC_TIMEOUT_MS`, `FABRIQ_HANDSHAKE_TIMEOUT_MS`, `FABRIQ_HANDSHAKE_SPIN_US`, `FABRIQ_LINK_SPEED_GBPS`,
 //! `FABRIQ_RX_SLOTS`, `FABRIQ_SQ_DEPTH`, `FABRIQ_MAX_QUEUED`, `FABRIQ_MAX_MESSAGE_LEN`,
 //! `FABRIQ_EAGER_MAX`, `FABRIQ_CHUNK_SIZE`, `FABRIQ_READS_IN_FLIGHT`, `FABRIQ_RNR_RETRY`,
 //! `FABRIQ_AUTH_TOKEN`, `FABRIQ_QP_CACHE_SIZE`, `FABRIQ_REUSE_CONTROL_STREAMS`,
@@ -137,6 +140,11 @@ pub struct Config {
     pub rpc_timeout_ms: u64,
     /// Connection handshake timeout, milliseconds.
     pub handshake_timeout_ms: u64,
+    /// Busy-poll budget of each wait on a control stream during a connection handshake
+    /// (hello-ack, hello, Ready, the listener's wait for the next peer), microseconds; then the
+    /// wait sleeps. 0: never spin. `None`: [`crate::conn::default_handshake_spin`] (50 µs on a
+    /// host of 4 or more CPUs, else 0).
+    pub handshake_spin_us: Option<u64>,
     /// Link speed for the threshold profile (0: ask the device).
     pub link_speed_gbps: u32,
     /// Receive slots per channel.
@@ -179,6 +187,7 @@ impl Default for Config {
             idle_spin_us: 50,
             rpc_timeout_ms: 5000,
             handshake_timeout_ms: 5000,
+            handshake_spin_us: None,
             link_speed_gbps: 0,
             rx_slots: 16,
             sq_depth: 128,
@@ -271,6 +280,9 @@ impl Config {
             self.handshake_timeout_ms,
             parse
         );
+        if let Some(v) = get("FABRIQ_HANDSHAKE_SPIN_US") {
+            self.handshake_spin_us = Some(parse("FABRIQ_HANDSHAKE_SPIN_US", &v)?);
+        }
         var!("FABRIQ_LINK_SPEED_GBPS", self.link_speed_gbps, parse);
         var!("FABRIQ_RX_SLOTS", self.rx_slots, parse);
         var!("FABRIQ_SQ_DEPTH", self.sq_depth, parse);
@@ -327,6 +339,9 @@ impl Config {
         if self.device.is_empty() {
             return bad("device is empty");
         }
+        if self.handshake_spin() > self.handshake_timeout() {
+            return bad("handshake_spin_us exceeds handshake_timeout_ms");
+        }
         if self.auth_token.len() > crate::conn::wire::MAX_TOKEN_LEN {
             return bad("auth_token is longer than 1024 bytes");
         }
@@ -364,6 +379,13 @@ impl Config {
     /// The handshake timeout.
     pub fn handshake_timeout(&self) -> Duration {
         Duration::from_millis(self.handshake_timeout_ms.max(1))
+    }
+
+    /// The handshake's busy-poll budget per wait: `handshake_spin_us`, or when unset
+    /// [`crate::conn::default_handshake_spin`] (50 µs on a host of 4 or more CPUs, else 0).
+    pub fn handshake_spin(&self) -> Duration {
+        self.handshake_spin_us
+            .map_or_else(crate::conn::default_handshake_spin, Duration::from_micros)
     }
 
     /// The idle spin budget.
@@ -495,5 +517,30 @@ mod tests {
         );
         let err = Config::default().with_env_vars(|k| (k == "FABRIQ_WORKERS").then(|| "0".into()));
         assert!(matches!(err, Err(ConfigError::Invalid(_))));
+    }
+
+    #[test]
+    fn handshake_spin_is_explicit_or_follows_the_cpu_count() {
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let auto = if cpus >= crate::conn::HANDSHAKE_SPIN_MIN_CPUS {
+            crate::conn::DEFAULT_HANDSHAKE_SPIN
+        } else {
+            Duration::ZERO
+        };
+        assert_eq!(Config::default().handshake_spin(), auto);
+        assert_eq!(crate::conn::ConnConfig::default().handshake_spin, auto);
+        let c = Config::from_toml_str("handshake_spin_us = 0\n").expect("valid");
+        assert_eq!(c.handshake_spin(), Duration::ZERO);
+        let c = Config::default()
+            .with_env_vars(|k| (k == "FABRIQ_HANDSHAKE_SPIN_US").then(|| "120".into()))
+            .expect("valid");
+        assert_eq!(c.handshake_spin(), Duration::from_micros(120));
+        // Longer than the whole handshake is refused.
+        let c = Config {
+            handshake_timeout_ms: 1,
+            handshake_spin_us: Some(1001),
+            ..Config::default()
+        };
+        assert!(matches!(c.validate(), Err(ConfigError::Invalid(_))));
     }
 }

@@ -266,6 +266,7 @@ impl Endpoint {
         }
         Ok(ConnConfig {
             handshake_timeout: config.handshake_timeout(),
+            handshake_spin: config.handshake_spin(),
             access: ACCESS,
             qp_caps: caps,
             sq_sig_all: false,

@@ -655,3 +655,72 @@ fn the_first_message_on_a_new_connection_is_never_lost() {
         greeter.join().expect("greeter");
     }
 }
+
+/// A connect that hits the QP cache and a kept control stream is a full connection: both
+/// sides' first messages, sent the moment `connect` / `accept` return, arrive; and it works
+/// the same whether the handshake's waits busy-poll (a budget longer than any handshake here)
+/// or block at once (budget 0). Every round after the first reuses the QP on both sides and
+/// the one TCP control stream.
+#[test]
+fn cached_connects_deliver_the_first_messages_with_spinning_on_and_off() {
+    const ROUNDS: u64 = 5;
+    for device in devices() {
+        for spin_us in [0, 100_000] {
+            let cfg = Config {
+                device: device.clone(),
+                handshake_timeout_ms: 10_000,
+                handshake_spin_us: Some(spin_us),
+                ..Config::default()
+            };
+            let Some((server, client, listener)) = server_client_listener(cfg) else {
+                continue;
+            };
+            let addr = listener.local_addr();
+            for round in 0..ROUNDS {
+                let c = client.connect(addr).expect("connect");
+                c.send(&round.to_le_bytes()).expect("client's first send");
+                let s = listener.accept_timeout(HANG).expect("accept");
+                s.send(&[round as u8; 3000]).expect("server's first send");
+                let got = s.recv_timeout(HANG).expect("server's first recv");
+                assert_eq!(&got[..], &round.to_le_bytes(), "{device} spin {spin_us}");
+                let got = c.recv_timeout(HANG).expect("client's first recv");
+                assert_eq!(
+                    &got[..],
+                    &[round as u8; 3000][..],
+                    "{device} spin {spin_us}"
+                );
+                drop(c);
+                match s.recv_timeout(HANG) {
+                    Err(ChannelError::PeerGone) => {}
+                    other => panic!("{device} spin {spin_us}: expected PeerGone, got {other:?}"),
+                }
+                drop(s);
+                wait_stats(&client, "client QP back in the cache", |st| {
+                    st.qps_cached >= 1 && st.connects > round
+                });
+                wait_stats(&server, "server QP back in the cache", |st| {
+                    st.qps_cached >= 1 && st.accepts > round
+                });
+            }
+            let cs = client.conn_stats();
+            let ss = server.conn_stats();
+            let what = format!("{device} spin {spin_us}: client {cs:?}, server {ss:?}");
+            assert_eq!(
+                (cs.qps_created, cs.qp_cache_hits),
+                (1, ROUNDS - 1),
+                "{what}"
+            );
+            assert_eq!(
+                (ss.qps_created, ss.qp_cache_hits),
+                (1, ROUNDS - 1),
+                "{what}"
+            );
+            assert_eq!(
+                (cs.streams_opened, cs.stream_reuses),
+                (1, ROUNDS - 1),
+                "{what}"
+            );
+            assert_eq!(cs.failed + ss.failed, 0, "{what}");
+        }
+    }
+}

@@ -9,6 +9,15 @@ use std::time::{Duration, Instant};
 use super::wire::{self, DecodeError, Hello, Message, Reject, RejectCode, VERSION};
 use super::ConnError;
 
+/// One pause of a handshake's busy-poll loop: give the core away if another thread wants it.
+/// On a host with fewer free cores than busy threads the thread being waited for (the peer's
+/// side of the handshake, a worker) may need this core; a pure spin would hold it until the
+/// budget runs out, and the wait would cost the whole budget instead of a wake-up. With a
+/// core to spare, `sched_yield` returns at once.
+pub(crate) fn spin_pause() {
+    std::thread::yield_now();
+}
+
 /// Time left before `deadline`, or a timeout error.
 fn remaining(
     deadline: Instant,
@@ -34,15 +43,19 @@ pub(crate) struct Step {
     pub deadline: Instant,
     /// The total time allowed, for error messages.
     pub allowed: Duration,
+    /// How long each read busy-polls the socket (non-blocking receives) before it blocks;
+    /// zero: block at once. See [`super::ConnConfig::handshake_spin`].
+    pub spin: Duration,
 }
 
 impl Step {
-    pub fn new(peer: SocketAddr, phase: &'static str, allowed: Duration) -> Step {
+    pub fn new(peer: SocketAddr, phase: &'static str, allowed: Duration, spin: Duration) -> Step {
         Step {
             peer,
             phase,
             deadline: Instant::now() + allowed,
             allowed,
+            spin,
         }
     }
 
@@ -69,19 +82,32 @@ impl Step {
 
     /// Fill `buf` completely. `Ok(false)` if the peer closed before sending anything and
     /// `eof_ok` is set (an idle stream the peer let go of).
+    ///
+    /// Hybrid wait: for up to `spin` the socket is polled with non-blocking receives (no
+    /// thread sleeps or wakes when the peer answers within it), then the read blocks with a
+    /// timeout of what is left before the deadline. The deadline bounds both phases.
     fn read_full(
         &self,
         s: &mut TcpStream,
         buf: &mut [u8],
         eof_ok: bool,
     ) -> Result<bool, ConnError> {
+        let spin_until = (!self.spin.is_zero()).then(|| Instant::now() + self.spin);
         let mut off = 0;
         while off < buf.len() {
             let left = remaining(self.deadline, self.allowed, self.peer, self.phase)?;
-            s.set_read_timeout(Some(left))
-                .map_err(|e| ConnError::io("set control stream timeout", e))?;
             let Some(dst) = buf.get_mut(off..) else { break };
-            match s.read(dst) {
+            let spinning = spin_until.is_some_and(|t| Instant::now() < t);
+            let got = if spinning {
+                rustix::net::recv(&*s, dst, rustix::net::RecvFlags::DONTWAIT)
+                    .map(|(n, _)| n)
+                    .map_err(std::io::Error::from)
+            } else {
+                s.set_read_timeout(Some(left))
+                    .map_err(|e| ConnError::io("set control stream timeout", e))?;
+                s.read(dst)
+            };
+            match got {
                 Ok(0) if off == 0 && eof_ok => return Ok(false),
                 Ok(0) => {
                     return Err(ConnError::PeerClosed {
@@ -91,7 +117,11 @@ impl Step {
                 }
                 Ok(n) => off += n,
                 Err(e) if e.kind() == ErrorKind::Interrupted => {}
-                Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
+                Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
+                    if spinning {
+                        spin_pause();
+                    }
+                }
                 Err(e) if e.kind() == ErrorKind::ConnectionReset && off == 0 && eof_ok => {
                     return Ok(false)
                 }

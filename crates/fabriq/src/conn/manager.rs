@@ -398,6 +398,7 @@ impl ConnManager {
                 phase,
                 deadline,
                 allowed: timeout,
+                spin: self.inner.cfg.handshake_spin,
             };
             // A reused stream may still hold the peer's Close of the previous connection.
             let reply = step("hello")
@@ -662,7 +663,14 @@ impl PendingConn {
         };
         let mgr = self.mgr.clone();
         let cfg = &mgr.inner.cfg;
-        let step = |phase| Step::new(self.peer_addr, phase, cfg.handshake_timeout);
+        let step = |phase| {
+            Step::new(
+                self.peer_addr,
+                phase,
+                cfg.handshake_timeout,
+                cfg.handshake_spin,
+            )
+        };
         let run = |stream: &mut TcpStream| -> Result<(), ConnError> {
             if qp.state() == QpState::Reset {
                 qp.modify(&QpAttr::init(cfg.access))?;
@@ -935,6 +943,16 @@ impl Listener {
         use rustix::event::{poll, PollFd, PollFlags, Timespec};
 
         let deadline = timeout.map(|t| Instant::now() + t);
+        // Hybrid wait: poll without blocking for `handshake_spin` after entry and after each
+        // event (a stream given back, a `Close` skipped), then sleep in `poll`. A hello that
+        // follows soon after (a reconnect, the next peer of a burst) is read without waking
+        // this thread.
+        let spin = self.mgr.inner.cfg.handshake_spin;
+        let mut spin_until = Instant::now() + spin;
+        let zero = Timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
         let mut idle = self.idle.lock();
         loop {
             if self.home.closed.load(Ordering::Acquire) {
@@ -964,6 +982,8 @@ impl Listener {
                 }
                 None => None,
             };
+            let spinning = Instant::now() < spin_until;
+            let wait = if spinning { Some(&zero) } else { left.as_ref() };
             let ready: Vec<bool> = {
                 let mut fds = Vec::with_capacity(2 + idle.len());
                 fds.push(PollFd::new(&self.tcp, PollFlags::IN));
@@ -971,15 +991,22 @@ impl Listener {
                 for (s, _) in idle.iter() {
                     fds.push(PollFd::new(s, PollFlags::IN));
                 }
-                match poll(&mut fds, left.as_ref()) {
+                match poll(&mut fds, wait) {
                     Ok(_) => {}
                     Err(rustix::io::Errno::INTR) => continue,
                     Err(e) => return Err(ConnError::io("poll listener", e.into())),
                 }
                 fds.iter().map(|f| !f.revents().is_empty()).collect()
             };
+            if !ready.contains(&true) {
+                if spinning {
+                    super::handshake::spin_pause();
+                }
+                continue;
+            }
             if ready.get(1).copied().unwrap_or(false) {
                 self.home.drain_wake();
+                spin_until = Instant::now() + spin;
             }
             // A kept stream with a new hello (or closed by its peer).
             if let Some(i) = ready.iter().skip(2).position(|&r| r) {
@@ -990,6 +1017,7 @@ impl Listener {
                     // The peer's Close of the previous connection: wait for its next hello.
                     Ok(HelloRead::Close) => {
                         idle.push((stream, peer));
+                        spin_until = Instant::now() + spin;
                         continue;
                     }
                     Err(e) => return Err(e),
@@ -1036,7 +1064,12 @@ impl Listener {
         eof_ok: bool,
     ) -> Result<HelloRead, ConnError> {
         let inner = &self.mgr.inner;
-        let step = Step::new(peer, "hello", inner.cfg.handshake_timeout);
+        let step = Step::new(
+            peer,
+            "hello",
+            inner.cfg.handshake_timeout,
+            inner.cfg.handshake_spin,
+        );
         let result = match step.read_msg(stream, eof_ok) {
             Ok(None) => return Ok(HelloRead::Eof),
             Ok(Some(Message::Close)) if eof_ok => return Ok(HelloRead::Close),

@@ -183,12 +183,44 @@ impl ConnError {
     }
 }
 
+/// The busy-poll budget of a handshake wait on a host of at least [`HANDSHAKE_SPIN_MIN_CPUS`]
+/// CPUs (see [`default_handshake_spin`]).
+pub const DEFAULT_HANDSHAKE_SPIN: Duration = Duration::from_micros(50);
+
+/// The fewest CPUs on which the default handshake spins.
+pub const HANDSHAKE_SPIN_MIN_CPUS: usize = 4;
+
+/// The default of [`ConnConfig::handshake_spin`] (and of an unset
+/// `Config::handshake_spin_us`): [`DEFAULT_HANDSHAKE_SPIN`] on a host of at least
+/// [`HANDSHAKE_SPIN_MIN_CPUS`] CPUs, else zero. A loopback handshake keeps four threads busy at
+/// once (the two handshake threads, and through an `Endpoint` the two workers adopting the
+/// connection, which then idle-spin); with fewer cores a spinning thread holds the core the
+/// thread it waits for needs, and connects measured slower with spinning than without on a
+/// 2-core host (`docs/BENCHMARKS.md`).
+pub fn default_handshake_spin() -> Duration {
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if cpus >= HANDSHAKE_SPIN_MIN_CPUS {
+        DEFAULT_HANDSHAKE_SPIN
+    } else {
+        Duration::ZERO
+    }
+}
+
 /// Configuration of a [`ConnManager`]: the handshake's parameters and this side's announcement.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(default)]
 pub struct ConnConfig {
     /// Time allowed for each handshake (connect, or one accepted peer). Default 5 s.
     pub handshake_timeout: Duration,
+    /// Busy-poll budget of each wait on a control stream during a handshake (the client's
+    /// wait for the hello-ack, the server's for a hello and for Ready, the listener's poll for
+    /// the next peer): the socket is polled without blocking for this long, then the wait
+    /// sleeps in the kernel until the message or the deadline. Spinning saves the thread
+    /// wake-up at each hop of the exchange (tens of microseconds on a loaded host) at the cost
+    /// of a busy core while it lasts. Zero: never spin (block at once); at most
+    /// `handshake_timeout`. Default: [`default_handshake_spin`] (50 µs on a host of 4 or more
+    /// CPUs, else zero).
+    pub handshake_spin: Duration,
     /// Remote-access rights granted to the peer on each QP. Default READ | WRITE | ATOMIC.
     pub access: AccessFlags,
     /// Work-queue sizes of every QP. `max_recv_wr` must hold the receive ring unless an SRQ is
@@ -227,6 +259,7 @@ impl Default for ConnConfig {
     fn default() -> Self {
         ConnConfig {
             handshake_timeout: Duration::from_secs(5),
+            handshake_spin: default_handshake_spin(),
             access: AccessFlags::LOCAL_WRITE
                 | AccessFlags::REMOTE_READ
                 | AccessFlags::REMOTE_WRITE
@@ -286,6 +319,12 @@ impl ConnConfig {
         }
         if self.handshake_timeout.is_zero() {
             return bad("handshake_timeout is zero".into());
+        }
+        if self.handshake_spin > self.handshake_timeout {
+            return bad(format!(
+                "handshake_spin {:?} exceeds handshake_timeout {:?}",
+                self.handshake_spin, self.handshake_timeout
+            ));
         }
         self.access.validate()?;
         Ok(())

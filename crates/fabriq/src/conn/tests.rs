@@ -646,6 +646,11 @@ fn configuration_is_checked() {
             handshake_timeout: Duration::ZERO,
             ..ConnConfig::default()
         },
+        ConnConfig {
+            handshake_timeout: SHORT,
+            handshake_spin: SHORT + Duration::from_nanos(1),
+            ..ConnConfig::default()
+        },
     ];
     for cfg in bad {
         assert!(matches!(
@@ -880,4 +885,124 @@ fn a_pending_connection_can_be_rejected_with_a_reason() {
     }
     let s = server.join().unwrap();
     assert_eq!((s.failed, s.qps_cached), (1, 1), "{s:?}");
+}
+
+/// A spin budget as long as the handshake timeout: every wait of the handshake is then a
+/// busy-poll from start to deadline, and each must still end with its typed error.
+fn spinning_cfg() -> ConnConfig {
+    ConnConfig {
+        handshake_timeout: SHORT,
+        handshake_spin: SHORT,
+        ..ConnConfig::default()
+    }
+}
+
+#[test]
+fn every_handshake_wait_times_out_with_its_typed_error_while_spinning() {
+    // Client waiting for a hello-ack that never comes.
+    let (addr, h) = raw_server(|mut s| {
+        let _ = read_frame(&mut s);
+        let mut sink = [0u8; 16];
+        let _ = s.read(&mut sink); // until the client gives up
+    });
+    let (cli, _) = manager(spinning_cfg());
+    let err = cli.connect(addr, SHORT).unwrap_err();
+    assert!(
+        matches!(err, ConnError::Timeout { phase: "hello-ack", after, .. } if after == SHORT),
+        "{err}"
+    );
+    h.join().unwrap();
+    assert_eq!(cli.stats().qps_cached, 1, "the QP went back to the cache");
+
+    // Listener: nothing arrives before its deadline.
+    let (srv, _) = manager(spinning_cfg());
+    let listener = srv.listen("127.0.0.1:0").unwrap();
+    let err = listener
+        .next_incoming(Some(Duration::from_millis(20)))
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            ConnError::Timeout {
+                phase: "accept",
+                ..
+            }
+        ),
+        "{err}"
+    );
+
+    // Listener: a peer connects and never says hello.
+    let silent = TcpStream::connect(listener.local_addr()).unwrap();
+    let err = listener.next_incoming(Some(LONG)).unwrap_err();
+    assert!(
+        matches!(err, ConnError::Timeout { phase: "hello", .. }),
+        "{err}"
+    );
+    drop(silent);
+
+    // Server waiting for a Ready that never comes.
+    let addr = listener.local_addr();
+    let client = std::thread::spawn(move || {
+        let mut s = raw_client(addr, &wire::encode(&Message::Hello(some_hello("heap"))));
+        let ack = read_frame(&mut s);
+        assert!(matches!(ack, Some(Message::HelloAck(_))));
+        // Hold the stream open, silent, until the server gives up and says why.
+        read_frame(&mut s)
+    });
+    let pending = listener.accept_pending(Some(LONG)).unwrap();
+    let err = pending.finish().unwrap_err();
+    assert!(
+        matches!(err, ConnError::Timeout { phase: "ready", after, .. } if after == SHORT),
+        "{err}"
+    );
+    drop(listener);
+    // The server's stream is closed (nothing more comes), not left hanging.
+    assert!(client.join().unwrap().is_none());
+}
+
+#[test]
+fn handshakes_complete_and_reuse_with_spinning_off() {
+    let cfg = ConnConfig {
+        handshake_spin: Duration::ZERO,
+        ..ConnConfig::default()
+    };
+    let (srv, _) = manager(cfg.clone());
+    let listener = srv.listen("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr();
+    let server = std::thread::spawn(move || {
+        for _ in 0..3 {
+            let (est, control) = listener
+                .accept_pending(Some(LONG))
+                .unwrap()
+                .finish_owned()
+                .unwrap();
+            drop(control);
+            listener.manager().release(est);
+        }
+    });
+    let (cli, _) = manager(cfg);
+    for i in 0..3 {
+        let (est, control) = cli
+            .connect_pending(addr, None, LONG)
+            .unwrap()
+            .finish_owned()
+            .unwrap();
+        assert_eq!(est.reused_qp, i > 0, "connect {i}");
+        drop(control);
+        cli.release(est);
+    }
+    server.join().unwrap();
+    let s = cli.stats();
+    assert_eq!((s.qps_created, s.qp_cache_hits), (1, 2), "{s:?}");
+    assert_eq!(
+        (s.streams_opened, s.stream_reuses, s.failed),
+        (1, 2, 0),
+        "{s:?}"
+    );
+    let s = srv.stats();
+    assert_eq!(
+        (s.qps_created, s.qp_cache_hits, s.accepts),
+        (1, 2, 3),
+        "{s:?}"
+    );
 }

@@ -3,7 +3,8 @@
 //!
 //! ```toml
 //! # fabriq.toml — every key optional; the values shown are the defaults
-//! device = "auto"            # "auto" (an active RDMA NIC, else shm0, else tcp0), or a device name
+//! device = "auto"            # "auto" (an active RDMA NIC, else shm0 for peers on this host and
+//!                             #  tcp0 for the others), or a device name
 //! workers = 1                # run-to-completion workers (one CQ, one thread each)
 //! progress = "thread"        # who drives the workers: "thread" (a worker thread busy-polls,
 //!                            # then sleeps) or "caller" (application threads poll in send,
@@ -126,7 +127,10 @@ impl std::fmt::Display for Progress {
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct Config {
-    /// `auto`, or a device name (`shm0`, `tcp0`, …).
+    /// `auto`, or a device name (`shm0`, `tcp0`, …). `auto` takes an RDMA device whose port
+    /// is up; without one, the endpoint runs two devices: `shm0` for peers on this host (the
+    /// peer's address is one of this host's) and `tcp0` for the others, behind one listening
+    /// address.
     pub device: String,
     /// Workers (one CQ and one thread each).
     pub workers: usize,

@@ -60,6 +60,10 @@ const ACCESS: AccessFlags = AccessFlags::all();
 
 struct WorkerRef {
     shared: Arc<WorkerShared>,
+    /// The device's protection domain (rings and exposed regions of this worker's
+    /// connections are registered in it) and link speed (which picks the thresholds).
+    pd: ProtectionDomain,
+    device_gbps: u32,
     /// The worker's connection manager: QPs on the worker's CQ, its QP cache, its idle
     /// control streams.
     conn: ConnManager,
@@ -67,20 +71,34 @@ struct WorkerRef {
     pool: ConnPool<ConnHandle>,
 }
 
+/// One device of an endpoint and the workers on it. A named device is the only fabric;
+/// `auto` without an active RDMA NIC opens two, `shm0` for peers on this host and `tcp0` for
+/// the others.
+struct Fabric {
+    ctx: Context,
+    provider: String,
+    workers: Vec<WorkerRef>,
+}
+
 struct Inner {
     config: Config,
-    ctx: Context,
-    pd: ProtectionDomain,
-    device_gbps: u32,
-    workers: Vec<WorkerRef>,
+    /// The first is the primary: same-host peers, `Endpoint::device`, `Endpoint::expose`'s
+    /// allocation.
+    fabrics: Vec<Fabric>,
     threads: Mutex<Vec<JoinHandle<()>>>,
     handlers: Arc<Handlers>,
     next_worker: AtomicUsize,
 }
 
+impl Inner {
+    fn workers(&self) -> impl Iterator<Item = &WorkerRef> {
+        self.fabrics.iter().flat_map(|f| f.workers.iter())
+    }
+}
+
 impl Drop for Inner {
     fn drop(&mut self) {
-        for w in &self.workers {
+        for w in self.workers() {
             w.shared.submit(Command::Shutdown);
         }
         for t in self.threads.lock().drain(..) {
@@ -99,17 +117,18 @@ pub struct Endpoint {
 impl std::fmt::Debug for Endpoint {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Endpoint")
-            .field("device", &self.inner.ctx.device().name)
-            .field("workers", &self.inner.workers.len())
+            .field("devices", &self.devices())
+            .field("workers", &self.inner.config.workers)
             .finish()
     }
 }
 
-/// Resolve `auto` to a device: a real RDMA device (provider `rdma-core`) whose port is up, else
-/// `shm0` (same host) when the provider opens, else `tcp0`.
-fn open_device(name: &str, config: &Config) -> Result<Context, ChannelError> {
+/// The devices of an endpoint: the named one, or for `auto` a real RDMA device (provider
+/// `rdma-core`) whose port is up, else `shm0` for peers on this host plus `tcp0` for the others
+/// (only `tcp0` where `shm0` does not open).
+fn open_devices(name: &str, config: &Config) -> Result<Vec<Context>, ChannelError> {
     if name != "auto" {
-        return Ok(Context::open_with(name, &config.device_config(name))?);
+        return Ok(vec![Context::open_with(name, &config.device_config(name))?]);
     }
     let nics = fabriq_verbs::devices()
         .unwrap_or_default()
@@ -121,19 +140,28 @@ fn open_device(name: &str, config: &Config) -> Result<Context, ChannelError> {
                 if c.query_port(1)
                     .is_ok_and(|p| p.state == fabriq_verbs::PortState::Active) =>
             {
-                return Ok(c)
+                return Ok(vec![c])
             }
             Ok(_) => tracing::debug!(device = %nic.name, "port not active, skipped by auto"),
             Err(e) => tracing::debug!(device = %nic.name, %e, "cannot open, skipped by auto"),
         }
     }
-    match Context::open("shm0") {
-        Ok(c) => Ok(c),
+    let tcp = Context::open_with("tcp0", &config.device_config("tcp0"))?;
+    match Context::open_with("shm0", &config.device_config("shm0")) {
+        Ok(shm) => Ok(vec![shm, tcp]),
         Err(e) => {
-            tracing::debug!(%e, "shm0 unavailable, trying tcp0");
-            Ok(Context::open_with("tcp0", &config.device_config("tcp0"))?)
+            tracing::debug!(%e, "shm0 unavailable: tcp0 for every peer");
+            Ok(vec![tcp])
         }
     }
+}
+
+/// True when `ip` is an address of this host (loopback, unspecified, or one of its interfaces):
+/// binding a socket to it succeeds only then. Nothing is sent.
+pub(crate) fn is_this_host(ip: std::net::IpAddr) -> bool {
+    ip.is_loopback()
+        || ip.is_unspecified()
+        || std::net::UdpSocket::bind(SocketAddr::new(ip, 0)).is_ok()
 }
 
 impl Endpoint {
@@ -142,14 +170,41 @@ impl Endpoint {
         config
             .validate()
             .map_err(|e| ChannelError::InvalidConfig(e.to_string()))?;
-        let ctx = open_device(&config.device, &config)?;
+        let handlers: Arc<Handlers> = Arc::default();
+        let mut fabrics = Vec::new();
+        let mut threads = Vec::new();
+        for ctx in open_devices(&config.device, &config)? {
+            let workers = Self::start_workers(&config, &ctx, &handlers, &mut threads)?;
+            let provider = ctx.device().provider.clone();
+            fabrics.push(Fabric {
+                ctx,
+                provider,
+                workers,
+            });
+        }
+        Ok(Endpoint {
+            inner: Arc::new(Inner {
+                config,
+                fabrics,
+                threads: Mutex::new(threads),
+                handlers,
+                next_worker: AtomicUsize::new(0),
+            }),
+        })
+    }
+
+    /// The workers of one device, each with its CQ, connection manager and pool.
+    fn start_workers(
+        config: &Config,
+        ctx: &Context,
+        handlers: &Arc<Handlers>,
+        threads: &mut Vec<JoinHandle<()>>,
+    ) -> Result<Vec<WorkerRef>, ChannelError> {
         let pd = ctx.alloc_pd()?;
         let attr = ctx.query_device();
         let device_gbps = ctx.query_port(1).map(|p| p.speed_gbps).unwrap_or(0);
-        let handlers: Arc<Handlers> = Arc::default();
         let cqe = attr.max_cqe.min(16 * 1024);
         let mut workers = Vec::with_capacity(config.workers);
-        let mut threads = Vec::with_capacity(config.workers);
         let chunk = config.thresholds(device_gbps).chunk_size as usize;
         for i in 0..config.workers {
             let cq = ctx.create_cq(cqe)?;
@@ -167,31 +222,22 @@ impl Endpoint {
                 Arc::clone(&shared),
                 cq.clone(),
                 pd.clone(),
-                Arc::clone(&handlers),
+                Arc::clone(handlers),
                 wcfg,
             )?;
             threads.push(t);
             let conn_cfg =
-                Self::conn_config(&config, &config.channel_config(device_gbps), &attr, i)?;
+                Self::conn_config(config, &config.channel_config(device_gbps), &attr, i)?;
             let conn = ConnManager::new(&pd, &cq, conn_cfg)?;
             workers.push(WorkerRef {
                 shared,
+                pd: pd.clone(),
+                device_gbps,
                 conn,
                 pool: ConnPool::new(),
             });
         }
-        Ok(Endpoint {
-            inner: Arc::new(Inner {
-                config,
-                ctx,
-                pd,
-                device_gbps,
-                workers,
-                threads: Mutex::new(threads),
-                handlers,
-                next_worker: AtomicUsize::new(0),
-            }),
-        })
+        Ok(workers)
     }
 
     /// The configuration.
@@ -199,16 +245,35 @@ impl Endpoint {
         &self.inner.config
     }
 
-    /// The device name in use.
+    /// The device name in use: the only one, or with `auto` the one for peers on this host
+    /// ([`Endpoint::devices`] lists all).
     pub fn device(&self) -> &str {
-        &self.inner.ctx.device().name
+        &self.inner.fabrics[0].ctx.device().name
+    }
+
+    /// Every device this endpoint uses: one, or with `auto` (no RDMA NIC) `shm0` for peers on
+    /// this host and `tcp0` for the others.
+    pub fn devices(&self) -> Vec<String> {
+        self.inner
+            .fabrics
+            .iter()
+            .map(|f| f.ctx.device().name.clone())
+            .collect()
+    }
+
+    /// The device a channel's connection runs on.
+    pub(crate) fn device_of(&self, worker: &Arc<WorkerShared>) -> &str {
+        self.inner
+            .fabrics
+            .iter()
+            .find(|f| f.workers.iter().any(|w| Arc::ptr_eq(&w.shared, worker)))
+            .map_or("", |f| f.ctx.device().name.as_str())
     }
 
     /// Wake-ups written to sleeping workers so far (a measure of idle hand-offs).
     pub fn worker_wakeups(&self) -> u64 {
         self.inner
-            .workers
-            .iter()
+            .workers()
             .map(|w| w.shared.wakeups.load(Ordering::Relaxed))
             .sum()
     }
@@ -225,19 +290,38 @@ impl Endpoint {
         );
     }
 
-    /// Expose `len` bytes of registered memory for peers' one-sided access.
+    /// Expose `len` bytes of registered memory for peers' one-sided access. With several
+    /// devices (`auto`) the memory is allocated on the primary one and registered on the others
+    /// too: give each peer [`ExposedRegion::descriptor_for`] its channel.
     pub fn expose(&self, len: usize) -> Result<ExposedRegion, ChannelError> {
-        let mr = self.inner.pd.alloc_mr(len, ACCESS)?;
-        Ok(ExposedRegion::new(mr))
+        let fabrics = &self.inner.fabrics;
+        let mr = fabrics[0].workers[0].pd.alloc_mr(len, ACCESS)?;
+        let mut region = ExposedRegion::new(mr, &fabrics[0].workers[0].pd);
+        for f in fabrics.iter().skip(1) {
+            region.register_on(&f.workers[0].pd, ACCESS)?;
+        }
+        Ok(region)
     }
 
-    fn channel_config(&self) -> ChannelConfig {
-        self.inner.config.channel_config(self.inner.device_gbps)
+    fn channel_config(&self, w: &WorkerRef) -> ChannelConfig {
+        self.inner.config.channel_config(w.device_gbps)
     }
 
-    fn pick_worker(&self) -> &WorkerRef {
-        let i = self.inner.next_worker.fetch_add(1, Ordering::Relaxed) % self.inner.workers.len();
-        &self.inner.workers[i]
+    fn pick_worker(&self, fabric: usize) -> &WorkerRef {
+        let workers = &self.inner.fabrics[fabric].workers;
+        let i = self.inner.next_worker.fetch_add(1, Ordering::Relaxed) % workers.len();
+        &workers[i]
+    }
+
+    /// The fabric for a peer at `addr`: the primary one for a peer on this host, the last one
+    /// (tcp0 with `auto`) for the others.
+    fn fabric_for(&self, addr: SocketAddr) -> usize {
+        let n = self.inner.fabrics.len();
+        if n == 1 || is_this_host(addr.ip()) {
+            0
+        } else {
+            n - 1
+        }
     }
 
     /// The connection manager of worker `w`: the worker's PD and CQ, its QP cache, and this
@@ -311,7 +395,7 @@ impl Endpoint {
         pending: PendingConn,
         accept: Option<std::sync::mpsc::Sender<Accepted>>,
     ) -> Result<Adopted, ChannelError> {
-        let cfg = self.channel_config();
+        let cfg = self.channel_config(w);
         let geo = match Self::peer_geometry(pending.peer()) {
             Ok(g) => g,
             Err(e) => {
@@ -319,14 +403,13 @@ impl Endpoint {
                 return Err(e);
             }
         };
-        let mut driver =
-            match ChannelDriver::new(&self.inner.pd, pending.qp().clone(), cfg.clone(), geo) {
-                Ok(d) => d,
-                Err(e) => {
-                    pending.reject(RejectCode::Internal, &e.to_string());
-                    return Err(e);
-                }
-            };
+        let mut driver = match ChannelDriver::new(&w.pd, pending.qp().clone(), cfg.clone(), geo) {
+            Ok(d) => d,
+            Err(e) => {
+                pending.reject(RejectCode::Internal, &e.to_string());
+                return Err(e);
+            }
+        };
         if let Err(e) = driver.post_ready(worker::now()) {
             drop(driver);
             pending.reject(RejectCode::Internal, &e.to_string());
@@ -422,7 +505,7 @@ impl Endpoint {
                 return Channel::new(shared, self.clone(), peer, eager_max, Some(conn));
             }
         }
-        let window = u64::from(self.channel_config().max_queued);
+        let window = u64::from(self.channel_config(w).max_queued);
         let shared = Arc::new(ChannelShared::new(
             stream_key(conn.conn, stream),
             Arc::clone(&w.shared),
@@ -452,13 +535,26 @@ impl Endpoint {
             .to_socket_addrs()
             .map_err(|e| ChannelError::Handshake(format!("resolve: {e}")))?
             .collect();
-        let w = self.pick_worker();
         let mut refused = None;
         for a in addrs {
-            match self.pooled_connection(w, a) {
-                Ok(conn) => return Ok(self.open_stream(w, conn)),
-                Err(ChannelError::Connect(e @ ConnError::Refused { .. })) => refused = Some(e),
-                Err(e) => return Err(e),
+            // The device for this peer first; a peer that runs only another one (a listener
+            // on a named device) says so in its reject, and the others are tried.
+            let first = self.fabric_for(a);
+            let n = self.inner.fabrics.len();
+            let mut order: Vec<usize> = vec![first];
+            order.extend((0..n).filter(|&f| f != first));
+            for (tried, f) in order.into_iter().enumerate() {
+                let w = self.pick_worker(f);
+                match self.pooled_connection(w, a) {
+                    Ok(conn) => return Ok(self.open_stream(w, conn)),
+                    Err(ChannelError::Connect(e @ ConnError::Refused { .. })) => {
+                        refused = Some(e);
+                        break;
+                    }
+                    Err(ChannelError::Connect(ConnError::ProviderMismatch { .. }))
+                        if tried + 1 < n => {}
+                    Err(e) => return Err(e),
+                }
             }
         }
         Err(refused.map_or_else(
@@ -474,11 +570,19 @@ impl Endpoint {
         incoming: Incoming,
         accept: std::sync::mpsc::Sender<Accepted>,
     ) -> Result<(), ChannelError> {
-        let workers = &self.inner.workers;
+        // The listener admits a hello of any of this endpoint's providers; the connection
+        // goes to that provider's workers.
+        let fabric = self
+            .inner
+            .fabrics
+            .iter()
+            .position(|f| f.provider == incoming.peer().provider)
+            .unwrap_or(0);
+        let workers = &self.inner.fabrics[fabric].workers;
         let w = match incoming.peer().target_worker {
             // An unknown worker is refused by the manager (`WrongWorker`).
             Some(t) => workers.get(t as usize).unwrap_or(&workers[0]),
-            None => self.pick_worker(),
+            None => self.pick_worker(fabric),
         };
         let pending = w.conn.accept_incoming(incoming)?;
         self.finish_pending(w, pending, Some(accept)).map(|_| ())
@@ -488,7 +592,7 @@ impl Endpoint {
     /// connection (hits), connects that set one up (misses), live pooled connections.
     pub fn pool_stats(&self) -> ConnPoolStats {
         let mut total = ConnPoolStats::default();
-        for w in &self.inner.workers {
+        for w in self.inner.workers() {
             let s = w.pool.stats();
             total.hits += s.hits;
             total.misses += s.misses;
@@ -501,7 +605,7 @@ impl Endpoint {
     /// cache hits and misses, QPs created and cached, control streams opened and reused.
     pub fn conn_stats(&self) -> ConnStats {
         let mut total = ConnStats::default();
-        for w in &self.inner.workers {
+        for w in self.inner.workers() {
             total += w.conn.stats();
         }
         total
@@ -511,7 +615,11 @@ impl Endpoint {
     /// thread; new TCP connections and control streams kept from closed channels are both
     /// served.
     pub fn listen(&self, addr: impl ToSocketAddrs) -> Result<Listener, ChannelError> {
-        let l = self.inner.workers[0].conn.listen(addr)?;
+        let fabrics = &self.inner.fabrics;
+        let mut l = fabrics[0].workers[0].conn.listen(addr)?;
+        for f in fabrics.iter().skip(1) {
+            l.admit_provider(&f.provider);
+        }
         let local = l.local_addr();
         let closer = l.closer();
         let (tx, rx) = std::sync::mpsc::channel::<Accepted>();
@@ -640,5 +748,45 @@ impl Drop for Listener {
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::is_this_host;
+    use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+
+    #[test]
+    fn this_host_is_told_by_binding_not_by_sending() {
+        assert!(is_this_host(IpAddr::V4(Ipv4Addr::LOCALHOST)));
+        assert!(is_this_host(IpAddr::V4(Ipv4Addr::new(127, 3, 2, 1))));
+        assert!(is_this_host(IpAddr::V6(Ipv6Addr::LOCALHOST)));
+        assert!(is_this_host(IpAddr::V4(Ipv4Addr::UNSPECIFIED)));
+        // TEST-NET addresses (RFC 5737) are never assigned to a host.
+        assert!(!is_this_host(IpAddr::V4(Ipv4Addr::new(192, 0, 2, 1))));
+        assert!(!is_this_host(IpAddr::V4(Ipv4Addr::new(198, 51, 100, 7))));
+    }
+
+    #[test]
+    fn auto_sends_peers_of_this_host_to_shm_and_the_others_to_tcp() {
+        let ep = super::Endpoint::new(crate::Config {
+            device: "auto".into(),
+            ..crate::Config::default()
+        })
+        .expect("auto endpoint");
+        if ep.devices() != ["shm0", "tcp0"] {
+            println!("SKIP: auto opened {:?}", ep.devices());
+            return;
+        }
+        assert_eq!(ep.fabric_for("127.0.0.1:9".parse().unwrap()), 0);
+        assert_eq!(ep.fabric_for("[::1]:9".parse().unwrap()), 0);
+        assert_eq!(ep.fabric_for("192.0.2.1:9".parse().unwrap()), 1);
+        let named = super::Endpoint::new(crate::Config {
+            device: "tcp0".into(),
+            ..crate::Config::default()
+        })
+        .expect("tcp0 endpoint");
+        assert_eq!(named.devices(), ["tcp0"]);
+        assert_eq!(named.fabric_for("192.0.2.1:9".parse().unwrap()), 0);
     }
 }

@@ -101,6 +101,18 @@ impl Channel {
         self.inner.peer
     }
 
+    /// The device this channel's connection runs on (with `auto`: `shm0` for a peer on this
+    /// host, `tcp0` for the others).
+    pub fn device(&self) -> &str {
+        self.inner.endpoint.device_of(&self.inner.shared.worker)
+    }
+
+    /// The protection domain of this channel's device (which registration of an
+    /// [`crate::ExposedRegion`] its peer needs).
+    pub(crate) fn domain(&self) -> Option<usize> {
+        self.inner.shared.worker.buffers().map(|b| b.domain())
+    }
+
     /// The eager threshold the channel started with.
     pub fn eager_max(&self) -> u32 {
         self.inner.eager_max

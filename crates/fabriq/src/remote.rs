@@ -61,23 +61,69 @@ impl RegionDescriptor {
 }
 
 /// A region of this process exposed to peers for one-sided access (read, write, atomics).
+/// Registered on every device of its endpoint: peers on any of them reach the same bytes.
 #[derive(Debug)]
 pub struct ExposedRegion {
+    // Registrations of the same memory on the endpoint's other devices; dropped (deregistered)
+    // before `mr`, which owns the memory.
+    others: Vec<(usize, MemoryRegion)>,
     mr: MemoryRegion,
+    /// The protection domain of `mr` (see `domain_of`).
+    domain: usize,
+}
+
+/// Identity of a protection domain, as channels report theirs.
+pub(crate) fn domain_of(pd: &fabriq_verbs::ProtectionDomain) -> usize {
+    std::sync::Arc::as_ptr(pd.ops()) as *const () as usize
 }
 
 impl ExposedRegion {
-    pub(crate) fn new(mr: MemoryRegion) -> ExposedRegion {
-        ExposedRegion { mr }
+    pub(crate) fn new(mr: MemoryRegion, pd: &fabriq_verbs::ProtectionDomain) -> ExposedRegion {
+        ExposedRegion {
+            others: Vec::new(),
+            mr,
+            domain: domain_of(pd),
+        }
     }
 
-    /// The descriptor to give peers.
-    pub fn descriptor(&self) -> RegionDescriptor {
+    /// Register the region's memory on another device's protection domain as well.
+    pub(crate) fn register_on(
+        &mut self,
+        pd: &fabriq_verbs::ProtectionDomain,
+        access: fabriq_verbs::AccessFlags,
+    ) -> Result<(), ChannelError> {
+        // SAFETY: the memory is `self.mr`'s, which this region owns and drops only after
+        // `others` (field order), so it outlives the registration; peers may write it, which
+        // is what registered memory is for (every access in this crate goes through the
+        // verbs layer's bounds-checked copies and atomics).
+        #[allow(unsafe_code)]
+        let mr = unsafe { pd.reg_mr(self.mr.as_ptr(), self.mr.len(), access) }?;
+        self.others.push((domain_of(pd), mr));
+        Ok(())
+    }
+
+    fn descriptor_of(mr: &MemoryRegion) -> RegionDescriptor {
         RegionDescriptor {
-            addr: self.mr.addr(),
-            len: self.mr.len() as u64,
-            rkey: self.mr.rkey().0,
+            addr: mr.addr(),
+            len: mr.len() as u64,
+            rkey: mr.rkey().0,
         }
+    }
+
+    /// The descriptor to give peers on the endpoint's (primary) device. With several devices
+    /// (`auto`), use [`ExposedRegion::descriptor_for`].
+    pub fn descriptor(&self) -> RegionDescriptor {
+        Self::descriptor_of(&self.mr)
+    }
+
+    /// The descriptor to give the peer of `channel`: the key of the registration on the
+    /// device that channel runs on.
+    pub fn descriptor_for(&self, channel: &Channel) -> RegionDescriptor {
+        let domain = channel.domain();
+        std::iter::once((self.domain, &self.mr))
+            .chain(self.others.iter().map(|(d, mr)| (*d, mr)))
+            .find(|(d, _)| Some(*d) == domain)
+            .map_or_else(|| self.descriptor(), |(_, mr)| Self::descriptor_of(mr))
     }
 
     /// Length in bytes.

@@ -339,6 +339,7 @@ impl ConnManager {
                 closed: AtomicBool::new(false),
             }),
             idle: Mutex::new(Vec::new()),
+            admitted: Vec::new(),
         })
     }
 
@@ -878,6 +879,9 @@ pub struct Listener {
     home: Arc<ListenerHome>,
     /// Streams waiting for their next hello; only touched by the accepting thread.
     idle: Mutex<Vec<(TcpStream, SocketAddr)>>,
+    /// Providers admitted besides the manager's own (an endpoint on several devices routes
+    /// each `Incoming` to the manager of its provider).
+    admitted: Vec<String>,
 }
 
 impl std::fmt::Debug for Listener {
@@ -903,6 +907,14 @@ impl Listener {
     /// The manager accepted peers get their QPs from.
     pub fn manager(&self) -> &ConnManager {
         &self.mgr
+    }
+
+    /// Admit hellos of `provider` too (besides the manager's own): the caller routes each such
+    /// [`Incoming`] to a manager of that provider ([`Incoming::peer`] names it).
+    pub fn admit_provider(&mut self, provider: &str) {
+        if provider != self.mgr.inner.provider && !self.admitted.iter().any(|p| p == provider) {
+            self.admitted.push(provider.to_string());
+        }
     }
 
     /// A handle that closes this listener from another thread.
@@ -1074,7 +1086,11 @@ impl Listener {
             Ok(None) => return Ok(HelloRead::Eof),
             Ok(Some(Message::Close)) if eof_ok => return Ok(HelloRead::Close),
             Ok(Some(Message::Hello(h))) => {
-                check_peer_hello(peer, &inner.provider, &inner.cfg.auth_token, &h).map(|()| h)
+                let provider = match self.admitted.iter().find(|p| **p == h.provider) {
+                    Some(p) => p.as_str(),
+                    None => inner.provider.as_str(),
+                };
+                check_peer_hello(peer, provider, &inner.cfg.auth_token, &h).map(|()| h)
             }
             Ok(Some(other)) => Err(ConnError::Unexpected {
                 peer,

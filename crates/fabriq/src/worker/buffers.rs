@@ -90,7 +90,7 @@ impl Buffers {
     /// Identity of the protection domain the buffers are registered in: a buffer may be sent on
     /// any channel of the same domain.
     pub(crate) fn domain(&self) -> usize {
-        Arc::as_ptr(self.pd.ops()) as *const () as usize
+        crate::remote::domain_of(&self.pd)
     }
 
     /// Where other threads return large buffers.

@@ -24,6 +24,18 @@ use crate::mempool::{MemPool, PoolBuf, PoolError};
 const TX_SLOT: usize = 64;
 /// Largest send (headers + payload) the endpoint asks its QPs to take inline.
 pub const INLINE_MAX: u32 = 128;
+
+/// Bits of a work-request id that carry the driver's epoch (below the core's kind byte, above
+/// any slot or READ token the core uses).
+const EPOCH_SHIFT: u32 = 40;
+const EPOCH_MASK: u64 = 0xFFFF << EPOCH_SHIFT;
+
+/// A fresh epoch for each driver: a QP taken from the QP cache gets a driver whose epoch
+/// differs from the previous one's (the last 65 535 of them).
+fn next_epoch() -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    (NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed) & 0xFFFF) << EPOCH_SHIFT
+}
 const _: () = assert!(MAX_HEAD_LEN <= TX_SLOT);
 
 impl OutPayload for PoolBuf {
@@ -81,6 +93,13 @@ pub struct ChannelDriver {
     scratch: Vec<u8>,
     /// Sends up to this many bytes (headers + payload) are posted inline.
     inline_max: u32,
+    /// Stamped into every work-request id this driver posts (`EPOCH_MASK`): a completion of
+    /// an earlier connection on the same QP (one that raced the QP's drain: a peer's SEND that
+    /// took a receive of the old ring just before the QP went to ERROR, completed after the
+    /// flush) is recognised and dropped instead of being read as this connection's.
+    epoch: u64,
+    /// Completions dropped for another epoch.
+    stale: u64,
 }
 
 impl std::fmt::Debug for ChannelDriver {
@@ -118,6 +137,8 @@ impl ChannelDriver {
             slot_size,
             scratch: vec![0; slot_size],
             inline_max,
+            epoch: next_epoch(),
+            stale: 0,
         })
     }
 
@@ -148,6 +169,18 @@ impl ChannelDriver {
 
     /// Feed one completion of this QP to the core.
     pub fn handle_completion(&mut self, now: Instant, wc: &WorkCompletion) {
+        if wc.wr_id & EPOCH_MASK != self.epoch {
+            self.stale += 1;
+            tracing::debug!(
+                qp = wc.qp_num.0,
+                status = ?wc.status,
+                "completion of an earlier connection on this QP dropped"
+            );
+            return;
+        }
+        let mut own = *wc;
+        own.wr_id &= !EPOCH_MASK;
+        let wc = &own;
         let is_recv = super::proto::is_recv_wr(wc.wr_id) && wc.status.is_success();
         if is_recv {
             let slot = (wc.wr_id & 0xFFFF_FFFF) as usize;
@@ -217,7 +250,7 @@ impl ChannelDriver {
                     .rx_ring
                     .sge(slot as usize * self.slot_size, self.slot_size as u32)?;
                 self.qp
-                    .post_recv(&[RecvWr::new(wr_id, &[sge])])
+                    .post_recv(&[RecvWr::new(wr_id | self.epoch, &[sge])])
                     .map_err(|e| ChannelError::Verbs(e.source))
             }
             WorkRequest::Send {
@@ -245,7 +278,9 @@ impl ChannelDriver {
                     SendFlags::SIGNALED
                 };
                 self.qp
-                    .post_send(&[SendWr::new(wr_id, list, WrOpcode::Send).with_flags(flags)])
+                    .post_send(&[
+                        SendWr::new(wr_id | self.epoch, list, WrOpcode::Send).with_flags(flags)
+                    ])
                     .map_err(|e| ChannelError::Verbs(e.source))
             }
             WorkRequest::Read {
@@ -254,10 +289,17 @@ impl ChannelDriver {
                 remote,
             } => self
                 .qp
-                .post_send(&[SendWr::new(wr_id, &[local], WrOpcode::Read { remote })
-                    .with_flags(SendFlags::SIGNALED)])
+                .post_send(&[
+                    SendWr::new(wr_id | self.epoch, &[local], WrOpcode::Read { remote })
+                        .with_flags(SendFlags::SIGNALED),
+                ])
                 .map_err(|e| ChannelError::Verbs(e.source)),
         }
+    }
+
+    /// Completions dropped because they belonged to an earlier connection on this QP.
+    pub fn stale_completions(&self) -> u64 {
+        self.stale
     }
 
     /// True when the core has an event for [`ChannelDriver::poll_event`].
@@ -268,5 +310,49 @@ impl ChannelDriver {
     /// Next event of the core.
     pub fn poll_event(&mut self) -> Option<CoreEvent> {
         self.core.poll_event()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use fabriq_verbs::{Context, QpInitAttr, WcOpcode, WcStatus};
+
+    /// A completion left over from an earlier connection on the same QP (it raced the QP's
+    /// drain) carries that connection's epoch: the new driver drops it instead of reading a
+    /// slot of its own fresh ring as a frame (which once failed a new connection with "bad
+    /// magic/version 0x0000"); its own completions go through.
+    #[test]
+    fn completions_of_an_earlier_epoch_are_dropped() {
+        let ctx = Context::open("shm0").expect("shm0");
+        let pd = ctx.alloc_pd().expect("pd");
+        let cq = ctx.create_cq(64).expect("cq");
+        let qp = pd.create_qp(&QpInitAttr::new(&cq)).expect("qp");
+        let cfg = ChannelConfig::default();
+        let geo = PeerGeometry {
+            rx_slots: cfg.rx_slots,
+            rx_slot_size: cfg.rx_slot_size,
+        };
+        let old = ChannelDriver::new(&pd, qp.clone(), cfg.clone(), geo).expect("old driver");
+        let mut new = ChannelDriver::new(&pd, qp.clone(), cfg, geo).expect("new driver");
+        assert_ne!(old.epoch, new.epoch);
+        let recv_of = |epoch: u64| WorkCompletion {
+            wr_id: (1 << 56) | epoch, // a receive into slot 0
+            status: WcStatus::Success,
+            opcode: WcOpcode::Recv,
+            byte_len: 40,
+            qp_num: qp.qp_num(),
+            ..WorkCompletion::EMPTY
+        };
+        new.handle_completion(Instant::from_nanos(1), &recv_of(old.epoch));
+        assert_eq!(new.stale_completions(), 1);
+        assert!(
+            !new.core().is_failed(),
+            "a stale completion must not reach the core"
+        );
+        // The new driver's own receive of an empty slot is a real protocol error.
+        new.handle_completion(Instant::from_nanos(2), &recv_of(new.epoch));
+        assert_eq!(new.stale_completions(), 1);
+        assert!(new.core().is_failed());
     }
 }

@@ -1062,7 +1062,9 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
                     rkey: rts.source.rkey,
                 };
                 let token = self.next_read_token;
-                self.next_read_token += 1;
+                // Tokens stay below 2^40: the bits above the index of a work-request id carry
+                // the driver's epoch (a token wraps long after its READ completed).
+                self.next_read_token = (self.next_read_token + 1) & ((1 << 40) - 1);
                 self.reads.insert(token, (a.seq, len));
                 self.reads_outstanding += 1;
                 self.sq_free -= 1;

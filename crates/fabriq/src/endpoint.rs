@@ -146,7 +146,14 @@ fn open_devices(name: &str, config: &Config) -> Result<Vec<Context>, ChannelErro
             Err(e) => tracing::debug!(device = %nic.name, %e, "cannot open, skipped by auto"),
         }
     }
-    let tcp = Context::open_with("tcp0", &config.device_config("tcp0"))?;
+    // tcp0 serves the peers on other hosts: unless told where to bind, its data listener
+    // takes every interface, and its QPs advertise no host (`0.0.0.0:port`), which the
+    // handshake resolves to the address each peer's control stream came from.
+    let mut tcp_cfg = config.device_config("tcp0");
+    if tcp_cfg.bind_addr.is_none() && std::env::var_os("FABRIQ_TCP_BIND").is_none() {
+        tcp_cfg.bind_addr = Some(SocketAddr::from(([0, 0, 0, 0], 0)));
+    }
+    let tcp = Context::open_with("tcp0", &tcp_cfg)?;
     match Context::open_with("shm0", &config.device_config("shm0")) {
         Ok(shm) => Ok(vec![shm, tcp]),
         Err(e) => {

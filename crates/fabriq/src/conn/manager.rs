@@ -14,7 +14,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use fabriq_verbs::{
-    CompletionQueue, ProtectionDomain, QpAttr, QpInitAttr, QpState, QueuePair, SharedReceiveQueue,
+    CompletionQueue, ProtectionDomain, QpAttr, QpEndpoint, QpInitAttr, QpState, QueuePair,
+    SharedReceiveQueue,
 };
 use parking_lot::Mutex;
 
@@ -676,7 +677,8 @@ impl PendingConn {
             if qp.state() == QpState::Reset {
                 qp.modify(&QpAttr::init(cfg.access))?;
             }
-            qp.modify(&QpAttr::rtr(self.peer.endpoint.clone()))?;
+            let remote = reached_at(&self.peer.endpoint, self.peer_addr);
+            qp.modify(&QpAttr::rtr(remote))?;
             let rts = match cfg.rnr_retry {
                 Some(n) => QpAttr::rts().with_rnr_retry(n),
                 None => QpAttr::rts(),
@@ -1108,5 +1110,59 @@ impl Listener {
                 }
                 tracing::debug!(%peer, err = %e, "handshake refused");
             })
+    }
+}
+
+/// The peer's QP endpoint as this side reaches it: an address that names no host
+/// (`0.0.0.0:port`, `[::]:port`: a provider listening on every interface of its host) is the
+/// host the peer's control stream came from, at that port. Any other address is used as given.
+pub(crate) fn reached_at(endpoint: &QpEndpoint, control_peer: SocketAddr) -> QpEndpoint {
+    match endpoint.address.parse::<SocketAddr>() {
+        Ok(a) if a.ip().is_unspecified() => {
+            let mut e = endpoint.clone();
+            e.address = SocketAddr::new(control_peer.ip(), a.port()).to_string();
+            e
+        }
+        _ => endpoint.clone(),
+    }
+}
+
+#[cfg(test)]
+mod reach_tests {
+    use super::reached_at;
+    use fabriq_verbs::QpEndpoint;
+
+    fn ep(address: &str) -> QpEndpoint {
+        QpEndpoint {
+            provider: "tcp".into(),
+            device: "tcp0".into(),
+            address: address.into(),
+            qp_num: fabriq_verbs::QpNum(7),
+            psn: 0,
+            lid: 0,
+            gid: [0; 16],
+            mtu: 4096,
+            extra: Default::default(),
+        }
+    }
+
+    #[test]
+    fn an_endpoint_on_every_interface_is_reached_where_its_control_stream_came_from() {
+        let peer = "10.250.77.2:41000".parse().unwrap();
+        assert_eq!(
+            reached_at(&ep("0.0.0.0:5000"), peer).address,
+            "10.250.77.2:5000"
+        );
+        let v6 = "[fd00::2]:41000".parse().unwrap();
+        assert_eq!(reached_at(&ep("[::]:5000"), v6).address, "[fd00::2]:5000");
+        // A named host, or an address that is not a socket address, is used as given.
+        assert_eq!(
+            reached_at(&ep("127.0.0.1:5000"), peer).address,
+            "127.0.0.1:5000"
+        );
+        assert_eq!(
+            reached_at(&ep("pid:42/seg:7"), peer).address,
+            "pid:42/seg:7"
+        );
     }
 }

@@ -732,7 +732,17 @@ impl SoftQpDriver for TcpQp {
         };
         let (remote, raddr) = rtr_remote(attr, PROVIDER)?;
         let remote_inc = remote_incarnation(remote)?;
-        let me = (self.engine.local_addr, self.qp_num.0);
+        // Both ends must order the pair alike to agree on who connects. Bound to every
+        // interface, the engine knows its port but not which of its addresses the peer sees:
+        // the one the kernel routes towards the peer (the peer resolved ours from our control
+        // stream, which takes that route too).
+        let local = match self.engine.local_addr {
+            a if a.ip().is_unspecified() => {
+                source_towards(raddr).map_or(a, |ip| std::net::SocketAddr::new(ip, a.port()))
+            }
+            a => a,
+        };
+        let me = (local, self.qp_num.0);
         let peer = (raddr, remote.qp_num.0);
         if me == peer {
             return Err(VerbsError::InvalidArgument(
@@ -817,4 +827,17 @@ impl SoftQpDriver for TcpQp {
         self.transmit(&mut side, now);
         r
     }
+}
+
+/// The address this host sends from towards `peer` (a connected UDP socket's local address:
+/// the kernel's route lookup; nothing is sent).
+fn source_towards(peer: std::net::SocketAddr) -> Option<std::net::IpAddr> {
+    let any: std::net::SocketAddr = if peer.is_ipv4() {
+        ([0, 0, 0, 0], 0).into()
+    } else {
+        (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
+    };
+    let s = std::net::UdpSocket::bind(any).ok()?;
+    s.connect(peer).ok()?;
+    s.local_addr().ok().map(|a| a.ip())
 }

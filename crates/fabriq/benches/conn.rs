@@ -407,36 +407,9 @@ fn control_floor_bench(c: &mut Criterion) {
     use std::io::{Read, Write};
     let mut g = c.benchmark_group("control_floor");
     g.measurement_time(Duration::from_secs(2));
-    let Ok(listener) = std::net::TcpListener::bind("127.0.0.1:0") else {
-        return;
-    };
-    let Ok(addr) = listener.local_addr() else {
-        return;
-    };
-    let echo = std::thread::spawn(move || {
-        let Ok((mut s, _)) = listener.accept() else {
-            return;
-        };
-        let _ = s.set_nodelay(true);
-        let mut b = [0u8; 64];
-        while s.read_exact(&mut b).is_ok() && s.write_all(&b).is_ok() {}
-    });
-    let Ok(mut s) = std::net::TcpStream::connect(addr) else {
-        return;
-    };
-    let _ = s.set_nodelay(true);
-    let mut b = [0u8; 64];
-    g.bench_function("blocking_tcp_round_trip_64B", |bench| {
-        bench.iter(|| {
-            s.write_all(&b).expect("write");
-            s.read_exact(&mut b).expect("read");
-        })
-    });
-    drop(s);
-    let _ = echo.join();
 
-    // The same exchange with both threads busy-polling non-blocking sockets (yielding between
-    // tries), as the handshake does within its spin budget.
+    // Busy-polled reads and writes of a non-blocking socket (yielding between tries), as the
+    // handshake does within its spin budget.
     fn spin_read(s: &mut std::net::TcpStream, b: &mut [u8]) -> bool {
         let mut off = 0;
         while off < b.len() {
@@ -460,34 +433,50 @@ fn control_floor_bench(c: &mut Criterion) {
         }
         true
     }
-    let Ok(listener) = std::net::TcpListener::bind("127.0.0.1:0") else {
-        return;
-    };
-    let Ok(addr) = listener.local_addr() else {
-        return;
-    };
-    let echo = std::thread::spawn(move || {
-        let Ok((mut s, _)) = listener.accept() else {
+    fn round(s: &mut std::net::TcpStream, b: &mut [u8; 64], spin: bool) -> bool {
+        if spin {
+            spin_write(s, b) && spin_read(s, b)
+        } else {
+            s.write_all(b).is_ok() && s.read_exact(b).is_ok()
+        }
+    }
+    // A loopback TCP pair with an echoing thread on the far end, both ends blocking or both
+    // busy-polling.
+    fn echo_pair(spin: bool) -> Option<(std::net::TcpStream, std::thread::JoinHandle<()>)> {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").ok()?;
+        let addr = listener.local_addr().ok()?;
+        let echo = std::thread::spawn(move || {
+            let Ok((mut s, _)) = listener.accept() else {
+                return;
+            };
+            let _ = s.set_nodelay(true);
+            let _ = s.set_nonblocking(spin);
+            let mut b = [0u8; 64];
+            while if spin {
+                spin_read(&mut s, &mut b) && spin_write(&mut s, &b)
+            } else {
+                s.read_exact(&mut b).is_ok() && s.write_all(&b).is_ok()
+            } {}
+        });
+        let s = std::net::TcpStream::connect(addr).ok()?;
+        let _ = s.set_nodelay(true);
+        let _ = s.set_nonblocking(spin);
+        Some((s, echo))
+    }
+    for (name, spin) in [
+        ("blocking_tcp_round_trip_64B", false),
+        ("spinning_tcp_round_trip_64B", true),
+    ] {
+        let Some((mut s, echo)) = echo_pair(spin) else {
             return;
         };
-        let _ = s.set_nodelay(true);
-        let _ = s.set_nonblocking(true);
         let mut b = [0u8; 64];
-        while spin_read(&mut s, &mut b) && spin_write(&mut s, &b) {}
-    });
-    let Ok(mut s) = std::net::TcpStream::connect(addr) else {
-        return;
-    };
-    let _ = s.set_nodelay(true);
-    let _ = s.set_nonblocking(true);
-    g.bench_function("spinning_tcp_round_trip_64B", |bench| {
-        bench.iter(|| {
-            assert!(spin_write(&mut s, &b), "write");
-            assert!(spin_read(&mut s, &mut b), "read");
-        })
-    });
-    drop(s);
-    let _ = echo.join();
+        g.bench_function(name, |bench| {
+            bench.iter(|| assert!(round(&mut s, &mut b, spin), "round trip"))
+        });
+        drop(s);
+        let _ = echo.join();
+    }
     g.finish();
 }
 

@@ -18,6 +18,22 @@ use crate::mempool::testing::{heap_cq, heap_pd_named, HeapCounters};
 const LONG: Duration = Duration::from_secs(10);
 const SHORT: Duration = Duration::from_millis(300);
 
+/// `err` is a handshake timeout in `phase` (after exactly `after`, when given).
+#[track_caller]
+fn assert_timeout(err: &ConnError, phase: &str, after: Option<Duration>) {
+    match err {
+        ConnError::Timeout {
+            phase: p, after: a, ..
+        } => {
+            assert_eq!(*p, phase, "{err}");
+            if let Some(want) = after {
+                assert_eq!(*a, want, "{err}");
+            }
+        }
+        other => panic!("expected a timeout in {phase}, got {other}"),
+    }
+}
+
 fn manager_named(provider: &'static str, cfg: ConnConfig) -> (ConnManager, Arc<HeapCounters>) {
     let (pd, counters) = heap_pd_named(provider);
     let cq = heap_cq(&pd);
@@ -243,10 +259,7 @@ fn client_times_out_when_the_server_never_answers() {
     });
     let (cli, _) = manager(ConnConfig::default());
     let err = cli.connect(addr, SHORT).unwrap_err();
-    assert!(
-        matches!(err, ConnError::Timeout { phase: "hello-ack", after, .. } if after == SHORT),
-        "{err}"
-    );
+    assert_timeout(&err, "hello-ack", Some(SHORT));
     h.join().unwrap();
 }
 
@@ -256,25 +269,13 @@ fn server_times_out_on_a_silent_client_and_keeps_listening() {
     let listener = srv.listen("127.0.0.1:0").unwrap();
     let silent = TcpStream::connect(listener.local_addr()).unwrap();
     let err = listener.next_incoming(Some(LONG)).unwrap_err();
-    assert!(
-        matches!(err, ConnError::Timeout { phase: "hello", .. }),
-        "{err}"
-    );
+    assert_timeout(&err, "hello", None);
     drop(silent);
     // Nothing pending: an accept with a deadline reports it.
     let err = listener
         .next_incoming(Some(Duration::from_millis(20)))
         .unwrap_err();
-    assert!(
-        matches!(
-            err,
-            ConnError::Timeout {
-                phase: "accept",
-                ..
-            }
-        ),
-        "{err}"
-    );
+    assert_timeout(&err, "accept", None);
     // Still usable.
     let addr = listener.local_addr();
     let server = serve(listener, 1);
@@ -741,16 +742,7 @@ fn tcp_connect_times_out_against_a_full_accept_queue() {
     }
     let (cli, _) = manager(ConnConfig::default());
     let err = cli.connect(addr, SHORT).unwrap_err();
-    assert!(
-        matches!(
-            err,
-            ConnError::Timeout {
-                phase: "tcp connect",
-                ..
-            }
-        ),
-        "{err}"
-    );
+    assert_timeout(&err, "tcp connect", None);
     drop((fillers, listener));
 }
 
@@ -907,10 +899,7 @@ fn every_handshake_wait_times_out_with_its_typed_error_while_spinning() {
     });
     let (cli, _) = manager(spinning_cfg());
     let err = cli.connect(addr, SHORT).unwrap_err();
-    assert!(
-        matches!(err, ConnError::Timeout { phase: "hello-ack", after, .. } if after == SHORT),
-        "{err}"
-    );
+    assert_timeout(&err, "hello-ack", Some(SHORT));
     h.join().unwrap();
     assert_eq!(cli.stats().qps_cached, 1, "the QP went back to the cache");
 
@@ -920,24 +909,12 @@ fn every_handshake_wait_times_out_with_its_typed_error_while_spinning() {
     let err = listener
         .next_incoming(Some(Duration::from_millis(20)))
         .unwrap_err();
-    assert!(
-        matches!(
-            err,
-            ConnError::Timeout {
-                phase: "accept",
-                ..
-            }
-        ),
-        "{err}"
-    );
+    assert_timeout(&err, "accept", None);
 
     // Listener: a peer connects and never says hello.
     let silent = TcpStream::connect(listener.local_addr()).unwrap();
     let err = listener.next_incoming(Some(LONG)).unwrap_err();
-    assert!(
-        matches!(err, ConnError::Timeout { phase: "hello", .. }),
-        "{err}"
-    );
+    assert_timeout(&err, "hello", None);
     drop(silent);
 
     // Server waiting for a Ready that never comes.
@@ -951,10 +928,7 @@ fn every_handshake_wait_times_out_with_its_typed_error_while_spinning() {
     });
     let pending = listener.accept_pending(Some(LONG)).unwrap();
     let err = pending.finish().unwrap_err();
-    assert!(
-        matches!(err, ConnError::Timeout { phase: "ready", after, .. } if after == SHORT),
-        "{err}"
-    );
+    assert_timeout(&err, "ready", Some(SHORT));
     drop(listener);
     // The server's stream is closed (nothing more comes), not left hanging.
     assert!(client.join().unwrap().is_none());

@@ -32,6 +32,8 @@
 //! reuse_control_streams = true  # keep a closed connection's TCP control stream for the next connect
 //! share_connections = true   # channels to one peer share one connection per worker (false: a
 //!                            # connection per channel, e.g. to give a flow its own credits)
+//! stream_window = 64         # data messages of one channel the peer may hold unconsumed before
+//!                            # its sender waits (4..=65536; a connection uses the smaller side's)
 //!
 //! [device_options]           # provider options for a named device (tcp0: progress, …);
 //! # progress = "thread"      # default for a tcp device: progress = "busy" (pollers read the
@@ -179,6 +181,11 @@ pub struct Config {
     /// Channels to one peer share one connection per worker (the connection pool). `false`:
     /// every `connect` sets up a connection of its own (its own receive ring and credits).
     pub share_connections: bool,
+    /// Data messages of one channel (stream) the peer's sender may have here unconsumed by the
+    /// application before it waits (`FABRIQ_STREAM_WINDOW`, 4 ..= 65 536, default 64): a reader
+    /// that stops holds back only its own channel, by at most this many messages. Announced
+    /// in the hello; a connection uses the smaller of the two sides'.
+    pub stream_window: u32,
 }
 
 impl Default for Config {
@@ -206,6 +213,7 @@ impl Default for Config {
             qp_cache_size: 64,
             reuse_control_streams: true,
             share_connections: true,
+            stream_window: crate::channel::wire::STREAM_WINDOW as u32,
         }
     }
 }
@@ -305,6 +313,7 @@ impl Config {
             self.share_connections,
             parse_bool
         );
+        var!("FABRIQ_STREAM_WINDOW", self.stream_window, parse);
         if let Some(v) = get("FABRIQ_AUTH_TOKEN") {
             self.auth_token = v;
         }
@@ -348,6 +357,9 @@ impl Config {
         }
         if self.auth_token.len() > crate::conn::wire::MAX_TOKEN_LEN {
             return bad("auth_token is longer than 1024 bytes");
+        }
+        if !crate::conn::wire::STREAM_WINDOW_RANGE.contains(&self.stream_window) {
+            return bad("stream_window must be in 4..=65536");
         }
         self.channel_config(0)
             .validate()
@@ -471,10 +483,18 @@ mod tests {
                 "FABRIQ_PIN_WORKERS" => Some("yes".into()),
                 "FABRIQ_PROGRESS" => Some("Caller".into()),
                 "FABRIQ_SHARE_CONNECTIONS" => Some("false".into()),
+                "FABRIQ_STREAM_WINDOW" => Some("256".into()),
                 _ => None,
             })
             .expect("valid");
         assert_eq!(c.workers, 3);
+        assert_eq!(c.stream_window, 256);
+        for w in ["3", "65537"] {
+            let err = Config::default()
+                .with_env_vars(|k| (k == "FABRIQ_STREAM_WINDOW").then(|| w.into()))
+                .and_then(|c| c.validate().map(|()| c));
+            assert!(err.is_err(), "stream window {w}");
+        }
         assert!(!c.share_connections && Config::default().share_connections);
         assert!(c.pin_workers);
         assert_eq!(c.progress, Progress::Caller);

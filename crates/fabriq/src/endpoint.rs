@@ -371,6 +371,7 @@ impl Endpoint {
             initial_credits: cfg.rx_slots,
             eager_threshold: cfg.thresholds.eager_max,
             rndv_chunk_size: cfg.thresholds.chunk_size,
+            stream_window: config.stream_window,
             auth_token: config.auth_token.as_bytes().to_vec(),
             rnr_retry: Some(config.rnr_retry),
             ..ConnConfig::default()
@@ -423,6 +424,7 @@ impl Endpoint {
             return Err(e);
         }
         let (est, control) = pending.finish_owned()?;
+        let stream_window = crate::conn::wire::negotiated_stream_window(&est.local, &est.peer);
         let lease = w.conn.lease(est.qp);
         let conn = driver.qp().qp_num().0;
         let peer = control.peer_addr();
@@ -437,6 +439,7 @@ impl Endpoint {
             stream_key(conn, FIRST_STREAM),
             Arc::clone(&w.shared),
             u64::from(cfg.max_queued),
+            stream_window,
         ));
         w.shared.submit(Command::Adopt(Box::new(Adopt {
             driver,
@@ -446,6 +449,7 @@ impl Endpoint {
             failed: Arc::clone(&failed),
             peer,
             eager_max,
+            stream_window,
             first_stream: Some(Arc::clone(&first)),
         })));
         let first = match accept {
@@ -460,6 +464,7 @@ impl Endpoint {
             conn,
             failed,
             eager_max,
+            stream_window,
             first,
         })
     }
@@ -474,6 +479,7 @@ impl Endpoint {
             a.conn,
             addr,
             a.eager_max,
+            a.stream_window,
             a.failed,
             a.first,
         ))
@@ -517,6 +523,7 @@ impl Endpoint {
             stream_key(conn.conn, stream),
             Arc::clone(&w.shared),
             window,
+            conn.stream_window,
         ));
         let id = conn.conn;
         direct_or_submit(
@@ -683,6 +690,8 @@ struct Adopted {
     conn: u32,
     failed: Arc<AtomicBool>,
     eager_max: u32,
+    /// The stream window both sides agreed on.
+    stream_window: u32,
     /// Connecting side: the handshake's stream, registered on the worker, for the first channel.
     first: Option<Arc<ChannelShared>>,
 }

@@ -13,7 +13,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::channel::proto::TraceInfo;
-use crate::channel::wire::STREAM_REPORT_EVERY;
 use crate::channel::{ChannelError, ChannelStats, Thresholds};
 use crate::endpoint::Endpoint;
 use crate::mempool::PoolBuf;
@@ -259,12 +258,12 @@ impl Channel {
 
     /// The application consumed a message: the peer's stream window may open. The count rides
     /// on the stream's next message (the worker takes it when it sends one); only once a
-    /// report's worth ([`STREAM_REPORT_EVERY`]) has built up is the worker told, at once when
+    /// report's worth (a quarter of the stream window) has built up is the worker told, at once when
     /// its lock is free, else through the inbox, so that a lone `STREAM_CREDIT` goes out for a
     /// reader that does not send. (The slot's connection credit went back at delivery.)
     fn released(&self) {
         let s = &self.inner.shared;
-        if s.released.fetch_add(1, std::sync::atomic::Ordering::AcqRel) + 1 == STREAM_REPORT_EVERY {
+        if s.released.fetch_add(1, std::sync::atomic::Ordering::AcqRel) + 1 == s.report_every {
             match s.worker.try_lock_state() {
                 Some(mut g) => {
                     g.release_now(s.id);

@@ -148,6 +148,7 @@ fn raw_hello(provider: &str) -> Hello {
         initial_credits: 64,
         eager_threshold: 4096,
         rndv_chunk_size: 65536,
+        stream_window: 64,
         worker_id: 0,
         target_worker: None,
         auth_token: Vec::new(),
@@ -721,6 +722,63 @@ fn cached_connects_deliver_the_first_messages_with_spinning_on_and_off() {
                 "{what}"
             );
             assert_eq!(cs.failed + ss.failed, 0, "{what}");
+        }
+    }
+}
+
+/// The stream window is announced in the hello and a connection uses the smaller side's: with
+/// 8 on the server and 64 on the client, each side may have exactly 8 messages of a channel
+/// unconsumed by the other's application, and a reader that takes a quarter of it (2) lets
+/// the sender go on.
+#[test]
+fn the_stream_window_is_negotiated_to_the_smaller_side() {
+    for device in devices() {
+        let base = Config {
+            device: device.clone(),
+            progress: fabriq::Progress::Caller,
+            handshake_timeout_ms: 10_000,
+            ..Config::default()
+        };
+        let Ok(server) = Endpoint::new(Config {
+            stream_window: 8,
+            ..base.clone()
+        }) else {
+            continue;
+        };
+        let client = Endpoint::new(Config {
+            stream_window: 64,
+            ..base
+        })
+        .expect("client");
+        let listener = server.listen("127.0.0.1:0").expect("listen");
+        let c = client.connect(listener.local_addr()).expect("connect");
+        let s = listener.accept_timeout(HANG).expect("accept");
+        for (tx, rx, dir) in [(&c, &s, "client → server"), (&s, &c, "server → client")] {
+            for i in 0..8u32 {
+                tx.try_send(&i.to_le_bytes())
+                    .unwrap_or_else(|e| panic!("{device} {dir}: message {i}: {e}"));
+            }
+            assert!(
+                matches!(tx.try_send(b"ninth"), Err(ChannelError::WouldBlock)),
+                "{device} {dir}: a ninth unconsumed message"
+            );
+            assert!(matches!(
+                tx.send_timeout(b"ninth", Duration::from_millis(300)),
+                Err(ChannelError::Timeout)
+            ));
+            for i in 0..2u32 {
+                assert_eq!(&rx.recv_timeout(HANG).expect("recv")[..], &i.to_le_bytes());
+            }
+            // Two consumed: the report lets two more go.
+            tx.send_timeout(b"ninth", HANG)
+                .expect("room after the report");
+            tx.send_timeout(b"tenth", HANG)
+                .expect("room after the report");
+            for i in 2..8u32 {
+                assert_eq!(&rx.recv_timeout(HANG).expect("recv")[..], &i.to_le_bytes());
+            }
+            assert_eq!(&rx.recv_timeout(HANG).expect("recv")[..], b"ninth");
+            assert_eq!(&rx.recv_timeout(HANG).expect("recv")[..], b"tenth");
         }
     }
 }

@@ -46,13 +46,12 @@ pub const FIN_BODY_LEN: usize = 8;
 /// of a Data frame is gathered from the caller's buffer behind it.
 pub const MAX_HEAD_LEN: usize = HEADER_LEN + RTS_BODY_LEN;
 
-/// Data messages a sender may have on one stream that the receiving application has not
-/// consumed; the receiver reports consumption in `stream_credits` (piggybacked, or alone once
-/// [`STREAM_REPORT_EVERY`] are owed).
-pub const STREAM_WINDOW: u64 = 64;
-/// Consumed messages a receiver reports at the latest (a quarter of the window, so a sender at
+/// The default stream window: data messages a sender may have on one stream that the
+/// receiving application has not consumed (each side announces its own in the connection
+/// hello and the connection uses the smaller). The receiver reports consumption in
+/// `stream_credits` (piggybacked, or alone once a quarter of the window is owed, so a sender at
 /// the window's edge is never left waiting).
-pub const STREAM_REPORT_EVERY: u64 = STREAM_WINDOW / 4;
+pub const STREAM_WINDOW: u64 = 64;
 
 /// Protocol magic and version in one `u16`.
 pub const MAGIC: u16 = 0xFB02;

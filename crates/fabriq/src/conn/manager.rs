@@ -292,6 +292,7 @@ impl ConnManager {
             rndv_chunk_size: c.rndv_chunk_size,
             worker_id: c.worker_id,
             target_worker,
+            stream_window: c.stream_window,
             auth_token: c.auth_token.clone(),
         }
     }

@@ -247,6 +247,9 @@ pub struct ConnConfig {
     pub eager_threshold: u32,
     /// Rendezvous READ chunk size. Default 64 KiB.
     pub rndv_chunk_size: u32,
+    /// Data messages of one stream this side lets its peer have unconsumed before the peer's
+    /// sender waits (the connection uses the smaller of both sides'). 4 ..= 65 536, default 64.
+    pub stream_window: u32,
     /// Authentication token sent in the hello and required from peers when non-empty.
     pub auth_token: Vec<u8>,
     /// RNR retry count set at RTS (0..=7, 7 = forever); `None` keeps the verbs default. A
@@ -277,6 +280,7 @@ impl Default for ConnConfig {
             },
             initial_credits: 64,
             eager_threshold: 4096,
+            stream_window: crate::channel::wire::STREAM_WINDOW as u32,
             rndv_chunk_size: 64 * 1024,
             auth_token: Vec::new(),
             rnr_retry: None,
@@ -306,6 +310,13 @@ impl ConnConfig {
         }
         if self.rndv_chunk_size == 0 {
             return bad("rndv_chunk_size is zero".into());
+        }
+        if !wire::STREAM_WINDOW_RANGE.contains(&self.stream_window) {
+            return bad(format!(
+                "stream_window {} outside {:?}",
+                self.stream_window,
+                wire::STREAM_WINDOW_RANGE
+            ));
         }
         if self.auth_token.len() > wire::MAX_TOKEN_LEN {
             return bad(format!(

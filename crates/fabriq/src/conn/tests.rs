@@ -337,6 +337,7 @@ fn some_hello(provider: &str) -> Hello {
         rndv_chunk_size: 4096,
         worker_id: 0,
         target_worker: None,
+        stream_window: 64,
         auth_token: Vec::new(),
     }
 }

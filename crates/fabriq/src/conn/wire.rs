@@ -20,7 +20,7 @@ pub const MAGIC: u32 = 0x4642_5251;
 /// The handshake version this build speaks. It names the data-path protocol too: version 2
 /// carries streams (the channel wire format `0xFB02`), so a peer of another version is refused
 /// at the handshake, not at its first message.
-pub const VERSION: u16 = 2;
+pub const VERSION: u16 = 3;
 /// Largest frame body accepted from a peer, bytes.
 pub const MAX_FRAME_LEN: usize = 16 * 1024;
 /// Largest string field accepted from a peer, bytes.
@@ -111,6 +111,10 @@ pub struct Hello {
     pub worker_id: u32,
     /// Client hello: the worker it wants on the server (`None`: any). Server hello: `None`.
     pub target_worker: Option<u32>,
+    /// Data messages of one stream the sender lets its peer have unconsumed (its stream
+    /// window; the connection uses the smaller of the two sides', see
+    /// [`negotiated_stream_window`]). 4 ..= 65 536.
+    pub stream_window: u32,
     /// Authentication token (empty: none).
     pub auth_token: Vec<u8>,
 }
@@ -244,6 +248,7 @@ fn put_hello(out: &mut Vec<u8>, h: &Hello) {
         h.rndv_chunk_size,
         h.worker_id,
         h.target_worker.unwrap_or(u32::MAX),
+        h.stream_window,
     ] {
         out.extend_from_slice(&v.to_be_bytes());
     }
@@ -372,6 +377,7 @@ fn get_hello(r: &mut Reader<'_>) -> Result<Hello, DecodeError> {
     let rndv_chunk_size = r.u32("rendezvous chunk size")?;
     let worker_id = r.u32("worker id")?;
     let target = r.u32("target worker")?;
+    let stream_window = r.u32("stream window")?;
     let auth_token = r.bytes("auth token", MAX_TOKEN_LEN)?.to_vec();
     if slots == 0 || slot_size == 0 {
         return Err(DecodeError::Invalid {
@@ -389,6 +395,12 @@ fn get_hello(r: &mut Reader<'_>) -> Result<Hello, DecodeError> {
         return Err(DecodeError::Invalid {
             field: "rendezvous chunk size",
             reason: "zero",
+        });
+    }
+    if !STREAM_WINDOW_RANGE.contains(&stream_window) {
+        return Err(DecodeError::Invalid {
+            field: "stream window",
+            reason: "outside 4 ..= 65536",
         });
     }
     Ok(Hello {
@@ -412,8 +424,18 @@ fn get_hello(r: &mut Reader<'_>) -> Result<Hello, DecodeError> {
         rndv_chunk_size,
         worker_id,
         target_worker: (target != u32::MAX).then_some(target),
+        stream_window,
         auth_token,
     })
+}
+
+/// Stream windows a hello may announce.
+pub const STREAM_WINDOW_RANGE: std::ops::RangeInclusive<u32> = 4..=65_536;
+
+/// The stream window of a connection: the smaller of the two sides' (each side sends at most
+/// what the other accepts to hold unconsumed, and reports consumption every quarter of it).
+pub fn negotiated_stream_window(local: &Hello, peer: &Hello) -> u32 {
+    local.stream_window.min(peer.stream_window)
 }
 
 /// The body length announced by a frame's 4-byte prefix, checked against [`MAX_FRAME_LEN`].
@@ -521,6 +543,7 @@ mod tests {
             rndv_chunk_size: 65536,
             worker_id: 3,
             target_worker: Some(1),
+            stream_window: 64,
             auth_token: vec![],
         }
     }
@@ -608,6 +631,31 @@ mod tests {
             decode_frame(&encode(&Message::Hello(h))),
             Err(DecodeError::Invalid { .. })
         ));
+        for w in [0, 3, 65_537, u32::MAX] {
+            let mut h = sample_hello();
+            h.stream_window = w;
+            assert!(
+                matches!(
+                    decode_frame(&encode(&Message::Hello(h))),
+                    Err(DecodeError::Invalid {
+                        field: "stream window",
+                        ..
+                    })
+                ),
+                "stream window {w}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_smaller_stream_window_wins() {
+        let (mut a, mut b) = (sample_hello(), sample_hello());
+        a.stream_window = 8;
+        b.stream_window = 64;
+        assert_eq!(negotiated_stream_window(&a, &b), 8);
+        assert_eq!(negotiated_stream_window(&b, &a), 8);
+        b.stream_window = 4;
+        assert_eq!(negotiated_stream_window(&a, &b), 4);
     }
 
     proptest! {

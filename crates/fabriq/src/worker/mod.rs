@@ -47,7 +47,6 @@ use tokio::sync::oneshot;
 
 use crate::channel::driver::{ChannelDriver, CoreEvent};
 use crate::channel::proto::{Instant, Received, TraceInfo};
-use crate::channel::wire::STREAM_REPORT_EVERY;
 use crate::channel::{ChannelError, TraceFlags};
 use crate::config::Progress;
 use crate::conn::{ControlEvent, ControlStream, QpLease};
@@ -153,6 +152,8 @@ pub(crate) struct Adopt {
     pub(crate) failed: Arc<AtomicBool>,
     pub(crate) peer: SocketAddr,
     pub(crate) eager_max: u32,
+    /// The stream window both sides agreed on.
+    pub(crate) stream_window: u32,
     /// Accepting side: the stream the handshake opened (already handed to the listener).
     pub(crate) first_stream: Option<Arc<ChannelShared>>,
 }
@@ -220,6 +221,8 @@ struct ConnState {
     failed_flag: Arc<AtomicBool>,
     peer: SocketAddr,
     eager_max: u32,
+    /// The stream window both sides agreed on (streams the peer opens get it).
+    stream_window: u32,
     timer_at: Option<Instant>,
     failed: Option<Failure>,
 }
@@ -551,7 +554,7 @@ impl Worker {
             return;
         };
         ss.to_report += ss.shared.released.swap(0, Ordering::AcqRel);
-        if ss.to_report >= STREAM_REPORT_EVERY && !ss.report_queued && !ss.peer_closed {
+        if ss.to_report >= ss.shared.report_every && !ss.report_queued && !ss.peer_closed {
             ss.report_queued = true;
             st.queue_stream_control(&self.buffers, stream, TraceFlags::STREAM_CREDIT);
             self.mark_dirty(key_conn(chan));
@@ -732,6 +735,7 @@ impl Worker {
             failed,
             peer,
             eager_max,
+            stream_window,
             first_stream,
         } = a;
         let id = driver.qp().qp_num().0;
@@ -764,6 +768,7 @@ impl Worker {
                 failed_flag: failed,
                 peer,
                 eager_max,
+                stream_window,
                 timer_at: None,
                 failed: None,
             },
@@ -1392,7 +1397,12 @@ fn on_stream_control(
     };
     let conn = st.driver.qp().qp_num().0;
     let window = u64::from(st.driver.core().config().max_queued);
-    let shared = Arc::new(ChannelShared::new(stream_key(conn, stream), worker, window));
+    let shared = Arc::new(ChannelShared::new(
+        stream_key(conn, stream),
+        worker,
+        window,
+        st.stream_window,
+    ));
     st.streams
         .insert(stream, StreamState::new(Arc::clone(&shared)));
     // If the listener is gone the `Accepted` is dropped, which closes the stream.

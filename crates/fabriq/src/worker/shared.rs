@@ -24,7 +24,6 @@ use rustix::event::epoll;
 
 use super::buffers::Buffers;
 use super::{Command, Worker};
-use crate::channel::wire::STREAM_WINDOW;
 use crate::channel::ChannelError;
 use crate::config::Progress;
 use crate::message::Message;
@@ -572,9 +571,15 @@ pub(crate) struct ChannelShared {
     /// in flight — enough to pipeline the peer's pulls — instead of `window` of them.
     outstanding_bytes: AtomicU64,
     /// Data messages sent on this stream that the peer's application has not consumed (as far
-    /// as its reports tell): `send` blocks at [`STREAM_WINDOW`], so a peer that stops reading
+    /// as its reports tell): `send` blocks at the stream window, so a peer that stops reading
     /// this stream stops only this stream.
     peer_unconsumed: AtomicU64,
+    /// The connection's stream window (negotiated in the handshake): `send` waits while
+    /// `peer_unconsumed` is at it.
+    stream_window: u64,
+    /// Consumed messages after which the worker is told (a quarter of the window): a report
+    /// goes out then even if the stream sends nothing.
+    pub(crate) report_every: u64,
     pub(crate) tx_notify: tokio::sync::Notify,
     /// Async senders waiting on `tx_notify` (it is only notified when there are some).
     pub(crate) tx_async_waiters: AtomicUsize,
@@ -582,12 +587,18 @@ pub(crate) struct ChannelShared {
     /// Messages the application consumed that the worker has not yet counted into a stream
     /// window report: taken by the worker whenever it sends a message of the stream (the count
     /// rides on it), and the worker is told (`Released`) only when this reaches
-    /// `STREAM_REPORT_EVERY`, so a stream of receives costs no worker call per message.
+    /// `report_every`, so a stream of receives costs no worker call per message.
     pub(crate) released: AtomicU64,
 }
 
 impl ChannelShared {
-    pub(crate) fn new(id: u64, worker: Arc<WorkerShared>, window: u64) -> ChannelShared {
+    pub(crate) fn new(
+        id: u64,
+        worker: Arc<WorkerShared>,
+        window: u64,
+        stream_window: u32,
+    ) -> ChannelShared {
+        let stream_window = u64::from(stream_window.max(4));
         ChannelShared {
             id,
             worker,
@@ -599,6 +610,8 @@ impl ChannelShared {
             window: AtomicU64::new(window),
             outstanding_bytes: AtomicU64::new(0),
             peer_unconsumed: AtomicU64::new(0),
+            stream_window,
+            report_every: (stream_window / 4).max(1),
             tx_notify: tokio::sync::Notify::new(),
             tx_async_waiters: AtomicUsize::new(0),
             failed: AtomicBool::new(false),
@@ -697,7 +710,7 @@ impl ChannelShared {
             return Err(f.to_error());
         }
         let len = len as u64;
-        if self.peer_unconsumed.load(Ordering::Acquire) >= STREAM_WINDOW {
+        if self.peer_unconsumed.load(Ordering::Acquire) >= self.stream_window {
             return Err(ChannelError::WouldBlock);
         }
         let bytes = self.outstanding_bytes.load(Ordering::Acquire);

@@ -60,6 +60,8 @@ pub(crate) struct ConnHandle {
     pub(crate) peer: SocketAddr,
     /// Eager threshold the connection started with.
     pub(crate) eager_max: u32,
+    /// The stream window both sides agreed on.
+    pub(crate) stream_window: u32,
     next_stream: AtomicU32,
     first_taken: AtomicBool,
     /// The handshake's stream, registered on the worker at the adoption (so that what the
@@ -75,6 +77,7 @@ impl ConnHandle {
         conn: u32,
         peer: SocketAddr,
         eager_max: u32,
+        stream_window: u32,
         failed: Arc<AtomicBool>,
         first: Option<Arc<ChannelShared>>,
     ) -> ConnHandle {
@@ -83,6 +86,7 @@ impl ConnHandle {
             conn,
             peer,
             eager_max,
+            stream_window,
             next_stream: AtomicU32::new(FIRST_STREAM),
             first_taken: AtomicBool::new(false),
             first: Mutex::new(first),

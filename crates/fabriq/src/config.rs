@@ -132,7 +132,9 @@ pub struct Config {
     /// `auto`, or a device name (`shm0`, `tcp0`, …). `auto` takes an RDMA device whose port
     /// is up; without one, the endpoint runs two devices: `shm0` for peers on this host (the
     /// peer's address is one of this host's) and `tcp0` for the others, behind one listening
-    /// address.
+    /// address. That `tcp0` accepts its data connections on every interface (as UCX's tcp
+    /// transport does) unless `FABRIQ_TCP_BIND` names an address; a connection is accepted only
+    /// with the hello of a QP the handshake announced.
     pub device: String,
     /// Workers (one CQ and one thread each).
     pub workers: usize,

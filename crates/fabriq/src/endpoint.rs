@@ -153,13 +153,19 @@ fn open_devices(name: &str, config: &Config) -> Result<Vec<Context>, ChannelErro
     if tcp_cfg.bind_addr.is_none() && std::env::var_os("FABRIQ_TCP_BIND").is_none() {
         tcp_cfg.bind_addr = Some(SocketAddr::from(([0, 0, 0, 0], 0)));
     }
-    let tcp = Context::open_with("tcp0", &tcp_cfg)?;
-    match Context::open_with("shm0", &config.device_config("shm0")) {
-        Ok(shm) => Ok(vec![shm, tcp]),
-        Err(e) => {
+    let shm = Context::open_with("shm0", &config.device_config("shm0"));
+    let tcp = Context::open_with("tcp0", &tcp_cfg);
+    match (shm, tcp) {
+        (Ok(shm), Ok(tcp)) => Ok(vec![shm, tcp]),
+        (Err(e), Ok(tcp)) => {
             tracing::debug!(%e, "shm0 unavailable: tcp0 for every peer");
             Ok(vec![tcp])
         }
+        (Ok(shm), Err(e)) => {
+            tracing::warn!(%e, "tcp0 unavailable: auto reaches only peers on this host (shm0)");
+            Ok(vec![shm])
+        }
+        (Err(_), Err(e)) => Err(e.into()),
     }
 }
 

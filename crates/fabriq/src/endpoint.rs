@@ -88,6 +88,9 @@ struct Inner {
     threads: Mutex<Vec<JoinHandle<()>>>,
     handlers: Arc<Handlers>,
     next_worker: AtomicUsize,
+    /// Peer addresses already classified as this host's or not (`is_this_host` costs a socket),
+    /// so a connect that finds a pooled connection pays no system call.
+    this_host: Mutex<rustc_hash::FxHashMap<std::net::IpAddr, bool>>,
 }
 
 impl Inner {
@@ -202,6 +205,7 @@ impl Endpoint {
                 threads: Mutex::new(threads),
                 handlers,
                 next_worker: AtomicUsize::new(0),
+                this_host: Mutex::new(Default::default()),
             }),
         })
     }
@@ -330,7 +334,17 @@ impl Endpoint {
     /// (tcp0 with `auto`) for the others.
     fn fabric_for(&self, addr: SocketAddr) -> usize {
         let n = self.inner.fabrics.len();
-        if n == 1 || is_this_host(addr.ip()) {
+        if n == 1 {
+            return 0;
+        }
+        let ip = addr.ip();
+        let local = *self
+            .inner
+            .this_host
+            .lock()
+            .entry(ip)
+            .or_insert_with(|| is_this_host(ip));
+        if local {
             0
         } else {
             n - 1

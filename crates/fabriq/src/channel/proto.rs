@@ -739,13 +739,17 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
 
     /// True when [`ChannelCore::poll_event`] has something.
     pub fn has_events(&self) -> bool {
-        !self.events.is_empty() || (self.state == State::Open && self.was_full && self.can_queue())
+        !self.events.is_empty() || self.writable_due()
+    }
+
+    /// A sender was refused for a full queue and there is room again: `Writable` is due.
+    fn writable_due(&self) -> bool {
+        self.state == State::Open && self.was_full && self.can_queue()
     }
 
     /// Next event.
     pub fn poll_event(&mut self) -> Option<Event<O, I>> {
-        if self.events.is_empty() && self.state == State::Open && self.was_full && self.can_queue()
-        {
+        if self.events.is_empty() && self.writable_due() {
             self.was_full = false;
             return Some(Event::Writable);
         }

@@ -553,7 +553,7 @@ impl Worker {
         let Some(ss) = st.streams.get_mut(&stream) else {
             return;
         };
-        ss.to_report += ss.shared.released.swap(0, Ordering::AcqRel);
+        ss.to_report += ss.shared.take_released();
         if ss.to_report >= ss.shared.report_every && !ss.report_queued && !ss.peer_closed {
             ss.report_queued = true;
             st.queue_stream_control(&self.buffers, stream, TraceFlags::STREAM_CREDIT);
@@ -1084,8 +1084,7 @@ impl Worker {
                 if let Some(ss) = st.streams.get_mut(&trace.stream) {
                     // What the application consumed since the last report, whether or not the
                     // worker was told (it is told only once a report's worth built up).
-                    let owed = std::mem::take(&mut ss.to_report)
-                        + ss.shared.released.swap(0, Ordering::AcqRel);
+                    let owed = std::mem::take(&mut ss.to_report) + ss.shared.take_released();
                     trace.stream_credits = trace
                         .stream_credits
                         .saturating_add(owed.min(u32::MAX.into()) as u32);

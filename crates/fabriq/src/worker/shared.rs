@@ -664,6 +664,15 @@ impl ChannelShared {
         self.failure.lock().clone()
     }
 
+    /// Worker: the consumed messages not yet counted into a report (a plain load when there are
+    /// none, the common case of a stream that sends as often as it reads).
+    pub(crate) fn take_released(&self) -> u64 {
+        if self.released.load(Ordering::Acquire) == 0 {
+            return 0;
+        }
+        self.released.swap(0, Ordering::AcqRel)
+    }
+
     /// Worker: the window, once the channel's settings are known.
     pub(crate) fn set_window(&self, messages: u64) {
         self.window.store(messages.max(1), Ordering::Relaxed);

@@ -14,6 +14,14 @@ cd "$(dirname "$0")/.."
 export CARGO_TERM_COLOR=${CARGO_TERM_COLOR:-never}
 export RUST_BACKTRACE=${RUST_BACKTRACE:-1}
 
+# The network-namespace tests (udp fabric, auto with a peer on another host) need iproute2.
+if [ "$(id -u)" = 0 ] && ! command -v ip >/dev/null 2>&1; then
+  echo "== installing iproute2 (network-namespace tests)"
+  apt-get update -qq >/dev/null 2>&1 || true
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q iproute2 >/dev/null 2>&1 \
+    || echo "== could not install iproute2: the network-namespace tests will print SKIP"
+fi
+
 echo "== cargo test --workspace --release"
 cargo test --workspace --release
 

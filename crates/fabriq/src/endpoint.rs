@@ -13,10 +13,16 @@
 //! QP INIT (cache or new) ── Hello ───────────────▶ check version, provider, token
 //!                                                  QP INIT on the routed worker, post ring
 //!                                                  RTR → RTS
-//! check hello-ack ◀──────────────── HelloAck ────
-//! post ring, RTR → RTS ── Ready ─────────────────▶ adopt on the worker (may send now)
+//! check hello-ack ◀──────────────── HelloAck ────  adopt, hand to accept (sends held)
+//! post ring, RTR → RTS ── Ready ─────────────────▶ worker reads Ready: held sends go
 //! adopt on the worker (may send now)
 //! ```
+//!
+//! The accepting side does not wait for the Ready (`PendingConn::finish_accepting`): its
+//! driver holds sends until the Ready or the client's first message arrives
+//! (`ChannelDriver::await_peer`), and a client silent past the handshake timeout fails the
+//! channel. Adoption runs on the thread that finished the handshake when the worker's state is
+//! free.
 //!
 //! That sets up a *connection*; channels are streams on it (`worker::streams`). Each worker keeps
 //! a [`ConnPool`]: one connection per peer address, shared by every channel this endpoint opens
@@ -443,7 +449,17 @@ impl Endpoint {
             pending.reject(RejectCode::Internal, &e.to_string());
             return Err(e);
         }
-        let (est, control) = pending.finish_owned()?;
+        // Accepting side: the channel is handed out once the hello-ack is sent; its sends wait
+        // in the driver for the peer's Ready (or first message).
+        let accepting = accept.is_some();
+        let (est, control) = if accepting {
+            pending.finish_accepting()?
+        } else {
+            pending.finish_owned()?
+        };
+        if accepting {
+            driver.await_peer();
+        }
         let stream_window = crate::conn::wire::negotiated_stream_window(&est.local, &est.peer);
         let lease = w.conn.lease(est.qp);
         let conn = driver.qp().qp_num().0;
@@ -461,7 +477,11 @@ impl Endpoint {
             u64::from(cfg.max_queued),
             stream_window,
         ));
-        w.shared.submit(Command::Adopt(Box::new(Adopt {
+        // Adopted on this thread when the worker's state is free (no hand-off: on a host with
+        // few cores, waking the worker here costs a context switch on the connect's path),
+        // else queued for the thread that holds it. Either way the adoption precedes anything
+        // the new channel's owner hands to the worker later.
+        let adopt = Box::new(Adopt {
             driver,
             control: Some(control),
             lease: Some(lease),
@@ -471,7 +491,9 @@ impl Endpoint {
             eager_max,
             stream_window,
             first_stream: Some(Arc::clone(&first)),
-        })));
+            ready_within: self.inner.config.handshake_timeout(),
+        });
+        worker::direct_or_submit(&w.shared, adopt, |g, a| g.adopt(*a), Command::Adopt);
         let first = match accept {
             Some(tx) => {
                 // A listener that is gone drops the `Accepted`, which closes the stream.

@@ -782,3 +782,60 @@ fn the_stream_window_is_negotiated_to_the_smaller_side() {
         }
     }
 }
+
+/// The accepting side hands its channel out once its hello-ack is sent, before the peer's
+/// `Ready`; what it sends meanwhile waits for the peer. A peer that stops after the hello-ack
+/// (its QP never leaves INIT, no `Ready`) fails that channel once the handshake timeout has
+/// passed, with nothing delivered; a peer that gives up (its half-done handshake dropped: it
+/// sends a reject) fails it at once. An established channel of the same listener keeps working
+/// throughout.
+#[test]
+fn an_accepted_channel_fails_when_its_peer_never_finishes_the_handshake() {
+    use fabriq::conn::{ConnConfig, ConnManager};
+    for device in devices() {
+        let cfg = Config {
+            device: device.clone(),
+            handshake_timeout_ms: 400,
+            ..Config::default()
+        };
+        let Some((_server, client, listener)) = server_client_listener(cfg) else {
+            continue;
+        };
+        let addr = listener.local_addr();
+        let c = client.connect(addr).expect("connect");
+        let s = listener.accept_timeout(HANG).expect("accept");
+        ping(&c, &s, b"before");
+        // A raw peer with a QP of the same provider, driven through the connection manager.
+        let ctx = fabriq_verbs::Context::open(&device).expect("device");
+        let pd = ctx.alloc_pd().expect("pd");
+        let cq = ctx.create_cq(256).expect("cq");
+        let raw = ConnManager::new(&pd, &cq, ConnConfig::default()).expect("manager");
+        for abandon in [false, true] {
+            let mut pending = Some(
+                raw.connect_pending(addr, None, HANG)
+                    .expect("hello and hello-ack"),
+            );
+            let early = listener
+                .accept_timeout(HANG)
+                .expect("accepted before the peer's Ready");
+            early.send(b"held").expect("a send is queued, not refused");
+            let started = Instant::now();
+            if abandon {
+                drop(pending.take());
+            }
+            match early.recv_timeout(HANG) {
+                Err(ChannelError::PeerGone) if abandon => {}
+                Err(ChannelError::Failed(why)) if !abandon => {
+                    assert!(why.contains("handshake"), "{device}: {why}");
+                    assert!(
+                        started.elapsed() >= Duration::from_millis(300),
+                        "{device}: failed before the handshake timeout"
+                    );
+                }
+                other => panic!("{device} (abandon {abandon}): {other:?}"),
+            }
+            drop(pending);
+            ping(&s, &c, b"still here");
+        }
+    }
+}

@@ -7,6 +7,8 @@
 //! Completion polling is not here: the worker polls its CQ (shared by many channels) and hands
 //! each completion to the driver of the QP it names.
 
+use std::collections::VecDeque;
+
 use fabriq_verbs::{
     AccessFlags, MemoryRegion, ProtectionDomain, QueuePair, RecvWr, RemoteAddr, SendFlags, SendWr,
     Sge, WorkCompletion, WrOpcode,
@@ -100,6 +102,12 @@ pub struct ChannelDriver {
     epoch: u64,
     /// Completions dropped for another epoch.
     stale: u64,
+    /// False while the peer has not yet confirmed that its receive ring is posted (accepting
+    /// side, between the hello-ack and the peer's `Ready` or first message): sends and READs
+    /// wait in `held`, in order; receives are posted at once.
+    peer_ready: bool,
+    /// Send-queue work requests held until the peer is ready.
+    held: VecDeque<WorkRequest>,
 }
 
 impl std::fmt::Debug for ChannelDriver {
@@ -139,7 +147,33 @@ impl ChannelDriver {
             inline_max,
             epoch: next_epoch(),
             stale: 0,
+            peer_ready: true,
+            held: VecDeque::new(),
         })
+    }
+
+    /// Hold every send and READ until [`ChannelDriver::set_peer_ready`] or a receive
+    /// completion shows that the peer has its receive ring posted (the accepting side returns
+    /// its channel as soon as its hello-ack is out, the way an IB CM passive side may use its
+    /// QP before the RTU: its first send waits for the peer, not the accept).
+    pub fn await_peer(&mut self) {
+        self.peer_ready = false;
+    }
+
+    /// The peer confirmed it is ready: what was held is posted by the next
+    /// [`ChannelDriver::pump`].
+    pub fn set_peer_ready(&mut self) {
+        self.peer_ready = true;
+    }
+
+    /// True until the peer confirmed it is ready (see [`ChannelDriver::await_peer`]).
+    pub fn awaiting_peer(&self) -> bool {
+        !self.peer_ready
+    }
+
+    /// Send-queue work requests held for the peer's confirmation.
+    pub fn held(&self) -> usize {
+        self.held.len()
     }
 
     /// The queue pair.
@@ -183,6 +217,8 @@ impl ChannelDriver {
         let wc = &own;
         let is_recv = super::proto::is_recv_wr(wc.wr_id) && wc.status.is_success();
         if is_recv {
+            // The peer posts its ring before it may send: a message from it confirms it.
+            self.peer_ready = true;
             let slot = (wc.wr_id & 0xFFFF_FFFF) as usize;
             let n = (wc.byte_len as usize).min(self.slot_size);
             let read = self
@@ -222,7 +258,20 @@ impl ChannelDriver {
             }
         }
         let mut posted = 0;
+        if self.peer_ready {
+            while let Some(wr) = self.held.pop_front() {
+                if let Err(e) = self.post(&wr) {
+                    self.core.handle_fatal(e);
+                    return posted;
+                }
+                posted += 1;
+            }
+        }
         while let Some(wr) = self.core.poll_work_request(now) {
+            if !self.peer_ready && !matches!(wr, WorkRequest::Recv { .. }) {
+                self.held.push_back(wr);
+                continue;
+            }
             if let Err(e) = self.post(&wr) {
                 self.core.handle_fatal(e);
                 break;
@@ -316,7 +365,93 @@ impl ChannelDriver {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use fabriq_verbs::{Context, QpInitAttr, WcOpcode, WcStatus};
+    use std::time::Duration;
+
+    use crate::mempool::PoolConfig;
+    use fabriq_verbs::{Context, QpAttr, QpInitAttr, WcOpcode, WcStatus};
+
+    /// The accepting side's driver before the peer confirmed its ring: its receive ring is
+    /// posted, but a message it is given stays held (nothing reaches the peer's QP, which has
+    /// a receive posted and would complete it) until the peer is said to be ready; then the
+    /// held SEND goes out, in order before a later one.
+    #[test]
+    fn sends_are_held_until_the_peer_is_ready_and_then_go_in_order() {
+        let ctx = Context::open("shm0").expect("shm0");
+        let pd = ctx.alloc_pd().expect("pd");
+        let (cq_a, cq_b) = (
+            ctx.create_cq(64).expect("cq"),
+            ctx.create_cq(64).expect("cq"),
+        );
+        let qa = pd.create_qp(&QpInitAttr::new(&cq_a)).expect("qp");
+        let qb = pd.create_qp(&QpInitAttr::new(&cq_b)).expect("qp");
+        let access = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ;
+        for q in [&qa, &qb] {
+            q.modify(&QpAttr::init(access)).expect("init");
+        }
+        let cfg = ChannelConfig::default();
+        let geo = PeerGeometry {
+            rx_slots: cfg.rx_slots,
+            rx_slot_size: cfg.rx_slot_size,
+        };
+        let t = Instant::from_nanos(1);
+        let mut a = ChannelDriver::new(&pd, qa.clone(), cfg.clone(), geo).expect("driver a");
+        let mut b = ChannelDriver::new(&pd, qb.clone(), cfg, geo).expect("driver b");
+        a.await_peer();
+        assert!(
+            a.post_ready(t).expect("ring a") > 0,
+            "receives are never held"
+        );
+        b.post_ready(t).expect("ring b");
+        for (q, peer) in [(&qa, &qb), (&qb, &qa)] {
+            q.modify(&QpAttr::rtr(peer.endpoint())).expect("rtr");
+            q.modify(&QpAttr::rts()).expect("rts");
+        }
+        let mut pool = MemPool::new(&pd, PoolConfig::default()).expect("pool");
+        let mut msg = |bytes: &[u8]| {
+            let mut buf = pool.alloc_any(bytes.len()).expect("buf");
+            buf.set_len(bytes.len());
+            buf.copy_from_slice(bytes);
+            buf
+        };
+        let (first, second) = (msg(b"first"), msg(b"second"));
+        a.send(first, TraceInfo::default())
+            .map_err(|(e, _)| e)
+            .expect("send");
+        assert_eq!(a.pump(t, &mut pool), 0);
+        assert_eq!(a.held(), 1);
+        let mut wcs = vec![WorkCompletion::EMPTY; 8];
+        std::thread::sleep(Duration::from_millis(20));
+        assert_eq!(
+            cq_b.poll(&mut wcs).expect("poll b"),
+            0,
+            "a held SEND reached the peer"
+        );
+        a.set_peer_ready();
+        a.send(second, TraceInfo::default())
+            .map_err(|(e, _)| e)
+            .expect("send");
+        assert_eq!(a.pump(t, &mut pool), 2);
+        assert_eq!(a.held(), 0);
+        let mut got = Vec::new();
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while got.len() < 2 && std::time::Instant::now() < deadline {
+            let n = cq_b.poll(&mut wcs).expect("poll b");
+            for wc in wcs.iter().take(n) {
+                b.handle_completion(t, wc);
+            }
+            while let Some(ev) = b.poll_event() {
+                if let Event::Received {
+                    payload: super::super::proto::Received::Eager(bytes),
+                    ..
+                } = ev
+                {
+                    got.push(bytes);
+                }
+            }
+        }
+        assert_eq!(got, vec![b"first".to_vec(), b"second".to_vec()]);
+        assert!(!b.awaiting_peer());
+    }
 
     /// A completion left over from an earlier connection on the same QP (it raced the QP's
     /// drain) carries that connection's epoch: the new driver drops it instead of reading a

@@ -7,7 +7,8 @@
 //! reset, garbage). When the owner drops it, the stream tells the peer (a `Close` frame, unless
 //! the peer closed first) and goes back where it came from — the client manager's idle set or
 //! the server's [`super::Listener`] — ready for the next handshake, so a reconnect skips the TCP
-//! handshake. Frames are read exactly (prefix, then body), never past the `Close`: a hello the
+//! handshake. On the accepting side the peer's `Ready` may still come on the live stream (see
+//! [`super::PendingConn::finish_accepting`]); [`ControlStream::take_ready`] tells it. Frames are read exactly (prefix, then body), never past the `Close`: a hello the
 //! peer sends right after it stays in the socket for the listener.
 //!
 //! **QP lease.** The QP goes back to its manager's cache only once no completion of it can
@@ -67,6 +68,9 @@ pub struct ControlStream {
     state: State,
     /// Bytes of a frame read so far: `rx.len() < 4 + body length`.
     rx: Vec<u8>,
+    /// The peer's `Ready` (the last step of its handshake) arrived on this stream and was not
+    /// taken yet: accepting side, see [`super::PendingConn::finish_accepting`].
+    ready: bool,
 }
 
 impl std::fmt::Debug for ControlStream {
@@ -92,7 +96,13 @@ impl ControlStream {
             reuse,
             state: State::Open,
             rx: Vec::new(),
+            ready: false,
         }
+    }
+
+    /// True once after the peer's `Ready` was read by [`ControlStream::poll_peer`].
+    pub fn take_ready(&mut self) -> bool {
+        std::mem::take(&mut self.ready)
     }
 
     /// The peer's control address.
@@ -151,6 +161,11 @@ impl ControlStream {
                         Ok(Some((Message::Close, _))) => {
                             self.rx.clear();
                             self.state = State::PeerClosed;
+                        }
+                        // Accepting side: the last step of the peer's handshake.
+                        Ok(Some((Message::Ready, _))) => {
+                            self.rx.clear();
+                            self.ready = true;
                         }
                         Ok(Some((other, _))) => {
                             tracing::debug!(peer = %self.peer_addr, got = other.name(),

@@ -94,10 +94,14 @@ impl Step {
     ) -> Result<bool, ConnError> {
         let spin_until = (!self.spin.is_zero()).then(|| Instant::now() + self.spin);
         let mut off = 0;
+        let mut first_try = true;
         while off < buf.len() {
             let left = remaining(self.deadline, self.allowed, self.peer, self.phase)?;
             let Some(dst) = buf.get_mut(off..) else { break };
-            let spinning = spin_until.is_some_and(|t| Instant::now() < t);
+            // What has arrived already (a frame's body behind its prefix, a reply that came
+            // while this side was busy) is taken without a timeout to set: one system call.
+            let spinning = first_try || spin_until.is_some_and(|t| Instant::now() < t);
+            first_try = false;
             let got = if spinning {
                 rustix::net::recv(&*s, dst, rustix::net::RecvFlags::DONTWAIT)
                     .map(|(n, _)| n)
@@ -118,7 +122,7 @@ impl Step {
                 Ok(n) => off += n,
                 Err(e) if e.kind() == ErrorKind::Interrupted => {}
                 Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
-                    if spinning {
+                    if spinning && spin_until.is_some() {
                         spin_pause();
                     }
                 }
@@ -159,12 +163,30 @@ impl Step {
     }
 
     /// Write one message.
+    ///
+    /// A handshake frame fits the socket's send buffer, so it normally leaves in one
+    /// non-blocking send; only what does not (a full buffer) waits, bounded by the deadline.
     pub fn write_msg(&self, s: &mut TcpStream, msg: &Message) -> Result<(), ConnError> {
         let left = remaining(self.deadline, self.allowed, self.peer, self.phase)?;
+        let frame = wire::encode(msg);
+        let sent = loop {
+            match rustix::net::send(
+                &*s,
+                &frame,
+                rustix::net::SendFlags::DONTWAIT | rustix::net::SendFlags::NOSIGNAL,
+            ) {
+                Ok(n) => break n,
+                Err(rustix::io::Errno::INTR) => {}
+                Err(rustix::io::Errno::AGAIN) => break 0,
+                Err(e) => return Err(self.io_error(e.into())),
+            }
+        };
+        let Some(rest) = frame.get(sent..).filter(|r| !r.is_empty()) else {
+            return Ok(());
+        };
         s.set_write_timeout(Some(left))
             .map_err(|e| ConnError::io("set control stream timeout", e))?;
-        let frame = wire::encode(msg);
-        s.write_all(&frame)
+        s.write_all(rest)
             .and_then(|()| s.flush())
             .map_err(|e| self.io_error(e))
     }
@@ -244,7 +266,11 @@ pub(crate) fn check_peer_hello(
             },
         });
     }
-    if !auth_token.is_empty() && !tokens_equal(auth_token, &peer.auth_token) {
+    // Symmetric: each side requires the other to hold the same token when either has one, so
+    // the accepting side refuses a connect its peer would refuse after the hello-ack (the
+    // accepting side does not wait for the peer's verdict, see `PendingConn::finish_accepting`).
+    let either = !auth_token.is_empty() || !peer.auth_token.is_empty();
+    if either && !tokens_equal(auth_token, &peer.auth_token) {
         return Err(ConnError::AuthFailed { peer: peer_addr });
     }
     Ok(())

@@ -611,13 +611,32 @@ impl PendingConn {
     /// Finish the handshake: QP to RTR and RTS, then (client) send Ready, or (server) send the
     /// hello-ack and wait for Ready. On return both sides may send.
     pub fn finish(mut self) -> Result<Established, ConnError> {
-        self.finish_counted(false).map(|(est, _)| est)
+        self.finish_counted(false, true).map(|(est, _)| est)
     }
 
     /// [`PendingConn::finish`], keeping the control stream: it becomes the connection's
     /// liveness signal, and goes back for reuse (after telling the peer) when dropped.
     pub fn finish_owned(mut self) -> Result<(Established, ControlStream), ConnError> {
-        self.finish_counted(true)
+        self.finish_counted(true, true)
+            .and_then(|(est, control)| match control {
+                Some(c) => Ok((est, c)),
+                None => Err(ConnError::InvalidConfig(
+                    "control stream missing after the handshake".into(),
+                )),
+            })
+    }
+
+    /// [`PendingConn::finish_owned`], except that the accepting side does not wait for the
+    /// peer's `Ready`: it returns once its hello-ack is sent. The peer's receive ring is then
+    /// not known to be posted, so the caller must not send on the QP before the peer's `Ready`
+    /// arrives on the control stream ([`ControlStream::take_ready`]) or a message from the peer
+    /// completes (the peer posts its ring before either) — `ChannelDriver::await_peer`. This
+    /// saves the accepting side half a round trip and a thread wake-up; the checks the peer
+    /// makes of the hello-ack are made here already (same provider, same auth token), so a
+    /// peer that still gives up afterwards only closes the control stream. Connecting side:
+    /// the same as `finish_owned`.
+    pub fn finish_accepting(mut self) -> Result<(Established, ControlStream), ConnError> {
+        self.finish_counted(true, false)
             .and_then(|(est, control)| match control {
                 Some(c) => Ok((est, c)),
                 None => Err(ConnError::InvalidConfig(
@@ -639,9 +658,10 @@ impl PendingConn {
     fn finish_counted(
         &mut self,
         keep_stream: bool,
+        wait_ready: bool,
     ) -> Result<(Established, Option<ControlStream>), ConnError> {
         let mgr = self.mgr.clone();
-        let result = self.finish_inner(keep_stream);
+        let result = self.finish_inner(keep_stream, wait_ready);
         match &result {
             Ok(_) => {
                 let counter = match self.role {
@@ -660,6 +680,7 @@ impl PendingConn {
     fn finish_inner(
         &mut self,
         keep_stream: bool,
+        wait_ready: bool,
     ) -> Result<(Established, Option<ControlStream>), ConnError> {
         let (Some(qp), Some(mut stream)) = (self.qp.take(), self.stream.take()) else {
             unreachable!("PendingConn invariant: finish runs once");
@@ -689,6 +710,9 @@ impl PendingConn {
                 Role::Client => step("ready").write_msg(stream, &Message::Ready),
                 Role::Server => {
                     step("hello-ack").write_msg(stream, &Message::HelloAck(self.local.clone()))?;
+                    if !wait_ready {
+                        return Ok(());
+                    }
                     match step("ready").read_msg(stream, false)? {
                         Some(Message::Ready) => Ok(()),
                         Some(Message::Reject(r)) => {
@@ -1088,6 +1112,9 @@ impl Listener {
         let result = match step.read_msg(stream, eof_ok) {
             Ok(None) => return Ok(HelloRead::Eof),
             Ok(Some(Message::Close)) if eof_ok => return Ok(HelloRead::Close),
+            // A kept stream may still hold the `Ready` of the connection it carried, when that
+            // connection ended before its worker read it (`PendingConn::finish_accepting`).
+            Ok(Some(Message::Ready)) if eof_ok => return Ok(HelloRead::Close),
             Ok(Some(Message::Hello(h))) => {
                 let provider = match self.admitted.iter().find(|p| **p == h.provider) {
                     Some(p) => p.as_str(),

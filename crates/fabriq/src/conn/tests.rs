@@ -583,7 +583,7 @@ fn a_qp_failure_on_the_server_is_reported_to_the_client() {
         matches!(
             err,
             ConnError::Rejected {
-                code: RejectCode::Internal,
+                code: wire::RejectCode::Internal,
                 ..
             }
         ),
@@ -608,7 +608,7 @@ fn an_abandoned_pending_connection_tells_the_peer() {
         matches!(
             err,
             ConnError::Rejected {
-                code: RejectCode::Internal,
+                code: wire::RejectCode::Internal,
                 ..
             }
         ),
@@ -822,7 +822,7 @@ fn a_control_stream_reports_a_vanished_peer_and_garbage() {
                 .finish_owned()
                 .unwrap();
             control.set_nonblocking(true).unwrap();
-            out.push(wait_peer(&mut control));
+            out.push((wait_peer(&mut control), control.take_ready()));
             listener.manager().release(est);
         }
         out
@@ -839,7 +839,8 @@ fn a_control_stream_reports_a_vanished_peer_and_garbage() {
         .unwrap();
     drop(control);
     cli.release(est);
-    // The client writes something that is not a Close.
+    // The client writes a Ready (the last step of a handshake: read, and told by
+    // `take_ready`), then something that is neither a Ready nor a Close.
     let (est, control) = cli
         .connect_pending(addr, None, LONG)
         .unwrap()
@@ -847,7 +848,17 @@ fn a_control_stream_reports_a_vanished_peer_and_garbage() {
         .unwrap();
     let mut raw = control_stream_clone(&control);
     raw.write_all(&wire::encode(&Message::Ready)).unwrap();
-    assert_eq!(server.join().unwrap(), vec![ControlEvent::Gone; 2]);
+    raw.write_all(&wire::encode(&Message::Reject(wire::Reject {
+        code: wire::RejectCode::Internal,
+        version: wire::VERSION,
+        provider: "shm".into(),
+        reason: "gave up".into(),
+    })))
+    .unwrap();
+    assert_eq!(
+        server.join().unwrap(),
+        vec![(ControlEvent::Gone, false), (ControlEvent::Gone, true)]
+    );
     drop(control);
     cli.release(est);
 }

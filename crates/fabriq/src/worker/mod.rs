@@ -154,6 +154,8 @@ pub(crate) struct Adopt {
     pub(crate) eager_max: u32,
     /// The stream window both sides agreed on.
     pub(crate) stream_window: u32,
+    /// Accepting side, when the driver awaits the peer's `Ready`: how long it may take.
+    pub(crate) ready_within: Duration,
     /// Accepting side: the stream the handshake opened (already handed to the listener).
     pub(crate) first_stream: Option<Arc<ChannelShared>>,
 }
@@ -291,6 +293,10 @@ pub(crate) struct Worker {
     epoll: OwnedFd,
     /// The clock, read at most once per pass (see [`Worker::clock`]).
     clock: Option<Instant>,
+    /// Accepted connections whose peer has not confirmed its receive ring yet (their sends
+    /// are held, `ChannelDriver::await_peer`), with the time by which it must: their control
+    /// streams are read on every pass until then, so the peer's `Ready` releases them at once.
+    awaiting: Vec<(u32, Instant)>,
 }
 
 /// Start a worker: install its state in `shared` and start its thread (the poller in thread
@@ -330,6 +336,7 @@ pub(crate) fn spawn(
         fired: Vec::new(),
         handlers,
         orphans: FxHashMap::default(),
+        awaiting: Vec::new(),
         next_one_sided: 1,
         has_cq_events,
         wcs: vec![WorkCompletion::EMPTY; 64],
@@ -513,6 +520,9 @@ impl Worker {
         // which keeps clock reads off the spin loop.
         if work > 0 || self.loops % 64 == 0 {
             work += self.fire_timers();
+        }
+        if !self.awaiting.is_empty() {
+            self.check_awaiting();
         }
         self.pump_dirty();
         if work == 0 && self.loops % 1024 == 0 {
@@ -726,7 +736,7 @@ impl Worker {
         true
     }
 
-    fn adopt(&mut self, a: Adopt) {
+    pub(crate) fn adopt(&mut self, a: Adopt) {
         let Adopt {
             driver,
             control,
@@ -737,8 +747,12 @@ impl Worker {
             eager_max,
             stream_window,
             first_stream,
+            ready_within,
         } = a;
         let id = driver.qp().qp_num().0;
+        if driver.awaiting_peer() {
+            self.awaiting.push((id, now().saturating_add(ready_within)));
+        }
         let window = u64::from(driver.core().config().max_queued);
         let mut streams = FxHashMap::default();
         if let Some(shared) = first_stream {
@@ -1155,9 +1169,45 @@ impl Worker {
         let Some(c) = st.control.as_mut() else {
             return;
         };
-        match c.poll_peer() {
+        let event = c.poll_peer();
+        if c.take_ready() {
+            st.driver.set_peer_ready();
+            self.mark_dirty(id);
+        }
+        match event {
             ControlEvent::Open => {}
             ControlEvent::PeerClosed | ControlEvent::Gone => self.fail_conn(id, Failure::PeerGone),
+        }
+    }
+
+    /// Accepted connections waiting for the peer's `Ready`: read their control streams (a
+    /// non-blocking read each), and fail those whose peer let the handshake's time pass.
+    fn check_awaiting(&mut self) {
+        let now = self.clock();
+        let mut i = 0;
+        while let Some(&(id, deadline)) = self.awaiting.get(i) {
+            let waiting = self
+                .conns
+                .get(&id)
+                .is_some_and(|st| !st.is_failed() && st.driver.awaiting_peer());
+            if waiting {
+                self.check_control(id);
+            }
+            let still = self
+                .conns
+                .get(&id)
+                .is_some_and(|st| !st.is_failed() && st.driver.awaiting_peer());
+            if still && now >= deadline {
+                self.fail_conn(
+                    id,
+                    Failure::Error("the peer did not finish the handshake in time".into()),
+                );
+            }
+            if still && now < deadline {
+                i += 1;
+            } else {
+                self.awaiting.swap_remove(i);
+            }
         }
     }
 

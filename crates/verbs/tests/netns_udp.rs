@@ -200,10 +200,12 @@ fn multipath_keeps_goodput_under_loss_where_single_path_does_not() {
     let mp = ["mode=multi", "paths=16"];
     let sp = ["mode=single", "paths=1", "line_rate_mbps=40"];
 
-    // Lossless and lossy runs alternate, three of each, and their medians are compared, so a
-    // burst of load on this shared machine during one run does not decide the outcome.
+    // Lossless and lossy runs alternate, five of each, and their medians are compared, so a
+    // burst of load on this shared machine during one or two runs does not decide the outcome
+    // (with three, two disturbed lossy runs of 0.77 × lossless failed 2 of 6 test runs on one
+    // 2-core host, where undisturbed ones keep 0.95–0.97).
     let (mut clean, mut lossy_runs) = (Vec::new(), Vec::new());
-    for round in 0..3u16 {
+    for round in 0..5u16 {
         f.sh(&["clear", &lossy]);
         clean.push(goodput(&f, &mp, 2 * round));
         f.sh(&["loss", &lossy, "50"]);
@@ -215,7 +217,7 @@ fn multipath_keeps_goodput_under_loss_where_single_path_does_not() {
     };
     let mp_clean = median(&mut clean);
     let mp_lossy = median(&mut lossy_runs);
-    let sp_lossy = goodput(&f, &sp, 6);
+    let sp_lossy = goodput(&f, &sp, 10);
     eprintln!("{}", f.sh(&["counters"]));
     eprintln!(
         "goodput Mbit/s: multi-path lossless {mp_clean:.1}, multi-path 0.5% loss on spine {lossy} \
@@ -240,7 +242,7 @@ fn multipath_keeps_goodput_under_loss_where_single_path_does_not() {
         &f,
         &mp,
         &["--test", "sync", "--iters", SYNC_ROUNDS, "--sync", "on"],
-        7,
+        11,
     );
     eprintln!("synchronise over spines {UNEQUAL_RATES:?}: {c}\n    {s}");
     assert_eq!(json_field(&c, "failed"), "false", "{c}");

@@ -750,6 +750,9 @@ impl Worker {
             ready_within,
         } = a;
         let id = driver.qp().qp_num().0;
+        // A QP comes back from the cache under the same number: an entry of its previous
+        // connection (not yet swept) must not time the new one out.
+        self.awaiting.retain(|&(other, _)| other != id);
         if driver.awaiting_peer() {
             self.awaiting.push((id, now().saturating_add(ready_within)));
         }

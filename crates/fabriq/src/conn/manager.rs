@@ -575,6 +575,18 @@ impl ConnManager {
     }
 }
 
+/// The control stream a finish that keeps it must return.
+fn with_stream(
+    (est, control): (Established, Option<ControlStream>),
+) -> Result<(Established, ControlStream), ConnError> {
+    match control {
+        Some(c) => Ok((est, c)),
+        None => Err(ConnError::InvalidConfig(
+            "control stream missing after the handshake".into(),
+        )),
+    }
+}
+
 impl PendingConn {
     /// The QP, in INIT: post receives on it now.
     pub fn qp(&self) -> &QueuePair {
@@ -617,13 +629,7 @@ impl PendingConn {
     /// [`PendingConn::finish`], keeping the control stream: it becomes the connection's
     /// liveness signal, and goes back for reuse (after telling the peer) when dropped.
     pub fn finish_owned(mut self) -> Result<(Established, ControlStream), ConnError> {
-        self.finish_counted(true, true)
-            .and_then(|(est, control)| match control {
-                Some(c) => Ok((est, c)),
-                None => Err(ConnError::InvalidConfig(
-                    "control stream missing after the handshake".into(),
-                )),
-            })
+        self.finish_counted(true, true).and_then(with_stream)
     }
 
     /// [`PendingConn::finish_owned`], except that the accepting side does not wait for the
@@ -636,13 +642,7 @@ impl PendingConn {
     /// peer that still gives up afterwards only closes the control stream. Connecting side:
     /// the same as `finish_owned`.
     pub fn finish_accepting(mut self) -> Result<(Established, ControlStream), ConnError> {
-        self.finish_counted(true, false)
-            .and_then(|(est, control)| match control {
-                Some(c) => Ok((est, c)),
-                None => Err(ConnError::InvalidConfig(
-                    "control stream missing after the handshake".into(),
-                )),
-            })
+        self.finish_counted(true, false).and_then(with_stream)
     }
 
     /// Refuse the peer after its hello was read (e.g. its ring geometry does not suit this

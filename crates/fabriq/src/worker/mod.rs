@@ -1189,13 +1189,8 @@ impl Worker {
         let now = self.clock();
         let mut i = 0;
         while let Some(&(id, deadline)) = self.awaiting.get(i) {
-            let waiting = self
-                .conns
-                .get(&id)
-                .is_some_and(|st| !st.is_failed() && st.driver.awaiting_peer());
-            if waiting {
-                self.check_control(id);
-            }
+            // A connection that is gone or failed has no control stream left: nothing is read.
+            self.check_control(id);
             let still = self
                 .conns
                 .get(&id)

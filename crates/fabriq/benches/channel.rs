@@ -32,11 +32,12 @@ fn devices() -> Vec<String> {
         .collect()
 }
 
-fn endpoint(device: &str) -> Result<Endpoint, String> {
+fn endpoint(device: &str, signal_every: u32) -> Result<Endpoint, String> {
     Endpoint::new(Config {
         device: device.into(),
         workers: 1,
         progress: Progress::Caller,
+        signal_every,
         ..Config::default()
     })
     .map_err(|e| e.to_string())
@@ -45,10 +46,19 @@ fn endpoint(device: &str) -> Result<Endpoint, String> {
 fn channel_bench(c: &mut Criterion) {
     let mut g = c.benchmark_group("channel_pingpong_one_thread");
     g.measurement_time(Duration::from_secs(3));
-    for device in devices() {
+    // The default (one SEND in `signal_every` signaled) and, beside it, a completion for every
+    // SEND, as before selective signaling.
+    let variants = [
+        ("", Config::default().signal_every),
+        ("/signal_every_send", 1),
+    ];
+    for (device, (variant, signal_every)) in devices()
+        .into_iter()
+        .flat_map(|d| variants.map(|v| (d.clone(), v)))
+    {
         let pair = (|| -> Result<_, String> {
-            let a = endpoint(&device)?;
-            let b = endpoint(&device)?;
+            let a = endpoint(&device, signal_every)?;
+            let b = endpoint(&device, signal_every)?;
             let listener = b.listen("127.0.0.1:0").map_err(|e| e.to_string())?;
             let ca = a
                 .connect(listener.local_addr())
@@ -66,7 +76,7 @@ fn channel_bench(c: &mut Criterion) {
             }
         };
         let msg = [7u8; 8];
-        g.bench_function(format!("{device}/8B"), |bench| {
+        g.bench_function(format!("{device}/8B{variant}"), |bench| {
             bench.iter(|| {
                 ca.send_timeout(&msg, TIMEOUT).expect("send");
                 let m = cb.recv_timeout(TIMEOUT).expect("recv");

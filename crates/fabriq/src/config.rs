@@ -20,6 +20,8 @@
 //! rx_slots = 16              # receive ring per channel (the peer's credits); slots hold the
 //!                            # eager threshold + headers
 //! sq_depth = 128
+//! signal_every = 16          # one SEND in this many asks for a completion (1: every SEND);
+//!                            # at most half of sq_depth is used
 //! max_queued = 64            # messages queued for credit before send blocks
 //! max_message_len = 4294967296
 //! # eager_max = 4096         # override the profile's eager threshold
@@ -43,7 +45,7 @@
 //!
 //! Environment: `FABRIQ_DEVICE`, `FABRIQ_WORKERS`, `FABRIQ_PROGRESS`, `FABRIQ_PIN_WORKERS`, `FABRIQ_IDLE_SPIN_US`,
 //! `FABRIQ_RPC_TIMEOUT_MS`, `FABRIQ_HANDSHAKE_TIMEOUT_MS`, `FABRIQ_HANDSHAKE_SPIN_US`, `FABRIQ_LINK_SPEED_GBPS`,
-//! `FABRIQ_RX_SLOTS`, `FABRIQ_SQ_DEPTH`, `FABRIQ_MAX_QUEUED`, `FABRIQ_MAX_MESSAGE_LEN`,
+//! `FABRIQ_RX_SLOTS`, `FABRIQ_SQ_DEPTH`, `FABRIQ_SIGNAL_EVERY`, `FABRIQ_MAX_QUEUED`, `FABRIQ_MAX_MESSAGE_LEN`,
 //! `FABRIQ_EAGER_MAX`, `FABRIQ_CHUNK_SIZE`, `FABRIQ_READS_IN_FLIGHT`, `FABRIQ_RNR_RETRY`,
 //! `FABRIQ_AUTH_TOKEN`, `FABRIQ_QP_CACHE_SIZE`, `FABRIQ_REUSE_CONTROL_STREAMS`,
 //! `FABRIQ_SHARE_CONNECTIONS`, `FABRIQ_DEVICE_OPTIONS` (`key=value,key=value`); `FABRIQ_CONFIG` names a
@@ -159,6 +161,8 @@ pub struct Config {
     pub rx_slots: u32,
     /// Send-queue depth used by the channel protocol.
     pub sq_depth: u32,
+    /// One SEND in this many is signaled (selective signaling; 1: all).
+    pub signal_every: u32,
     /// Messages queued waiting for credit before `send` blocks.
     pub max_queued: u32,
     /// Largest message.
@@ -204,6 +208,7 @@ impl Default for Config {
             link_speed_gbps: 0,
             rx_slots: 16,
             sq_depth: 128,
+            signal_every: 16,
             max_queued: 64,
             max_message_len: 4 << 30,
             eager_max: None,
@@ -300,6 +305,7 @@ impl Config {
         var!("FABRIQ_LINK_SPEED_GBPS", self.link_speed_gbps, parse);
         var!("FABRIQ_RX_SLOTS", self.rx_slots, parse);
         var!("FABRIQ_SQ_DEPTH", self.sq_depth, parse);
+        var!("FABRIQ_SIGNAL_EVERY", self.signal_every, parse);
         var!("FABRIQ_MAX_QUEUED", self.max_queued, parse);
         var!("FABRIQ_MAX_MESSAGE_LEN", self.max_message_len, parse);
         var!("FABRIQ_READS_IN_FLIGHT", self.reads_in_flight, parse);
@@ -447,6 +453,7 @@ impl Config {
             max_queued: self.max_queued,
             max_pulls: 4,
             max_message_len: self.max_message_len,
+            signal_every: self.signal_every,
         }
     }
 }

@@ -307,6 +307,7 @@ impl ChannelDriver {
                 tx_slot,
                 head,
                 payload,
+                signaled,
             } => {
                 let off = tx_slot as usize * TX_SLOT;
                 let bytes = head.as_slice();
@@ -321,11 +322,14 @@ impl ChannelDriver {
                     _ => std::slice::from_ref(&head_sge),
                 };
                 let total = list.iter().map(|s| u64::from(s.length)).sum::<u64>();
-                let flags = if total <= u64::from(self.inline_max) {
-                    SendFlags::SIGNALED | SendFlags::INLINE
-                } else {
+                let mut flags = if signaled {
                     SendFlags::SIGNALED
+                } else {
+                    SendFlags::empty()
                 };
+                if total <= u64::from(self.inline_max) {
+                    flags |= SendFlags::INLINE;
+                }
                 self.qp
                     .post_send(&[
                         SendWr::new(wr_id | self.epoch, list, WrOpcode::Send).with_flags(flags)

@@ -135,6 +135,11 @@ pub struct Side {
     rx_ring: Vec<u8>,
     posted_recvs: VecDeque<(u64, u32)>,
     sq_outstanding: u32,
+    /// Unsignaled SENDs that finished but hold their send-queue entry (see `complete_send`).
+    unsignaled_done: u32,
+    /// SENDs posted, and how many of them asked for a completion.
+    pub sends_posted: u64,
+    pub signaled_sends: u64,
     pub received: Vec<(u64, Got)>,
     pub completed: Vec<u64>,
     pub errors: Vec<ChannelError>,
@@ -159,6 +164,7 @@ enum Action {
         wr_id: u64,
         bytes: Vec<u8>,
         status: Option<WcStatus>,
+        signaled: bool,
     },
     /// A READ by `side` completes.
     ReadDone {
@@ -190,6 +196,9 @@ impl Side {
             cfg,
             posted_recvs: VecDeque::new(),
             sq_outstanding: 0,
+            unsignaled_done: 0,
+            sends_posted: 0,
+            signaled_sends: 0,
             received: Vec::new(),
             completed: Vec::new(),
             errors: Vec::new(),
@@ -329,6 +338,7 @@ impl Pair {
                     wr_id,
                     head,
                     payload,
+                    signaled,
                     ..
                 } => {
                     let side = &mut self.sides[s];
@@ -337,6 +347,8 @@ impl Pair {
                         side.sq_outstanding <= side.cfg.sq_depth,
                         "send queue overrun"
                     );
+                    side.sends_posted += 1;
+                    side.signaled_sends += u64::from(signaled);
                     let mut bytes = head.as_slice().to_vec();
                     if let Some(p) = payload {
                         bytes.extend_from_slice(&side.read_sge(&p));
@@ -350,6 +362,7 @@ impl Pair {
                             wr_id,
                             bytes,
                             status,
+                            signaled,
                         },
                     );
                 }
@@ -431,10 +444,11 @@ impl Pair {
                 wr_id,
                 bytes,
                 status,
+                signaled,
             } => {
                 let to = 1 - from;
                 if let Some(status) = status {
-                    self.complete_send(from, wr_id, status, WcOpcode::Send, 0);
+                    self.complete_send(from, wr_id, status, WcOpcode::Send, 0, signaled);
                     let _ = to;
                     return;
                 }
@@ -449,6 +463,7 @@ impl Pair {
                             wr_id,
                             bytes,
                             status,
+                            signaled,
                         },
                     );
                     return;
@@ -483,7 +498,7 @@ impl Pair {
                 } else {
                     WcStatus::RemoteOperation
                 };
-                self.complete_send(from, wr_id, sender_status, WcOpcode::Send, 0);
+                self.complete_send(from, wr_id, sender_status, WcOpcode::Send, 0, signaled);
             }
             Action::ReadDone {
                 side,
@@ -531,14 +546,33 @@ impl Pair {
                     }
                     WcStatus::Success
                 });
-                self.complete_send(side, wr_id, status, WcOpcode::RdmaRead, local.length);
+                self.complete_send(side, wr_id, status, WcOpcode::RdmaRead, local.length, true);
             }
         }
     }
 
-    fn complete_send(&mut self, s: usize, wr_id: u64, status: WcStatus, op: WcOpcode, n: u32) {
+    /// A send-queue request finished. As on a real queue pair, a successful unsignaled SEND
+    /// gives no completion and keeps its send-queue entry until a later signaled SEND's
+    /// completion (SENDs complete in order here); a failed one always completes.
+    fn complete_send(
+        &mut self,
+        s: usize,
+        wr_id: u64,
+        status: WcStatus,
+        op: WcOpcode,
+        n: u32,
+        signaled: bool,
+    ) {
         let side = &mut self.sides[s];
+        if !signaled && status == WcStatus::Success {
+            side.unsignaled_done += 1;
+            return;
+        }
         side.sq_outstanding -= 1;
+        if op == WcOpcode::Send && status == WcStatus::Success {
+            side.sq_outstanding -= side.unsignaled_done;
+            side.unsignaled_done = 0;
+        }
         let wc = WorkCompletion {
             wr_id,
             status,

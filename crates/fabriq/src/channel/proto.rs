@@ -135,6 +135,11 @@ pub struct ChannelConfig {
     pub max_pulls: u32,
     /// Largest message accepted, in either direction.
     pub max_message_len: u64,
+    /// Every this many SENDs one asks for a completion (selective signaling); the others
+    /// leave the send queue with it (completions of one send queue arrive in order). An eager
+    /// message whose SEND was not signaled is done once the peer acknowledged it. Capped at
+    /// half of `sq_depth`; 1 signals every SEND.
+    pub signal_every: u32,
 }
 
 impl Default for ChannelConfig {
@@ -148,6 +153,7 @@ impl Default for ChannelConfig {
             max_queued: 64,
             max_pulls: 4,
             max_message_len: 4 << 30,
+            signal_every: 16,
         }
     }
 }
@@ -170,6 +176,9 @@ impl ChannelConfig {
         }
         if self.max_queued == 0 || self.max_pulls == 0 {
             return bad("max_queued and max_pulls must be positive");
+        }
+        if self.signal_every == 0 {
+            return bad("signal_every must be positive");
         }
         Ok(())
     }
@@ -239,8 +248,9 @@ pub enum WorkRequest {
         /// Slot index, `< rx_slots`.
         slot: u32,
     },
-    /// Write `head` into local send-header slot `tx_slot`, then post a signaled SEND gathering
-    /// [head, payload].
+    /// Write `head` into local send-header slot `tx_slot`, then post a SEND gathering
+    /// [head, payload], signaled when `signaled` says so. An unsignaled SEND must not complete
+    /// successfully on its own: its completion is implied by the next signaled one.
     Send {
         /// Id to post with.
         wr_id: u64,
@@ -250,6 +260,8 @@ pub enum WorkRequest {
         head: HeadBuf,
         /// Eager payload, gathered after the head.
         payload: Option<Sge>,
+        /// Ask for a completion.
+        signaled: bool,
     },
     /// Post a signaled RDMA READ of `remote` into `local`.
     Read {
@@ -378,6 +390,8 @@ enum TxUse {
     Free,
     Data(u64),
     Control,
+    /// Posted without a completion: freed by the next signaled SEND's completion.
+    Unsignaled,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -450,6 +464,12 @@ pub struct ChannelCore<O, I> {
     sq_free: u32,
     tx_free: Vec<u32>,
     tx_use: Vec<TxUse>,
+    /// For a signaled send slot: how many unsignaled SENDs before it its completion frees.
+    tx_covers: Vec<u32>,
+    /// Unsignaled send slots, oldest first, not yet freed by a later completion.
+    unsignaled: VecDeque<u32>,
+    /// Unsignaled SENDs posted since the last signaled one.
+    since_signal: u32,
     /// Highest cumulative ack from the peer: `peer_acked < next_seq`.
     peer_acked: u64,
     was_full: bool,
@@ -509,6 +529,9 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
             sq_free: sq,
             tx_free: (0..sq).rev().collect(),
             tx_use: vec![TxUse::Free; sq as usize],
+            tx_covers: vec![0; sq as usize],
+            unsignaled: VecDeque::new(),
+            since_signal: 0,
             peer_acked: 0,
             was_full: false,
             last_arrived: 0,
@@ -960,11 +983,26 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
             return self.protocol_error(format!("send completion for unknown slot {tx_slot}"));
         };
         let was = std::mem::replace(use_, TxUse::Free);
-        if was == TxUse::Free {
-            return self.protocol_error(format!("second completion for send slot {tx_slot}"));
+        if was == TxUse::Free || was == TxUse::Unsignaled {
+            return self.protocol_error(format!("unexpected completion for send slot {tx_slot}"));
         }
         self.tx_free.push(tx_slot as u32);
         self.sq_free += 1;
+        // The unsignaled SENDs posted before this one are done with it.
+        let covers = self
+            .tx_covers
+            .get_mut(tx_slot as usize)
+            .map_or(0, std::mem::take);
+        for _ in 0..covers {
+            let Some(slot) = self.unsignaled.pop_front() else {
+                return self.protocol_error("send completions out of order".into());
+            };
+            if let Some(u) = self.tx_use.get_mut(slot as usize) {
+                *u = TxUse::Free;
+            }
+            self.tx_free.push(slot);
+            self.sq_free += 1;
+        }
         if let TxUse::Data(seq) = was {
             if let Some(m) = self.inflight.get_mut(seq) {
                 m.wc_done = true;
@@ -1145,7 +1183,7 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
                 SendKind::Eager if len > 0 => sge,
                 _ => None,
             };
-            self.push_send(head, payload, TxUse::Data(q.seq));
+            let signaled = self.push_send(head, payload, TxUse::Data(q.seq));
             let fresh = self.inflight.insert(
                 q.seq,
                 Inflight {
@@ -1153,7 +1191,9 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
                     stream: q.trace.stream,
                     flags: q.trace.flags,
                     kind,
-                    wc_done: false,
+                    // Without a completion of its own the message is done once the peer has it:
+                    // its acknowledgement (eager) or FIN (rendezvous) follows the whole transfer.
+                    wc_done: !signaled,
                     peer_done: false,
                 },
             );
@@ -1215,13 +1255,32 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
         HeadBuf::encode(&trace, &header, &body)
     }
 
-    fn push_send(&mut self, head: HeadBuf, payload: Option<Sge>, use_: TxUse) {
+    /// Queue a SEND of `head` (and `payload`); true if it asks for a completion. Every
+    /// `signal_every`-th SEND does (at most half the send queue is ever waiting for one).
+    fn push_send(&mut self, head: HeadBuf, payload: Option<Sge>, use_: TxUse) -> bool {
         // `may_send_frame` checked both resources.
         let Some(tx_slot) = self.tx_free.pop() else {
-            return self.fail(ChannelError::Protocol("send slots exhausted".into()));
+            self.fail(ChannelError::Protocol("send slots exhausted".into()));
+            return true;
         };
-        if let Some(u) = self.tx_use.get_mut(tx_slot as usize) {
-            *u = use_;
+        let every = self
+            .config
+            .signal_every
+            .min(self.config.sq_depth / 2)
+            .max(1);
+        let signaled = self.since_signal + 1 >= every;
+        let slot = tx_slot as usize;
+        if signaled {
+            if let Some(c) = self.tx_covers.get_mut(slot) {
+                *c = self.since_signal;
+            }
+            self.since_signal = 0;
+        } else {
+            self.since_signal += 1;
+            self.unsignaled.push_back(tx_slot);
+        }
+        if let Some(u) = self.tx_use.get_mut(slot) {
+            *u = if signaled { use_ } else { TxUse::Unsignaled };
         }
         self.sq_free -= 1;
         self.out.push_back(WorkRequest::Send {
@@ -1229,7 +1288,9 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
             tx_slot,
             head,
             payload,
+            signaled,
         });
+        signaled
     }
 }
 

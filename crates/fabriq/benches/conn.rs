@@ -21,7 +21,7 @@
 //! thread sleeps when the hello arrives; plain **cached** rounds follow each other at once,
 //! the way a burst of reconnects would. `FABRIQ_BENCH_HANDSHAKE_SPIN_US` sets the handshake's
 //! busy-poll budget in `connect` and `endpoint_connect` (default: the configurations' default,
-//! 50 µs on a host of 4 or more CPUs, else 0).
+//! 50 µs on a host of 2 or more CPUs, else 0).
 //!
 //! A third group, `qp_phases`, times the verbs steps of a connect on one in-process QP pair, to
 //! show where the time goes: creating a QP, RESET → INIT, and INIT → RTR → RTS of both QPs. A

@@ -14,7 +14,7 @@
 //! rpc_timeout_ms = 5000      # default deadline of Rpc::call_default
 //! handshake_timeout_ms = 5000
 //! # handshake_spin_us = 50   # each handshake wait on the control stream busy-polls this long,
-//!                            # then sleeps (0: never spin); unset: 50 on a host of 4 or more
+//!                            # then sleeps (0: never spin); unset: 50 on a host of 2 or more
 //!                            # CPUs, else 0
 //! link_speed_gbps = 0        # picks thresholds: 25 → 2K/32K, 100 → 4K/64K, 200 → 8K/128K; 0 = device's
 //! rx_slots = 16              # receive ring per channel (the peer's credits); slots hold the
@@ -153,7 +153,7 @@ pub struct Config {
     /// Busy-poll budget of each wait on a control stream during a connection handshake
     /// (hello-ack, hello, Ready, the listener's wait for the next peer), microseconds; then the
     /// wait sleeps. 0: never spin. `None`: [`crate::conn::default_handshake_spin`] (50 µs on a
-    /// host of 4 or more CPUs, else 0).
+    /// host of 2 or more CPUs, else 0).
     pub handshake_spin_us: Option<u64>,
     /// Link speed for the threshold profile (0: ask the device).
     pub link_speed_gbps: u32,
@@ -406,7 +406,7 @@ impl Config {
     }
 
     /// The handshake's busy-poll budget per wait: `handshake_spin_us`, or when unset
-    /// [`crate::conn::default_handshake_spin`] (50 µs on a host of 4 or more CPUs, else 0).
+    /// [`crate::conn::default_handshake_spin`] (50 µs on a host of 2 or more CPUs, else 0).
     pub fn handshake_spin(&self) -> Duration {
         self.handshake_spin_us
             .map_or_else(crate::conn::default_handshake_spin, Duration::from_micros)

@@ -188,15 +188,14 @@ impl ConnError {
 pub const DEFAULT_HANDSHAKE_SPIN: Duration = Duration::from_micros(50);
 
 /// The fewest CPUs on which the default handshake spins.
-pub const HANDSHAKE_SPIN_MIN_CPUS: usize = 4;
+pub const HANDSHAKE_SPIN_MIN_CPUS: usize = 2;
 
 /// The default of [`ConnConfig::handshake_spin`] (and of an unset
 /// `Config::handshake_spin_us`): [`DEFAULT_HANDSHAKE_SPIN`] on a host of at least
-/// [`HANDSHAKE_SPIN_MIN_CPUS`] CPUs, else zero. A loopback handshake keeps four threads busy at
-/// once (the two handshake threads, and through an `Endpoint` the two workers adopting the
-/// connection, which then idle-spin); with fewer cores a spinning thread holds the core the
-/// thread it waits for needs, and connects measured slower with spinning than without on a
-/// 2-core host (`docs/BENCHMARKS.md`).
+/// [`HANDSHAKE_SPIN_MIN_CPUS`] CPUs, else zero: on one CPU a spinning thread holds the core the
+/// thread it waits for needs. On a quiet 2-vCPU host a 50 µs spin halved cached connects
+/// through `Endpoint` on shm0 and left tcp0 within its noise (`docs/BENCHMARKS.md`,
+/// "Connection set-up"); runs on a 2-core host loaded by other work had measured it slower.
 pub fn default_handshake_spin() -> Duration {
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
     if cpus >= HANDSHAKE_SPIN_MIN_CPUS {
@@ -218,7 +217,7 @@ pub struct ConnConfig {
     /// sleeps in the kernel until the message or the deadline. Spinning saves the thread
     /// wake-up at each hop of the exchange (tens of microseconds on a loaded host) at the cost
     /// of a busy core while it lasts. Zero: never spin (block at once); at most
-    /// `handshake_timeout`. Default: [`default_handshake_spin`] (50 µs on a host of 4 or more
+    /// `handshake_timeout`. Default: [`default_handshake_spin`] (50 µs on a host of 2 or more
     /// CPUs, else zero).
     pub handshake_spin: Duration,
     /// Remote-access rights granted to the peer on each QP. Default READ | WRITE | ATOMIC.

@@ -441,7 +441,7 @@ impl MemPool {
             cap: len,
             lkey: mr.lkey(),
             rkey: mr.rkey(),
-            backing: Backing::Large(Some(mr)),
+            backing: Backing::Large(Some(Box::new(mr))),
             shared: Arc::clone(&self.shared),
         })
     }
@@ -524,8 +524,9 @@ enum Backing {
         slab: u32,
         slot: u32,
     },
-    /// `Some` until dropped.
-    Large(Option<MemoryRegion>),
+    /// `Some` until dropped. Boxed: every `PoolBuf` moves through the channel's queues, and the
+    /// region would make each of them as large as it is (large buffers are rare and costly).
+    Large(Option<Box<MemoryRegion>>),
 }
 
 /// A buffer from a [`MemPool`]: registered memory, owned, returned to its pool on drop.

@@ -501,3 +501,14 @@ mod model {
         }
     }
 }
+
+#[test]
+fn a_pool_buffer_stays_small_enough_to_move_cheaply() {
+    // Every eager message's buffer moves through the channel core's queues (queued, in flight,
+    // its completion event) by value: the large-buffer region lives behind a box.
+    assert!(
+        std::mem::size_of::<PoolBuf>() <= 56,
+        "PoolBuf is {} bytes",
+        std::mem::size_of::<PoolBuf>()
+    );
+}

@@ -430,6 +430,14 @@ enum Incoming<I> {
     },
 }
 
+/// What a delivery reports of an arrived message besides its payload.
+struct ArrivedHead {
+    seq: u64,
+    trace: TraceHeader,
+    stream: u32,
+    stream_credits: u32,
+}
+
 struct Arrived<I> {
     seq: u64,
     trace: TraceHeader,
@@ -865,6 +873,7 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
                     return self.protocol_error("eager payload above max message size".into());
                 }
                 self.accept_seq(
+                    now,
                     frame.header.seq,
                     frame.trace,
                     (frame.header.stream, frame.header.stream_credits),
@@ -882,6 +891,7 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
                     ));
                 }
                 self.accept_seq(
+                    now,
                     frame.header.seq,
                     frame.trace,
                     (frame.header.stream, frame.header.stream_credits),
@@ -919,6 +929,7 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
 
     fn accept_seq(
         &mut self,
+        now: Instant,
         wire_seq: u32,
         trace: TraceHeader,
         (stream, stream_credits): (u32, u32),
@@ -938,13 +949,23 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
             ));
         }
         self.last_arrived = seq;
-        self.arrived.push_back(Arrived {
+        let head = ArrivedHead {
             seq,
             trace,
             stream,
             stream_credits,
-            state: make(),
-        });
+        };
+        match make() {
+            // Nothing before it is still being pulled: delivered at once, without the queue.
+            Incoming::Ready(payload) if self.arrived.is_empty() => self.deliver(now, head, payload),
+            state => self.arrived.push_back(Arrived {
+                seq,
+                trace,
+                stream,
+                stream_credits,
+                state,
+            }),
+        }
     }
 
     fn deliver_ready(&mut self, now: Instant) {
@@ -958,21 +979,32 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
             let Incoming::Ready(payload) = a.state else {
                 break;
             };
-            self.delivered = a.seq;
-            self.held += 1;
-            self.stats.msgs_received += 1;
-            self.stats.bytes_received += payload.len();
-            if self.ack_deadline.is_none() {
-                self.ack_deadline = Some(now.saturating_add(self.config.ack_delay));
-            }
-            self.events.push_back(Event::Received {
+            let head = ArrivedHead {
                 seq: a.seq,
                 trace: a.trace,
                 stream: a.stream,
                 stream_credits: a.stream_credits,
-                payload,
-            });
+            };
+            self.deliver(now, head, payload);
         }
+    }
+
+    /// Hand the next message in sequence to the application.
+    fn deliver(&mut self, now: Instant, a: ArrivedHead, payload: Received<I>) {
+        self.delivered = a.seq;
+        self.held += 1;
+        self.stats.msgs_received += 1;
+        self.stats.bytes_received += payload.len();
+        if self.ack_deadline.is_none() {
+            self.ack_deadline = Some(now.saturating_add(self.config.ack_delay));
+        }
+        self.events.push_back(Event::Received {
+            seq: a.seq,
+            trace: a.trace,
+            stream: a.stream,
+            stream_credits: a.stream_credits,
+            payload,
+        });
     }
 
     fn on_send_done(&mut self, tx_slot: u64) {

@@ -46,7 +46,7 @@ use std::time::Duration;
 use fabriq_verbs::{AccessFlags, Context, ProtectionDomain, QpCaps};
 use parking_lot::Mutex;
 
-use crate::channel::driver::{ChannelDriver, INLINE_MAX};
+use crate::channel::driver::{ChannelDriver, INLINE_MAX, REGION_ACCESS};
 use crate::channel::proto::ChannelConfig;
 use crate::channel::{ChannelError, PeerGeometry};
 use crate::config::Config;
@@ -437,7 +437,17 @@ impl Endpoint {
                 return Err(e);
             }
         };
-        let mut driver = match ChannelDriver::new(&w.pd, pending.qp().clone(), cfg.clone(), geo) {
+        // The ring and header slots of a released connection when the region cache has them
+        // (no registration, no fresh pages), else new ones.
+        let [rx, tx] = ChannelDriver::region_sizes(&cfg);
+        let regions = w
+            .conn
+            .region(rx, REGION_ACCESS)
+            .and_then(|ring| Ok([ring, w.conn.region(tx, REGION_ACCESS)?]))
+            .map_err(ChannelError::from);
+        let driver = regions
+            .and_then(|r| ChannelDriver::with_regions(pending.qp().clone(), cfg.clone(), geo, r));
+        let mut driver = match driver {
             Ok(d) => d,
             Err(e) => {
                 pending.reject(RejectCode::Internal, &e.to_string());

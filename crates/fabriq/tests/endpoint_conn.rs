@@ -1,9 +1,10 @@
 //! Channel set-up through the connection manager, at the `Endpoint` level, on the real
 //! providers (`shm0`, `tcp0`; `FABRIQ_TEST_DEVICES` to choose): auth-token and version
 //! mismatches fail with typed errors on both sides, a refused or half-finished handshake is a
-//! typed error, a closed channel's QP and control stream serve the next connect (seen in the
-//! connection counters), a peer's close fails the other end with `PeerGone`, and failures never
-//! disturb an established channel. Waits are bounded by generous timeouts that only catch hangs.
+//! typed error, a closed channel's QP, ring regions and control stream serve the next connect
+//! (seen in the connection counters), a peer's close fails the other end with `PeerGone`, and
+//! failures never disturb an established channel. Waits are bounded by generous timeouts that
+//! only catch hangs.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -333,6 +334,15 @@ fn a_closed_channels_qp_and_control_stream_serve_the_next_connect() {
         assert_eq!(ss.qps_created, 1, "{device}: server {ss:?}");
         assert_eq!(cs.qp_cache_hits, 3, "{device}: client {cs:?}");
         assert_eq!(ss.qp_cache_hits, 3, "{device}: server {ss:?}");
+        // The channel's ring and header slots came with the QP: registered once per side,
+        // and the pings of each round crossed the reused ring intact.
+        for (side, st) in [("client", &cs), ("server", &ss)] {
+            assert_eq!(
+                (st.region_cache_misses, st.region_cache_hits),
+                (2, 6),
+                "{device}: {side} {st:?}"
+            );
+        }
         assert!(cs.stream_reuses >= 1, "{device}: client {cs:?}");
         assert_eq!(cs.failed + ss.failed, 0, "{device}: {cs:?} {ss:?}");
     }

@@ -24,6 +24,9 @@ use crate::mempool::{MemPool, PoolBuf, PoolError};
 
 /// Bytes per send-header slot.
 const TX_SLOT: usize = 64;
+
+/// Access of a channel's own regions: only its QP writes into them.
+pub const REGION_ACCESS: AccessFlags = AccessFlags::LOCAL_WRITE;
 /// Largest send (headers + payload) the endpoint asks its QPs to take inline.
 pub const INLINE_MAX: u32 = 128;
 
@@ -129,12 +132,36 @@ impl ChannelDriver {
         config: ChannelConfig,
         peer: PeerGeometry,
     ) -> Result<ChannelDriver, ChannelError> {
+        let [rx, tx] = Self::region_sizes(&config);
+        let rx_ring = pd.alloc_mr(rx, REGION_ACCESS)?;
+        let tx_heads = pd.alloc_mr(tx, REGION_ACCESS)?;
+        Self::with_regions(qp, config, peer, [rx_ring, tx_heads])
+    }
+
+    /// The lengths of the two regions a channel of `config` needs: its receive ring and its
+    /// send-header slots (both registered with [`REGION_ACCESS`]).
+    pub fn region_sizes(config: &ChannelConfig) -> [usize; 2] {
+        [
+            config.rx_slot_size as usize * config.rx_slots as usize,
+            TX_SLOT * config.sq_depth as usize,
+        ]
+    }
+
+    /// [`ChannelDriver::new`] on regions already registered (of [`ChannelDriver::region_sizes`],
+    /// e.g. from a released connection: their old bytes are never read). Refuses regions of
+    /// another size.
+    pub fn with_regions(
+        qp: QueuePair,
+        config: ChannelConfig,
+        peer: PeerGeometry,
+        [rx_ring, tx_heads]: [MemoryRegion; 2],
+    ) -> Result<ChannelDriver, ChannelError> {
+        if [rx_ring.len(), tx_heads.len()] != Self::region_sizes(&config) {
+            return Err(ChannelError::InvalidConfig(
+                "channel regions of another geometry".into(),
+            ));
+        }
         let slot_size = config.rx_slot_size as usize;
-        let rx_ring = pd.alloc_mr(
-            slot_size * config.rx_slots as usize,
-            AccessFlags::LOCAL_WRITE,
-        )?;
-        let tx_heads = pd.alloc_mr(TX_SLOT * config.sq_depth as usize, AccessFlags::LOCAL_WRITE)?;
         let core = ChannelCore::new(config, peer)?;
         let inline_max = qp.query().caps.max_inline_data;
         Ok(ChannelDriver {
@@ -150,6 +177,12 @@ impl ChannelDriver {
             peer_ready: true,
             held: VecDeque::new(),
         })
+    }
+
+    /// The driver's regions back (receive ring, send-header slots), for the next connection.
+    /// Only once nothing posted on the QP can still complete into them (the QP drained).
+    pub fn into_regions(self) -> [MemoryRegion; 2] {
+        [self.rx_ring, self.tx_heads]
     }
 
     /// Hold every send and READ until [`ChannelDriver::set_peer_ready`] or a receive

@@ -26,8 +26,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use fabriq_verbs::{
-    CompletionQueue, QpAttr, QpState, QueuePair, RecvWr, SendFlags, SendWr, WorkCompletion,
-    WrOpcode,
+    CompletionQueue, MemoryRegion, QpAttr, QpState, QueuePair, RecvWr, SendFlags, SendWr,
+    WorkCompletion, WrOpcode,
 };
 
 use super::manager::{ConnManager, ListenerHome};
@@ -320,5 +320,14 @@ impl QpLease {
     /// [`QpLease::drain`], once every other handle on the QP is dropped. True if it was cached.
     pub fn release(self) -> bool {
         self.mgr.release_qp(self.qp)
+    }
+
+    /// Keep the connection's channel regions (receive ring, send-header slots) in the
+    /// manager's region cache. Only after a successful [`QpLease::drain`]: nothing posted on the
+    /// QP can complete into them any more. Regions beyond the cache's room are deregistered.
+    pub fn keep_regions(&self, regions: impl IntoIterator<Item = MemoryRegion>) {
+        for mr in regions {
+            self.mgr.region_cache().put(mr);
+        }
     }
 }

@@ -14,14 +14,15 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use fabriq_verbs::{
-    CompletionQueue, ProtectionDomain, QpAttr, QpEndpoint, QpInitAttr, QpState, QueuePair,
-    SharedReceiveQueue,
+    AccessFlags, CompletionQueue, MemoryRegion, ProtectionDomain, QpAttr, QpEndpoint, QpInitAttr,
+    QpState, QueuePair, SharedReceiveQueue,
 };
 use parking_lot::Mutex;
 
 use super::control::{ControlStream, Home, QpLease};
 use super::handshake::{check_peer_hello, reject_code_for, rejected, send_reject, Step};
 use super::qp_cache::QpCache;
+use super::region_cache::RegionCache;
 use super::wire::{Hello, Message, RejectCode, VERSION};
 use super::{ConnConfig, ConnError};
 
@@ -57,6 +58,10 @@ pub struct ConnStats {
     pub streams_opened: u64,
     /// Handshakes that reused an idle control stream (client side).
     pub stream_reuses: u64,
+    /// Channel regions (receive rings, send-header slots) taken from the region cache.
+    pub region_cache_hits: u64,
+    /// Channel regions that had to be registered.
+    pub region_cache_misses: u64,
 }
 
 impl std::ops::AddAssign for ConnStats {
@@ -72,6 +77,8 @@ impl std::ops::AddAssign for ConnStats {
         self.qps_dropped += o.qps_dropped;
         self.streams_opened += o.streams_opened;
         self.stream_reuses += o.stream_reuses;
+        self.region_cache_hits += o.region_cache_hits;
+        self.region_cache_misses += o.region_cache_misses;
     }
 }
 
@@ -84,6 +91,7 @@ struct Inner {
     provider: String,
     device: String,
     qp_cache: QpCache,
+    region_cache: RegionCache,
     idle_streams: Mutex<HashMap<SocketAddr, Vec<TcpStream>>>,
     connects: AtomicU64,
     accepts: AtomicU64,
@@ -186,6 +194,8 @@ impl ConnManager {
                 provider: device.provider.clone(),
                 device: device.name.clone(),
                 qp_cache: QpCache::new(cfg.qp_cache_capacity),
+                // A connection's channel has two regions (ring, header slots).
+                region_cache: RegionCache::new(cfg.qp_cache_capacity.saturating_mul(2)),
                 cfg,
                 idle_streams: Mutex::new(HashMap::new()),
                 connects: AtomicU64::new(0),
@@ -218,6 +228,20 @@ impl ConnManager {
         &self.inner.qp_cache
     }
 
+    /// The region cache (the channel regions of released connections).
+    pub fn region_cache(&self) -> &RegionCache {
+        &self.inner.region_cache
+    }
+
+    /// A registered region of `len` bytes with `access` in this manager's PD: a cached one of
+    /// a released connection, else a new registration.
+    pub fn region(&self, len: usize, access: AccessFlags) -> fabriq_verbs::Result<MemoryRegion> {
+        match self.inner.region_cache.take(len, access) {
+            Some(mr) => Ok(mr),
+            None => self.inner.pd.alloc_mr(len, access),
+        }
+    }
+
     /// Counters.
     pub fn stats(&self) -> ConnStats {
         let i = &self.inner;
@@ -232,6 +256,8 @@ impl ConnManager {
             qps_dropped: i.qp_cache.dropped(),
             streams_opened: i.streams_opened.load(Ordering::Relaxed),
             stream_reuses: i.stream_reuses.load(Ordering::Relaxed),
+            region_cache_hits: i.region_cache.hits(),
+            region_cache_misses: i.region_cache.misses(),
         }
     }
 

@@ -37,6 +37,7 @@ mod handshake;
 mod manager;
 mod pool;
 mod qp_cache;
+mod region_cache;
 #[cfg(test)]
 mod tests;
 pub mod wire;
@@ -52,6 +53,7 @@ pub use manager::{
 };
 pub use pool::{ConnPool, ConnPoolStats, PeerKey};
 pub use qp_cache::QpCache;
+pub use region_cache::RegionCache;
 pub use wire::{
     DecodeError, Hello, LocalHello, PeerHello, Reject, RejectCode, RingGeometry, VERSION,
 };

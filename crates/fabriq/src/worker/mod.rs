@@ -1228,9 +1228,13 @@ impl Worker {
             Some(lease) => {
                 let mut others = Vec::new();
                 let drained = lease.drain(&self.cq, RETIRE_DRAIN_LIMIT, &mut others);
-                drop(driver);
                 if drained {
+                    // Nothing posted can complete into the ring or header slots any more: they
+                    // serve the next connection (the QP's other handles go with the driver).
+                    lease.keep_regions(driver.into_regions());
                     lease.release();
+                } else {
+                    drop(driver);
                 }
                 let now = now();
                 for wc in &others {

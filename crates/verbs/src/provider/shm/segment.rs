@@ -583,15 +583,26 @@ impl Heap {
         len.max(1).checked_next_multiple_of(PAGE)
     }
 
-    /// Allocate `len` bytes (rounded up to pages); returns the offset.
+    /// Allocate `len` bytes (rounded up to pages); returns the offset. A length that is a
+    /// multiple of the huge page starts on a huge-page boundary (the heap starts on one), so
+    /// that such a region can be backed by huge pages whatever was allocated before it.
     pub(crate) fn alloc(&mut self, len: u64) -> Option<u64> {
         let len = Self::rounded(len)?;
-        let (&off, &run) = self.free.iter().find(|(_, &run)| run >= len)?;
+        let huge = crate::provider::pages::HUGE_PAGE as u64;
+        let align = if len % huge == 0 { huge } else { PAGE };
+        let (off, run, start) = self.free.iter().find_map(|(&off, &run)| {
+            let start = off.checked_next_multiple_of(align)?;
+            (start.checked_add(len)? <= off + run).then_some((off, run, start))
+        })?;
         self.free.remove(&off);
-        if run > len {
-            self.free.insert(off + len, run - len);
+        if start > off {
+            self.free.insert(off, start - off);
         }
-        Some(off)
+        let end = start + len;
+        if off + run > end {
+            self.free.insert(end, off + run - end);
+        }
+        Some(start)
     }
 
     /// Return `[off, off+len)` (as allocated) to the heap, zeroing its pages.
@@ -695,5 +706,27 @@ pub(crate) fn fresh_tag(bits: u32, previous: u32) -> u32 {
         if t != 0 && t != previous {
             return t;
         }
+    }
+}
+
+#[cfg(test)]
+mod heap_tests {
+    use super::*;
+
+    #[test]
+    fn huge_page_multiples_are_aligned_and_the_gap_before_them_stays_usable() {
+        let huge = crate::provider::pages::HUGE_PAGE as u64;
+        let mut h = Heap::new();
+        assert_eq!(HEAP_OFF % huge, 0);
+        assert_eq!(h.alloc(100), Some(HEAP_OFF), "first fit, one page");
+        let big = h.alloc(2 * huge).expect("room");
+        assert_eq!(big % huge, 0, "a huge-page multiple starts on a huge page");
+        assert_eq!(big, HEAP_OFF + huge);
+        // The pages between the first region and the aligned one are still free, in order.
+        assert_eq!(h.alloc(PAGE), Some(HEAP_OFF + PAGE));
+        assert_eq!(h.alloc(huge - 2 * PAGE), Some(HEAP_OFF + 2 * PAGE));
+        assert_eq!(h.alloc(PAGE), Some(big + 2 * huge), "the gap is used up");
+        // Not a huge-page multiple: page alignment only.
+        assert_eq!(h.alloc(huge + PAGE), Some(big + 2 * huge + PAGE));
     }
 }

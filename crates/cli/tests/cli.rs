@@ -218,12 +218,22 @@ fn perf_bad_input_is_a_clean_error() {
 /// `fabriq demo`, the README's first command, end to end on shm (the default), tcp and udp
 /// (MP-RDMA) — the middleware unchanged on every software provider: both
 /// processes run, every part of the report is there, the lock counted every acquisition and a
-/// second channel shared the first one's connection.
+/// second channel shared the first one's connection; the default drives the workers from the
+/// application threads, and `--progress thread` runs the same report on worker threads.
 #[test]
 fn demo_runs_end_to_end() {
     let _one_at_a_time = PERF.lock().unwrap_or_else(|e| e.into_inner());
-    for device in ["auto", "tcp0", "udp0"] {
-        let out = fabriq(&["demo", "-d", device, "-n", "40"]);
+    for (device, progress) in [
+        ("auto", "caller"),
+        ("tcp0", "caller"),
+        ("udp0", "caller"),
+        ("auto", "thread"),
+    ] {
+        let mut args = vec!["demo", "-d", device, "-n", "40"];
+        if progress == "thread" {
+            args.extend(["--progress", "thread"]);
+        }
+        let out = fabriq(&args);
         let stdout = String::from_utf8_lossy(&out.stdout);
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(
@@ -243,6 +253,7 @@ fn demo_runs_end_to_end() {
             "UnknownMethod error, as expected",
             "lock/increment/unlock, counter = 40)",
             "done.",
+            &format!("({progress} progress,"),
         ] {
             assert!(
                 stdout.contains(line),

@@ -5,14 +5,21 @@
 //! rendezvous message, RPC calls and a distributed lock by remote compare-and-swap, each with
 //! measured latencies, in a short report. The server prints its address on its first stdout line
 //! and then serves until the client's channel closes.
+//!
+//! Latency is what the demo measures, so by default each process's application thread drives
+//! its endpoint's worker (`--progress caller`: no hand-off to a worker thread) and, where the
+//! host has two CPUs or more, the client's thread runs on one CPU and the server's on another
+//! (as `fabriq perf --local` places them); the report says so. `--progress thread` shows the
+//! default of an application endpoint instead.
 
 use std::io::{BufRead, BufReader, Write as _};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use crate::cmd::perf::affinity;
 use crate::out::outln;
 use anyhow::{bail, Context as _};
-use fabriq::{CasLock, Config, Endpoint, RegionDescriptor, Rpc};
+use fabriq::{CasLock, Config, Endpoint, Progress, RegionDescriptor, Rpc};
 
 /// Run a client and a server process and show channel, RPC and one-sided operations.
 #[derive(Debug, clap::Args)]
@@ -24,27 +31,60 @@ pub struct Args {
     /// Round trips per measurement.
     #[arg(short = 'n', long = "iterations", default_value_t = 2000)]
     pub iterations: u32,
+    /// Who drives each endpoint's worker: the application thread ("caller") or a worker
+    /// thread ("thread", the `Config` default).
+    #[arg(long, value_name = "caller|thread", default_value = "caller", value_parser = parse_progress)]
+    pub progress: Progress,
+    /// The client thread's CPU (default: 0 and the server on 1 where the host has two CPUs
+    /// or more, else neither is pinned).
+    #[arg(long, value_name = "N")]
+    pub cpu: Option<usize>,
+    /// The server thread's CPU (default: see `--cpu`).
+    #[arg(long, value_name = "M")]
+    pub server_cpu: Option<usize>,
     /// Internal: run the server half and print its address.
     #[arg(long, hide = true)]
     pub serve: bool,
+}
+
+fn parse_progress(s: &str) -> Result<Progress, String> {
+    s.parse()
+}
+
+/// Pin the calling thread to `cpu` if given; a CPU that cannot be had leaves it unpinned
+/// (with a note on stderr) — the demo still runs.
+fn pin(cpu: Option<usize>) -> Option<usize> {
+    let cpu = cpu?;
+    match affinity::pin(cpu) {
+        Ok(()) => Some(cpu),
+        Err(e) => {
+            eprintln!("fabriq demo: not pinned: {e}");
+            None
+        }
+    }
 }
 
 const TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Run `fabriq demo`.
 pub fn run(args: Args) -> anyhow::Result<()> {
+    affinity::capture_original();
     let config = Config {
         device: args.device.clone(),
+        progress: args.progress,
         ..Config::from_env().context("reading FABRIQ_* configuration")?
     };
     if args.serve {
-        return serve(config);
+        return serve(config, args.cpu);
     }
     client(config, &args)
 }
 
-fn serve(config: Config) -> anyhow::Result<()> {
-    let ep = Endpoint::new(config).context("opening the server endpoint")?;
+fn serve(config: Config, cpu: Option<usize>) -> anyhow::Result<()> {
+    pin(cpu);
+    // Opened with the process's whole CPU set: the provider's and the worker's threads must
+    // not share the pinned thread's CPU.
+    let ep = affinity::unpinned(|| Endpoint::new(config)).context("opening the server endpoint")?;
     ep.serve("echo", |req| Ok(req.to_vec()));
     let region = ep.expose(4096).context("exposing the lock region")?;
     let listener = ep.listen("127.0.0.1:0").context("listening")?;
@@ -83,9 +123,22 @@ fn us(d: Duration) -> String {
 }
 
 fn client(config: Config, args: &Args) -> anyhow::Result<()> {
+    let cpus = affinity::available();
+    let (client_cpu, server_cpu) = match (args.cpu, args.server_cpu) {
+        (None, None) if cpus.len() >= 2 => affinity::local_defaults(&cpus),
+        given => given,
+    };
     let exe = std::env::current_exe().context("locating this binary")?;
-    let mut child = Command::new(exe)
-        .args(["demo", "--serve", "--device", &args.device])
+    let progress = match args.progress {
+        Progress::Caller => "caller",
+        Progress::Thread => "thread",
+    };
+    let mut cmd = Command::new(exe);
+    cmd.args(["demo", "--serve", "--device", &args.device, "--progress", progress]);
+    if let Some(c) = server_cpu {
+        cmd.args(["--cpu", &c.to_string()]);
+    }
+    let mut child = cmd
         .stdout(Stdio::piped())
         .spawn()
         .context("starting the server process")?;
@@ -98,20 +151,45 @@ fn client(config: Config, args: &Args) -> anyhow::Result<()> {
         let _ = child.kill();
         bail!("server did not start: {line:?}");
     };
-    let result = run_client(config, addr, args.iterations.max(10));
+    let placement = Placement {
+        progress,
+        client: pin(client_cpu),
+        server: server_cpu,
+    };
+    let result = run_client(config, addr, args.iterations.max(10), &placement);
     let _ = child.kill();
     let _ = child.wait();
     result
 }
 
-fn run_client(config: Config, addr: &str, n: u32) -> anyhow::Result<()> {
-    let ep = Endpoint::new(config).context("opening the client endpoint")?;
+/// How the two processes run, for the report's first line.
+struct Placement {
+    progress: &'static str,
+    client: Option<usize>,
+    server: Option<usize>,
+}
+
+impl std::fmt::Display for Placement {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} progress", self.progress)?;
+        match (self.client, self.server) {
+            (Some(c), Some(s)) => write!(f, ", client on CPU {c}, server on CPU {s}"),
+            _ => write!(f, ", not pinned"),
+        }
+    }
+}
+
+fn run_client(config: Config, addr: &str, n: u32, placement: &Placement) -> anyhow::Result<()> {
+    let ep = affinity::unpinned(|| Endpoint::new(config)).context("opening the client endpoint")?;
     let t0 = Instant::now();
     let ch = ep.connect(addr).context("connecting to the server")?;
     let connect = t0.elapsed();
     let desc = RegionDescriptor::from_bytes(&ch.recv_timeout(TIMEOUT)?)
         .context("server sent a bad region descriptor")?;
-    outln!("fabriq demo: two processes, device {}", ep.device())?;
+    outln!(
+        "fabriq demo: two processes, device {} ({placement})",
+        ep.device()
+    )?;
     outln!("  connected to {addr} in {}", us(connect))?;
     // A second channel to the same peer is a new stream on the pooled connection.
     let t1 = Instant::now();
@@ -187,17 +265,20 @@ fn run_client(config: Config, addr: &str, n: u32) -> anyhow::Result<()> {
     let threads = 8u32;
     let per = (n / 2).max(10);
     let start = Instant::now();
-    let workers: Vec<_> = (0..threads)
-        .map(|_| {
-            let rpc = rpc.clone();
-            std::thread::spawn(move || -> anyhow::Result<()> {
-                for i in 0..per {
-                    rpc.call("echo", &i.to_le_bytes(), TIMEOUT)?;
-                }
-                Ok(())
+    // The callers run on any CPU (spawned outside the measuring thread's pin).
+    let workers: Vec<_> = affinity::unpinned(|| {
+        (0..threads)
+            .map(|_| {
+                let rpc = rpc.clone();
+                std::thread::spawn(move || -> anyhow::Result<()> {
+                    for i in 0..per {
+                        rpc.call("echo", &i.to_le_bytes(), TIMEOUT)?;
+                    }
+                    Ok(())
+                })
             })
-        })
-        .collect();
+            .collect()
+    });
     for w in workers {
         w.join().map_err(|_| anyhow::anyhow!("caller panicked"))??;
     }

@@ -28,9 +28,17 @@
 //! # Ownership of payloads
 //!
 //! A payload given to [`ChannelCore::send`] stays owned by the core until the peer acknowledged
-//! the message (eager) or finished pulling it (rendezvous) and the local send completion arrived;
-//! it is then handed back in [`Event::SendComplete`]. On a fatal error the core drops what it
-//! holds (payload types release their memory on drop).
+//! the message (eager) or finished pulling it (rendezvous) and — when its SEND was signaled —
+//! the local send completion arrived; it is then handed back in [`Event::SendComplete`]. On a
+//! fatal error the core drops what it holds (payload types release their memory on drop).
+//!
+//! # Selective signaling
+//!
+//! One SEND in [`ChannelConfig::signal_every`] (at most half the send queue) asks for a
+//! completion. Completions of one send queue arrive in posting order, so a signaled SEND's
+//! completion frees the send-queue entries and header slots of the unsignaled SENDs before it
+//! too. An unsignaled message needs no completion of its own: the peer can acknowledge it (or
+//! send FIN for it) only after the local side finished reading its payload.
 
 use std::collections::{HashMap, VecDeque};
 use std::time::Duration;

@@ -59,7 +59,8 @@ pub(super) enum Home {
     Server(Option<Arc<ListenerHome>>),
 }
 
-/// The control stream of an established connection. See the [module docs](self).
+/// The control stream of an established connection: its `Close` or hang-up ends the connection,
+/// its drop says `Close` and gives the stream back for reuse.
 pub struct ControlStream {
     stream: Option<TcpStream>,
     peer_addr: SocketAddr,

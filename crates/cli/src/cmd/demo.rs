@@ -129,12 +129,9 @@ fn client(config: Config, args: &Args) -> anyhow::Result<()> {
         given => given,
     };
     let exe = std::env::current_exe().context("locating this binary")?;
-    let progress = match args.progress {
-        Progress::Caller => "caller",
-        Progress::Thread => "thread",
-    };
+    let progress = args.progress.to_string();
     let mut cmd = Command::new(exe);
-    cmd.args(["demo", "--serve", "--device", &args.device, "--progress", progress]);
+    cmd.args(["demo", "--serve", "--device", &args.device, "--progress", &progress]);
     if let Some(c) = server_cpu {
         cmd.args(["--cpu", &c.to_string()]);
     }
@@ -164,7 +161,7 @@ fn client(config: Config, args: &Args) -> anyhow::Result<()> {
 
 /// How the two processes run, for the report's first line.
 struct Placement {
-    progress: &'static str,
+    progress: String,
     client: Option<usize>,
     server: Option<usize>,
 }

@@ -447,10 +447,7 @@ struct ArrivedHead {
 }
 
 struct Arrived<I> {
-    seq: u64,
-    trace: TraceHeader,
-    stream: u32,
-    stream_credits: u32,
+    head: ArrivedHead,
     state: Incoming<I>,
 }
 
@@ -681,7 +678,7 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
     /// A buffer for [`BufferRequest`] `id`. A buffer too small, or for an unknown request, is
     /// dropped (released) and the request stays open.
     pub fn handle_buffer(&mut self, id: u64, buf: I) {
-        let Some(a) = self.arrived.iter_mut().find(|a| a.seq == id) else {
+        let Some(a) = self.arrived.iter_mut().find(|a| a.head.seq == id) else {
             return;
         };
         if let Incoming::Pulling {
@@ -966,13 +963,7 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
         match make() {
             // Nothing before it is still being pulled: delivered at once, without the queue.
             Incoming::Ready(payload) if self.arrived.is_empty() => self.deliver(now, head, payload),
-            state => self.arrived.push_back(Arrived {
-                seq,
-                trace,
-                stream,
-                stream_credits,
-                state,
-            }),
+            state => self.arrived.push_back(Arrived { head, state }),
         }
     }
 
@@ -987,13 +978,7 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
             let Incoming::Ready(payload) = a.state else {
                 break;
             };
-            let head = ArrivedHead {
-                seq: a.seq,
-                trace: a.trace,
-                stream: a.stream,
-                stream_credits: a.stream_credits,
-            };
-            self.deliver(now, head, payload);
+            self.deliver(now, a.head, payload);
         }
     }
 
@@ -1060,7 +1045,7 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
         if wc.opcode != WcOpcode::RdmaRead {
             return self.protocol_error(format!("unexpected READ opcode {:?}", wc.opcode));
         }
-        let Some(a) = self.arrived.iter_mut().find(|a| a.seq == seq) else {
+        let Some(a) = self.arrived.iter_mut().find(|a| a.head.seq == seq) else {
             return self.protocol_error(format!("READ completion for message {seq} not pulling"));
         };
         let Incoming::Pulling { rts, buf, done, .. } = &mut a.state else {
@@ -1107,7 +1092,7 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
                 if !*requested {
                     *requested = true;
                     self.buffer_requests.push_back(BufferRequest {
-                        id: a.seq,
+                        id: a.head.seq,
                         len: rts.total_len,
                     });
                 }
@@ -1147,7 +1132,7 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
                 // Tokens stay below 2^40: the bits above the index of a work-request id carry
                 // the driver's epoch (a token wraps long after its READ completed).
                 self.next_read_token = (self.next_read_token + 1) & ((1 << 40) - 1);
-                self.reads.insert(token, (a.seq, len));
+                self.reads.insert(token, (a.head.seq, len));
                 self.reads_outstanding += 1;
                 self.sq_free -= 1;
                 self.stats.reads_posted += 1;

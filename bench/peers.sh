@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # bench/peers.sh — fabriq perf side by side with UCX (ucx_perftest), libfabric (fi_pingpong)
-# and a plain busy-polled kernel-TCP ping-pong, on loopback, one process per core.
+# and a plain busy-polled kernel-TCP ping-pong, on loopback, one process per core; beside the
+# tcp bandwidth rows, one kernel TCP stream (iperf3) placed the same way.
 #
 # Usage (as root on Debian/Ubuntu, from anywhere in the repository):
 #   bench/peers.sh                 # R=3 repetitions, writes docs/BENCHMARKS.md
@@ -38,7 +39,7 @@ log() { printf '%s\n' "$*" | tee -a "$LOG" >&2; }
 install_peers() {
     [ "${NO_INSTALL:-0}" = 1 ] && return 0
     local need=()
-    for pkg in ucx-utils libfabric-bin; do
+    for pkg in ucx-utils libfabric-bin iperf3; do
         dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg")
     done
     [ ${#need[@]} -eq 0 ] && return 0
@@ -179,6 +180,24 @@ fabriq_mw_one() {
     rm -f "$tmp"
 }
 
+# ---------------------------------------------------------------- one kernel TCP stream
+# iperf3_one → MiB/s received over one TCP connection, 1 MiB writes, 3 s, pinned like the rest
+iperf3_one() {
+    local port out bps
+    command -v iperf3 >/dev/null || { echo "FAIL:iperf3 not installed"; return; }
+    port=$(next_port)
+    timeout "$RUN_TIMEOUT" taskset -c "$SERVER_CPU" iperf3 -s -1 -p "$port" >>"$LOG" 2>&1 &
+    local spid=$!
+    sleep 0.3
+    out=$(timeout "$RUN_TIMEOUT" taskset -c "$CLIENT_CPU" iperf3 -c 127.0.0.1 -p "$port" \
+        -l 1M -t 3 -J 2>>"$LOG")
+    wait "$spid" 2>/dev/null
+    bps=$(printf '%s' "$out" | tr -d '\n' | grep -o '"sum_received":[^}]*' |
+        grep -o '"bits_per_second":[[:space:]]*[0-9.eE+]*' | head -n1 | sed 's/.*:[[:space:]]*//')
+    [ -n "$bps" ] || { echo "FAIL:iperf3 failed"; return; }
+    awk -v b="$bps" 'BEGIN { printf "%.1f", b / 8 / 1048576 }'
+}
+
 # ---------------------------------------------------------------- UCX
 # ucx_one TLS TEST SIZE COLUMN → column of the "Final:" line
 #   columns: 2 iterations, 3 p50 latency, 4 avg lat, 5 overall lat, 6 avg MB/s,
@@ -268,6 +287,8 @@ measure() {
                             RES[$transport,$test,$size,tcp]=$(repeat tcp_baseline_one "$size")
                     fi
                 else
+                    [ "$transport,$test,$size" = tcp,send_bw,1048576 ] &&
+                        RES[tcp,stream_bw,1048576]=$(repeat iperf3_one)
                     RES[$transport,$test,$size,fabriq]=$(repeat fabriq_one "$dev" "$test" "$size" mib_s)
                     RES[$transport,$test,$size,ucx]=$(repeat ucx_one "$tls" "$(ucx_test_for "$test")" "$size" 7)
                 fi
@@ -436,7 +457,9 @@ write_report() {
         fi
         echo
         echo "Reference points from the same run: UCX shm tag_lat 8 B = $(cell shm,send_lat,8,ucx) µs,"
-        echo "ucp_put_lat 8 B = $(cell shm,write_lat,8,ucx) µs."
+        echo "ucp_put_lat 8 B = $(cell shm,write_lat,8,ucx) µs; one kernel TCP stream (iperf3, 1 MiB"
+        echo "writes, pinned like the rest) = $(cell tcp,stream_bw,1048576) MiB/s, for scale beside the tcp"
+        echo "provider's one TCP connection per QP."
         echo
         echo "## Exact commands"
         echo
@@ -458,6 +481,9 @@ write_report() {
             echo "fabriq perf --local --layer rpc --progress $MW_PROGRESS -d {shm0|tcp0} -t {rpc_lat|rpc_rate} -s 8 -n N --cpu $CLIENT_CPU --server-cpu $SERVER_CPU --json"
             echo "UCX_TLS={posix,self|tcp} ucx_perftest … -t {ucp_am_lat|tag_bw} (as above)"
         fi
+        echo "# one kernel TCP stream"
+        echo "taskset -c $SERVER_CPU iperf3 -s -1 -p PORT &"
+        echo "taskset -c $CLIENT_CPU iperf3 -c 127.0.0.1 -p PORT -l 1M -t 3 -J   # end.sum_received.bits_per_second"
         echo "# libfabric"
         echo "taskset -c $SERVER_CPU fi_pingpong -p {shm|tcp} -e rdm -B PORT -S SIZE -I N &"
         echo "taskset -c $CLIENT_CPU fi_pingpong -p {shm|tcp} -e rdm -P PORT -S SIZE -I N 127.0.0.1"

@@ -26,6 +26,7 @@
 //! application-facing handles (`handle`, `rpc`, `remote`).
 
 mod buffers;
+mod clock;
 pub(crate) mod shared;
 pub(crate) mod streams;
 mod wheel;
@@ -55,6 +56,7 @@ use crate::message::{Message, Payload};
 use crate::rpc::wire as rpcwire;
 use crate::rpc::{Handler, RpcError};
 pub(crate) use buffers::Buffers;
+use clock::PassClock;
 use shared::{ChannelShared, Failure, WorkerShared};
 use streams::{key_conn, key_stream, stream_key, Accepted, StreamKey};
 
@@ -291,8 +293,8 @@ pub(crate) struct Worker {
     wcs: Vec<WorkCompletion>,
     loops: u64,
     epoll: OwnedFd,
-    /// The clock, read at most once per pass (see [`Worker::clock`]).
-    clock: Option<Instant>,
+    /// The clock of the current pass, read at most once (see [`PassClock`]).
+    clock: PassClock,
     /// Accepted connections whose peer has not confirmed its receive ring yet (their sends
     /// are held, `ChannelDriver::await_peer`), with the time by which it must: their control
     /// streams are read on every pass until then, so the peer's `Ready` releases them at once.
@@ -341,7 +343,7 @@ pub(crate) fn spawn(
         has_cq_events,
         wcs: vec![WorkCompletion::EMPTY; 64],
         loops: 0,
-        clock: None,
+        clock: PassClock::default(),
     };
     shared.install(worker, buffers, cfg.progress, cfg.idle_spin);
     let name = format!("fabriq-worker-{}", shared.id);
@@ -364,13 +366,16 @@ pub(crate) fn spawn(
 
 /// Thread mode: busy-poll while work arrives, sleep in epoll after `idle_spin` without work.
 fn run_thread(shared: &WorkerShared, idle_spin: Duration) {
-    let mut idle_since: Option<std::time::Instant> = None;
+    let mut idle_since: Option<Instant> = None;
+    // The idle round's clock reading, for the next pass (`progress_at`): the pass that finds a
+    // completion does not read the clock again.
+    let mut recent: Option<Instant> = None;
     let mut spins: u64 = 0;
     loop {
         if shared.stopped.load(Ordering::Acquire) {
             return;
         }
-        match shared.try_progress() {
+        match shared.try_progress_at(recent.take()) {
             Some(0) => {}
             Some(_) | None => {
                 // Work done, or an application thread is progressing right now.
@@ -378,16 +383,21 @@ fn run_thread(shared: &WorkerShared, idle_spin: Duration) {
                 continue;
             }
         }
-        let since = *idle_since.get_or_insert_with(std::time::Instant::now);
-        if since.elapsed() < idle_spin {
+        let t = now();
+        recent = Some(t);
+        let since = *idle_since.get_or_insert(t);
+        if t.as_nanos().saturating_sub(since.as_nanos()) < idle_spin.as_nanos() as u64 {
             spins = spins.wrapping_add(1);
             if spins % 128 == 0 {
+                // The core may be away for a while: the next pass reads its own clock.
                 std::thread::yield_now();
+                recent = None;
             } else {
                 std::hint::spin_loop();
             }
             continue;
         }
+        recent = None;
         shared.poll_sleep(None, &mut || None::<()>);
         idle_since = None;
     }
@@ -500,7 +510,13 @@ fn epoll_wait(ep: &OwnedFd, timeout: Option<Duration>) -> Vec<u64> {
 impl Worker {
     /// One pass of the loop body: inbox, CQ, timers, channels. Returns the work done (0: idle).
     pub(crate) fn progress(&mut self, shared: &WorkerShared) -> usize {
-        self.clock = None;
+        self.progress_at(shared, None)
+    }
+
+    /// [`Worker::progress`] on a clock reading the caller took moments ago (`None`: read one if
+    /// the pass needs it); see [`PassClock`].
+    pub(crate) fn progress_at(&mut self, shared: &WorkerShared, recent: Option<Instant>) -> usize {
+        self.clock.begin_at(recent);
         self.pass(shared)
     }
 
@@ -574,7 +590,7 @@ impl Worker {
     /// Direct release from an application thread that got the lock: the credits go back and
     /// the connection is pumped at once (a credit update the peer waits for leaves now).
     pub(crate) fn release_now(&mut self, chan: StreamKey) {
-        self.clock = None;
+        self.clock.begin();
         self.take_released(chan);
         self.pump_dirty();
     }
@@ -616,7 +632,7 @@ impl Worker {
     /// The time of this pass: the clock is read once per pass (a pass takes microseconds; the
     /// protocol's timers are tens of microseconds and up), not per completion and channel.
     fn clock(&mut self) -> Instant {
-        *self.clock.get_or_insert_with(now)
+        self.clock.get(now)
     }
 
     /// Arm the CQ before sleeping; false when the CQ has no event fd.
@@ -1008,7 +1024,7 @@ impl Worker {
     /// Post what the connections marked dirty have queued (a direct operation's message
     /// leaves before the rest of the pass).
     pub(crate) fn pump_now(&mut self) {
-        self.clock = None;
+        self.clock.begin();
         self.pump_dirty();
     }
 

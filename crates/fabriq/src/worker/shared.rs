@@ -24,6 +24,7 @@ use rustix::event::epoll;
 
 use super::buffers::Buffers;
 use super::{Command, Worker};
+use crate::channel::proto::Instant;
 use crate::channel::ChannelError;
 use crate::config::Progress;
 use crate::message::Message;
@@ -298,8 +299,13 @@ impl WorkerShared {
     /// One progress pass if the state is free: `Some(work done)`, `None` if someone else holds
     /// it.
     pub(crate) fn try_progress(&self) -> Option<usize> {
+        self.try_progress_at(None)
+    }
+
+    /// [`WorkerShared::try_progress`] on a clock read moments ago ([`Worker::progress_at`]).
+    pub(crate) fn try_progress_at(&self, recent: Option<Instant>) -> Option<usize> {
         let mut g = self.try_lock_state()?;
-        let n = g.progress(self);
+        let n = g.progress_at(self, recent);
         drop(g);
         if n > 0 {
             self.notify_parked();
@@ -420,8 +426,12 @@ impl WorkerShared {
         let budget = self.idle_spin();
         let caller_mode = self.is_caller_mode();
         let mut spinner = self.take_spinner();
-        let mut last_work = StdInstant::now();
-        let mut now = last_work;
+        // The spin rounds run on the worker's clock, so that the pass of a round can use the
+        // round's reading (`try_progress_at`).
+        let mut now = super::now();
+        let mut last_work = now;
+        let spin_deadline =
+            deadline.map(|d| now.saturating_add(d.saturating_duration_since(StdInstant::now())));
         let mut spins = 0u32;
         loop {
             if let Some(v) = ready() {
@@ -431,20 +441,22 @@ impl WorkerShared {
                 spins = spins.wrapping_add(1);
                 // The clock is read every few rounds only: a round is well under a microsecond.
                 if spins % CLOCK_EVERY == 0 {
-                    now = StdInstant::now();
-                    if deadline.is_some_and(|d| now >= d) {
+                    now = super::now();
+                    if spin_deadline.is_some_and(|d| now >= d) {
                         return None;
                     }
                 }
-                if let Some(n) = self.try_progress() {
+                if let Some(n) = self.try_progress_at(Some(now)) {
                     if n > 0 {
                         last_work = now;
                         continue;
                     }
                 }
-                if now.saturating_duration_since(last_work) < budget {
+                if now.as_nanos().saturating_sub(last_work.as_nanos()) < budget.as_nanos() as u64 {
                     if spins % 256 == 0 {
                         std::thread::yield_now();
+                        // Away for a while, maybe: the next pass runs on a fresh reading.
+                        now = super::now();
                     } else {
                         std::hint::spin_loop();
                     }
@@ -453,8 +465,7 @@ impl WorkerShared {
             } else if self.try_progress().is_some_and(|n| n > 0) {
                 continue;
             }
-            now = StdInstant::now();
-            if deadline.is_some_and(|d| now >= d) {
+            if deadline.is_some_and(|d| StdInstant::now() >= d) {
                 return None;
             }
             if caller_mode && spinner.is_some() && self.try_become_poller() {
@@ -463,7 +474,8 @@ impl WorkerShared {
                 if got.is_some() {
                     return got;
                 }
-                last_work = StdInstant::now();
+                now = super::now();
+                last_work = now;
                 continue;
             }
             // Park until a progress pass did work (or the cap, or the deadline). A spinner gives
@@ -497,8 +509,9 @@ impl WorkerShared {
             // Back from a park: take the spinner role if it is free, and spin again only after
             // new work.
             spinner = self.take_spinner();
-            now = StdInstant::now();
-            last_work = now.checked_sub(budget).unwrap_or(now);
+            now = super::now();
+            last_work =
+                Instant::from_nanos(now.as_nanos().saturating_sub(budget.as_nanos() as u64));
         }
     }
 

@@ -386,7 +386,7 @@ fn run_thread(shared: &WorkerShared, idle_spin: Duration) {
         let t = now();
         recent = Some(t);
         let since = *idle_since.get_or_insert(t);
-        if t.as_nanos().saturating_sub(since.as_nanos()) < idle_spin.as_nanos() as u64 {
+        if t.saturating_duration_since(since) < idle_spin {
             spins = spins.wrapping_add(1);
             if spins % 128 == 0 {
                 // The core may be away for a while: the next pass reads its own clock.

@@ -433,6 +433,7 @@ impl WorkerShared {
         let spin_deadline =
             deadline.map(|d| now.saturating_add(d.saturating_duration_since(StdInstant::now())));
         let mut spins = 0u32;
+        let mut after_work = false;
         loop {
             if let Some(v) = ready() {
                 return Some(v);
@@ -446,13 +447,18 @@ impl WorkerShared {
                         return None;
                     }
                 }
-                if let Some(n) = self.try_progress_at(Some(now)) {
+                // A round right after one that did work (handlers may have run for a while)
+                // lets its pass read the clock itself.
+                let reading = (!after_work).then_some(now);
+                after_work = false;
+                if let Some(n) = self.try_progress_at(reading) {
                     if n > 0 {
                         last_work = now;
+                        after_work = true;
                         continue;
                     }
                 }
-                if now.as_nanos().saturating_sub(last_work.as_nanos()) < budget.as_nanos() as u64 {
+                if now.saturating_duration_since(last_work) < budget {
                     if spins % 256 == 0 {
                         std::thread::yield_now();
                         // Away for a while, maybe: the next pass runs on a fresh reading.

@@ -3,9 +3,11 @@
 # on the kernel's own RoCEv2 (rdma_rxe on the guest's loopback):
 #   1. `fabriq info` (rxe0 with its real attributes),
 #   2. the full verbs conformance suite on the rdma-core provider,
-#   3. the middleware's channel / RPC / remote-memory tests on rxe0,
-#   4. `fabriq perf` send_lat and write_bw beside perftest's ib_send_lat and ib_write_bw
-#      (a sanity comparison printed side by side, never a timing assertion).
+#   3. the middleware's channel / RPC / remote-memory tests on rxe0, its connection-manager
+#      tests and its `Endpoint` connect tests (QP cache reuse over many connects included),
+#   4. `fabriq perf` send_lat and write_bw beside perftest's ib_send_lat and ib_write_bw, and
+#      cold against cached connects through `Endpoint` (examples/connect_spin_ab): a sanity
+#      comparison printed side by side, never a timing assertion.
 #
 #   tests/rxe/lane.sh [--record]     --record also writes the perf table to docs/BENCHMARKS.md
 #
@@ -19,6 +21,7 @@ record=0
 profile=release
 echo "rxe lane: building test binaries"
 cargo build --release -p fabriq-cli --bin fabriq >/dev/null
+cargo build --release -p fabriq --example connect_spin_ab >/dev/null
 test_bin() { # package test-target -> path of the built test executable
   cargo test --release -p "$1" --test "$2" --no-run --message-format=json 2>/dev/null |
     python3 -c 'import sys,json
@@ -31,10 +34,11 @@ stage=$(mktemp -d /tmp/fabriq-rxe-stage.XXXXXX)
 trap 'rm -rf "$stage"' EXIT
 target_dir=$(cargo metadata --format-version 1 --no-deps | python3 -c 'import sys,json; print(json.load(sys.stdin)["target_directory"])')
 cp "$target_dir/$profile/fabriq" "$stage/fabriq"
+cp "$target_dir/$profile/examples/connect_spin_ab" "$stage/connect_spin_ab"
 conf=$(test_bin fabriq-verbs conformance)
 [ -n "$conf" ] || { echo "rxe lane: FAILED: conformance test binary not built"; exit 1; }
 cp "$conf" "$stage/conformance"
-for t in channel_e2e conn; do
+for t in channel_e2e conn endpoint_conn; do
   b=$(test_bin fabriq "$t")
   [ -n "$b" ] || { echo "rxe lane: FAILED: middleware test $t not built"; exit 1; }
   cp "$b" "$stage/mw-$t"
@@ -61,6 +65,8 @@ step "middleware: channel, RPC and remote memory on rxe0"
 FABRIQ_TEST_DEVICES=rxe0 ./mw-channel_e2e channel_rpc_and_remote_memory_on_named_devices --nocapture || fail=1
 step "middleware: connection manager, QP cache on rxe0"
 FABRIQ_TEST_DEVICES=rxe0 ./mw-conn --test-threads=1 || fail=1
+step "middleware: Endpoint connects on rxe0 (typed failures, QP cache reuse over many connects)"
+FABRIQ_TEST_DEVICES=rxe0 ./mw-endpoint_conn --test-threads=1 || fail=1
 step "perf: fabriq beside perftest (sanity comparison, TCG-emulated CPU)"
 gi=$(gid_index)
 # perftest pair: the server in the background (bounded), the client retried while the server is
@@ -81,8 +87,10 @@ perftest_pair() { # OUT TOOL ARGS...
   timeout 300 ./fabriq perf --local -d rxe0 -t write_bw -s 65536 -n 2000 --json > perf-fabriq-write_bw.json 2> perf-fabriq-write_bw.err
   perftest_pair perf-ib_send_lat.txt ib_send_lat -d rxe0 -x "$gi" -s 8 -n 2000 -F
   perftest_pair perf-ib_write_bw.txt ib_write_bw -d rxe0 -x "$gi" -s 65536 -n 2000 -F --report_gbits
+  AB_BLOCK=10 timeout 300 ./connect_spin_ab rxe0 100 50 > perf-connect.txt 2>&1
 } || true
 cat perf-ib_send_lat.txt perf-ib_write_bw.txt 2>/dev/null | grep -E '^ *[0-9]' || true
+cat perf-connect.txt 2>/dev/null || true
 exit $fail
 GUEST
 

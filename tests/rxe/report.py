@@ -23,6 +23,17 @@ def perftest(name, col):
     except Exception:
         return None
 
+def connect(mode):
+    # connect_spin_ab prints "rxe0 <mode> spin ... both p10 A p50 B p90 C | client ...".
+    try:
+        for l in (stage / "perf-connect.txt").read_text().splitlines():
+            f = l.split()
+            if len(f) > 9 and f[1] == mode and f[6] == "p10" and f[8] == "p50":
+                return float(f[9])
+    except Exception:
+        pass
+    return None
+
 def fmt(v, unit):
     return "not measured" if v is None else f"{v:.2f} {unit}"
 
@@ -32,6 +43,11 @@ rows = [
     ("write_bw 64 KiB", fmt(fabriq("write_bw", "gbit_s"), "Gb/s"),
      fmt(perftest("write_bw", 3), "Gb/s"), "ib_write_bw BW average"),
 ]
+cold, cached = connect("cold"), connect("cached")
+ratio = f" (cached {cold / cached:.1f} × faster)" if cold and cached else ""
+rows.append(("connect through Endpoint, p50 of both ends (connect_spin_ab)",
+             f"cold {fmt(cold, 'µs')}, cached {fmt(cached, 'µs')}{ratio}", "—",
+             "no counterpart"))
 table = ["| test | fabriq perf (rdma-core on rxe0) | perftest | perftest column |",
          "|---|---|---|---|"]
 table += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]

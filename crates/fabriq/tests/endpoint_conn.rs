@@ -2,9 +2,9 @@
 //! providers (`shm0`, `tcp0`; `FABRIQ_TEST_DEVICES` to choose): auth-token and version
 //! mismatches fail with typed errors on both sides, a refused or half-finished handshake is a
 //! typed error, a closed channel's QP, ring regions and control stream serve the next connect
-//! (seen in the connection counters), a peer's close fails the other end with `PeerGone`, and
-//! failures never disturb an established channel. Waits are bounded by generous timeouts that
-//! only catch hangs.
+//! (seen in the connection counters) and one QP serves many connects in a row, a peer's close
+//! fails the other end with `PeerGone`, and failures never disturb an established channel.
+//! Waits are bounded by generous timeouts that only catch hangs.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -733,6 +733,60 @@ fn cached_connects_deliver_the_first_messages_with_spinning_on_and_off() {
             );
             assert_eq!(cs.failed + ss.failed, 0, "{what}");
         }
+    }
+}
+
+/// One QP per side serves many connects in a row, each with traffic both ways: the reset of a
+/// cached QP leaves nothing of the previous connection's work queues behind (posted receives,
+/// unsignaled sends), so the queues never fill up over the reuses.
+#[test]
+fn a_cached_qp_serves_many_connects_in_a_row() {
+    const ROUNDS: u64 = 48;
+    for device in devices() {
+        let Some(server) = endpoint(&device, "") else {
+            continue;
+        };
+        let client = endpoint(&device, "").expect("client");
+        let listener = server.listen("127.0.0.1:0").expect("listen");
+        let addr = listener.local_addr();
+        for round in 0..ROUNDS {
+            let c = client
+                .connect(addr)
+                .unwrap_or_else(|e| panic!("{device} round {round}: connect: {e}"));
+            let s = listener
+                .accept_timeout(HANG)
+                .unwrap_or_else(|e| panic!("{device} round {round}: accept: {e}"));
+            for i in 0..5u8 {
+                ping(&c, &s, &[i; 64]);
+                ping(&s, &c, &[i; 64]);
+            }
+            drop(c);
+            match s.recv_timeout(HANG) {
+                Err(ChannelError::PeerGone) => {}
+                other => panic!("{device} round {round}: expected PeerGone, got {other:?}"),
+            }
+            drop(s);
+            wait_stats(&client, "client QP back in the cache", |st| {
+                st.qps_cached >= 1 && st.connects > round
+            });
+            wait_stats(&server, "server QP back in the cache", |st| {
+                st.qps_cached >= 1 && st.accepts > round
+            });
+        }
+        let cs = client.conn_stats();
+        let ss = server.conn_stats();
+        let what = format!("{device}: client {cs:?}, server {ss:?}");
+        assert_eq!(
+            (cs.qps_created, cs.qp_cache_hits),
+            (1, ROUNDS - 1),
+            "{what}"
+        );
+        assert_eq!(
+            (ss.qps_created, ss.qp_cache_hits),
+            (1, ROUNDS - 1),
+            "{what}"
+        );
+        assert_eq!(cs.failed + ss.failed, 0, "{what}");
     }
 }
 

@@ -92,6 +92,7 @@ macro_rules! conformance_tests {
             qp_state::qp_posting_in_error_completes_with_wr_flushed,
             qp_state::qp_full_send_queue_is_back_pressure,
             qp_state::qp_reset_and_reconnect_carries_traffic_again,
+            qp_state::qp_reset_frees_the_full_depth_of_both_queues,
             cq::cq_overflow_is_reported,
             cq::cq_event_fd_wakes_a_sleeper_on_completion,
             cq::cq_event_fires_once_per_arm,

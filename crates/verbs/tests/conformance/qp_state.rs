@@ -502,6 +502,86 @@ pub fn qp_reset_and_reconnect_carries_traffic_again<P: TestProvider>(env: &Env<P
     Ok(())
 }
 
+/// RESET empties both work queues: a QP whose send queue is full of unsignaled WRITEs (their
+/// slots not yet freed by a signaled completion) and whose receive queue is full takes the
+/// whole depth of both again once reset and connected anew, as a cached QP must.
+pub fn qp_reset_frees_the_full_depth_of_both_queues<P: TestProvider>(env: &Env<P>) -> TestResult {
+    if !env.has(Capabilities::WRITE) {
+        return Ok(());
+    }
+    let lab = Lab::new(env)?;
+    let caps = QpCaps {
+        max_send_wr: 8,
+        max_recv_wr: 8,
+        ..QpCaps::default()
+    };
+    let a = lab.qp(caps)?;
+    let b = lab.qp(QpCaps::default())?;
+    let (sq, rq) = {
+        let c = a.query().caps;
+        (c.max_send_wr as usize, c.max_recv_wr as usize)
+    };
+    if !(8..=120).contains(&sq) || !(8..=120).contains(&rq) {
+        return Err(fail(format!("queues of 8 requested, {sq} / {rq} granted")));
+    }
+    let remote = lab.mr.remote(2048);
+    let s = [lab.mr.sge(0, 16)?];
+    let r: Vec<[fabriq_verbs::Sge; 1]> = (0..rq)
+        .map(|i| lab.mr.sge(1024 + (i % 32) * 16, 16).map(|s| [s]))
+        .collect::<Result<_, _>>()?;
+    let recvs: Vec<RecvWr<'_>> = r
+        .iter()
+        .enumerate()
+        .map(|(i, s)| RecvWr::new(100 + i as u64, s))
+        .collect();
+    let writes = |last_signaled: bool| -> Vec<SendWr<'_>> {
+        (0..sq)
+            .map(|i| {
+                let w = SendWr::new(i as u64, &s, WrOpcode::Write { remote });
+                w.with_flags(if last_signaled && i + 1 == sq {
+                    SendFlags::SIGNALED
+                } else {
+                    SendFlags::empty()
+                })
+            })
+            .collect()
+    };
+    for round in 0..2 {
+        if round > 0 {
+            for q in [&a, &b] {
+                q.modify(&QpAttr::reset())?;
+            }
+        }
+        connect_pair(&a, &b, &ConnectOpts::default(), &ConnectOpts::default())?;
+        if let Err(e) = a.post_recv(&recvs) {
+            return Err(fail(format!(
+                "round {round}: {rq} receives on a reset queue of {rq}: {e:?}"
+            )));
+        }
+        // Round 0 leaves the send queue full of unsignaled WRITEs; round 1 must find it empty.
+        if let Err(e) = a.post_send(&writes(round == 1)) {
+            return Err(fail(format!(
+                "round {round}: {sq} WRITEs on a reset send queue of {sq}: {e:?}"
+            )));
+        }
+        if round == 0 {
+            // Let the unsignaled WRITEs execute before the reset (they complete silently).
+            std::thread::sleep(Duration::from_millis(50));
+            let stray = lab.cq.take_ready();
+            if !stray.is_empty() {
+                return Err(fail(format!("unsignaled WRITEs completed: {stray:?}")));
+            }
+        }
+    }
+    let wcs = lab.cq.wait(1)?;
+    expect_wc(
+        &wcs[0],
+        sq as u64 - 1,
+        WcStatus::Success,
+        "the signaled WRITE after the reset",
+    )
+}
+
 /// Posting more receives than the receive queue holds fails with QueueFull at the first one
 /// that does not fit.
 pub fn qp_full_receive_queue_is_back_pressure<P: TestProvider>(env: &Env<P>) -> TestResult {

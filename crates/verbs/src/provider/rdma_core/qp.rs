@@ -363,6 +363,21 @@ impl QpOps for Qp {
         if rc != 0 {
             return Err(rc_err("ibv_modify_qp", rc));
         }
+        if attr.state == Some(QpState::Reset) {
+            // RESET discards every posted request without a completion: the shadow follows, or
+            // a reused QP would count the old requests against its depth (and pair completions
+            // of new ones with old entries).
+            self.shadow
+                .sq
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clear();
+            self.shadow
+                .rq
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clear();
+        }
         Ok(())
     }
 

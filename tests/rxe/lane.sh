@@ -61,8 +61,8 @@ step "fabriq info"
 ./fabriq info || fail=1
 step "verbs conformance suite on rdma-core (rxe0)"
 FABRIQ_CONFORMANCE_PROVIDERS=rdma-core ./conformance --test-threads=2 || fail=1
-step "middleware: channel, RPC and remote memory on rxe0"
-FABRIQ_TEST_DEVICES=rxe0 ./mw-channel_e2e channel_rpc_and_remote_memory_on_named_devices --nocapture || fail=1
+step "middleware: channel, RPC and remote memory on rxe0 (also under load: order, back-pressure without RNR, concurrent RPC)"
+FABRIQ_TEST_DEVICES=rxe0 ./mw-channel_e2e on_named_devices --test-threads=1 --nocapture || fail=1
 step "middleware: connection manager, QP cache on rxe0"
 FABRIQ_TEST_DEVICES=rxe0 ./mw-conn --test-threads=1 || fail=1
 step "middleware: Endpoint connects on rxe0 (typed failures, QP cache reuse over many connects)"

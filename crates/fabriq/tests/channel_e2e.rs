@@ -93,6 +93,11 @@ fn million_messages(device: &str, progress: Progress, provider: &[(&str, &str)])
     } else {
         1_000_000
     };
+    messages_in_order(device, progress, provider, n);
+}
+
+/// `n` small messages, pipelined: none lost, none duplicated, order kept.
+fn messages_in_order(device: &str, progress: Progress, provider: &[(&str, &str)], n: u64) {
     let (_se, _ce, s, c) = pair_with(Config {
         device: device.into(),
         rnr_retry: 0,
@@ -148,9 +153,9 @@ fn caller_mode_tcp_million_small_messages_in_order() {
 /// A receiver that does not read back-pressures the sender (the stream window; the ring of 8
 /// slots is passed many times over meanwhile); with `rnr_retry = 0` a single RNR would break
 /// the channel, so its survival shows the receive queue never ran dry.
-fn slow_receiver_back_pressures_without_rnr(progress: Progress) {
+fn slow_receiver_back_pressures_without_rnr(device: &str, progress: Progress) {
     let (_se, _ce, s, c) = pair_with(Config {
-        device: "shm0".into(),
+        device: device.into(),
         rnr_retry: 0,
         rx_slots: 8,
         max_queued: 8,
@@ -196,17 +201,22 @@ fn slow_receiver_back_pressures_without_rnr(progress: Progress) {
 
 #[test]
 fn slow_receiver_back_pressures_without_rnr_thread_mode() {
-    slow_receiver_back_pressures_without_rnr(Progress::Thread);
+    slow_receiver_back_pressures_without_rnr("shm0", Progress::Thread);
 }
 
 #[test]
 fn slow_receiver_back_pressures_without_rnr_caller_mode() {
-    slow_receiver_back_pressures_without_rnr(Progress::Caller);
+    slow_receiver_back_pressures_without_rnr("shm0", Progress::Caller);
 }
 
 fn rpc_with_64_concurrent_callers(progress: Progress) {
+    rpc_with_concurrent_callers("shm0", progress, 64, 50);
+}
+
+/// `callers` threads make `calls` RPCs each on one channel; every reply matches its request.
+fn rpc_with_concurrent_callers(device: &str, progress: Progress, callers: u64, calls: u64) {
     let (se, _ce, _s, c) = pair_with(Config {
-        device: "shm0".into(),
+        device: device.into(),
         progress,
         ..Config::default()
     });
@@ -215,11 +225,11 @@ fn rpc_with_64_concurrent_callers(progress: Progress) {
         Ok((a + 1).to_le_bytes().to_vec())
     });
     let rpc = Rpc::new(c);
-    let threads: Vec<_> = (0..64u64)
+    let threads: Vec<_> = (0..callers)
         .map(|t| {
             let rpc = rpc.clone();
             std::thread::spawn(move || {
-                for i in 0..50u64 {
+                for i in 0..calls {
                     let x = t * 1_000_000 + i;
                     let r = rpc.call("add", &x.to_le_bytes(), HANG).expect("call");
                     assert_eq!(r, (x + 1).to_le_bytes());
@@ -426,7 +436,11 @@ fn caller_mode_server_without_calls_serves_and_handlers_may_send() {
 
 #[test]
 fn one_sided_read_write_atomics_without_owner_code() {
-    let (se, _ce, s, c) = pair("shm0");
+    one_sided_without_owner_code("shm0");
+}
+
+fn one_sided_without_owner_code(device: &str) {
+    let (se, _ce, s, c) = pair(device);
     let region = se.expose(4096).expect("expose");
     s.send(&region.descriptor().to_bytes())
         .expect("send descriptor");
@@ -461,7 +475,11 @@ fn one_sided_read_write_atomics_without_owner_code() {
 
 #[test]
 fn thresholds_change_on_a_live_channel() {
-    let (_se, _ce, s, c) = pair("tcp0");
+    thresholds_change("tcp0");
+}
+
+fn thresholds_change(device: &str) {
+    let (_se, _ce, s, c) = pair(device);
     c.send(&pattern(3000, 1)).expect("send");
     assert_eq!(
         &s.recv_timeout(HANG).expect("recv")[..],
@@ -549,4 +567,28 @@ fn shm_one_gib_message_arrives_intact() {
 #[test]
 fn tcp_one_gib_message_arrives_intact() {
     one_gib_message("tcp0");
+}
+
+/// The protocol's promises under load on each device named by `FABRIQ_TEST_DEVICES` (the
+/// soft-RoCE lane sets `rxe0`): pipelined messages in order in both progress modes, a slow
+/// receiver that back-pressures the sender with `rnr_retry = 0` (a real RC QP fails on the
+/// first RNR), concurrent RPC callers, zero-copy sends around both thresholds, thresholds
+/// changed on a live channel, one-sided access bounds. Without the variable it prints that it
+/// skips.
+#[test]
+fn protocol_under_load_on_named_devices() {
+    let Ok(list) = std::env::var("FABRIQ_TEST_DEVICES") else {
+        eprintln!("SKIP protocol_under_load_on_named_devices: FABRIQ_TEST_DEVICES unset");
+        return;
+    };
+    for device in list.split(',').map(str::trim).filter(|d| !d.is_empty()) {
+        for progress in [Progress::Thread, Progress::Caller] {
+            messages_in_order(device, progress, &[], 20_000);
+            slow_receiver_back_pressures_without_rnr(device, progress);
+            rpc_with_concurrent_callers(device, progress, 16, 20);
+        }
+        zero_copy_around_thresholds(device, Progress::Caller);
+        thresholds_change(device);
+        one_sided_without_owner_code(device);
+    }
 }

@@ -5,6 +5,7 @@
 #   2. the full verbs conformance suite on the rdma-core provider,
 #   3. the middleware's channel / RPC / remote-memory tests on rxe0, its connection-manager
 #      tests and its `Endpoint` connect tests (QP cache reuse over many connects included),
+#      and `fabriq demo -d rxe0` (two processes),
 #   4. `fabriq perf` send_lat and write_bw beside perftest's ib_send_lat and ib_write_bw, and
 #      cold against cached connects through `Endpoint` (examples/connect_spin_ab): a sanity
 #      comparison printed side by side, never a timing assertion.
@@ -67,6 +68,8 @@ step "middleware: connection manager, QP cache on rxe0"
 FABRIQ_TEST_DEVICES=rxe0 ./mw-conn --test-threads=1 || fail=1
 step "middleware: Endpoint connects on rxe0 (typed failures, QP cache reuse over many connects)"
 FABRIQ_TEST_DEVICES=rxe0 ./mw-endpoint_conn --test-threads=1 || fail=1
+step "fabriq demo on rxe0 (two processes: channel, rendezvous, RPC, CAS lock)"
+timeout 300 ./fabriq demo -d rxe0 -n 300 || fail=1
 step "perf: fabriq beside perftest (sanity comparison, TCG-emulated CPU)"
 gi=$(gid_index)
 # perftest pair: the server in the background (bounded), the client retried while the server is

@@ -12,10 +12,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::channel::outbuf::OutBuf;
 use crate::channel::proto::TraceInfo;
 use crate::channel::{ChannelError, ChannelStats, Thresholds};
 use crate::endpoint::Endpoint;
-use crate::mempool::PoolBuf;
 use crate::message::{Message, SendBuf};
 use crate::remote::{RegionDescriptor, RemoteRegion};
 use crate::worker::shared::ChannelShared;
@@ -119,7 +119,7 @@ impl Channel {
 
     /// Post `buf` now under the worker's lock, or queue it in the worker's inbox. The send
     /// window slot is already reserved.
-    fn submit_buf(&self, buf: PoolBuf, trace: TraceInfo) {
+    fn submit_buf(&self, buf: OutBuf, trace: TraceInfo) {
         let s = &self.inner.shared;
         let chan = s.id;
         direct_or_submit(
@@ -236,7 +236,7 @@ impl Channel {
     pub fn send_buf(&self, buf: SendBuf) -> Result<(), ChannelError> {
         self.check_domain(&buf)?;
         self.inner.shared.reserve(buf.len(), None)?;
-        self.submit_buf(buf.buf, TraceInfo::default());
+        self.submit_buf(OutBuf::Pool(buf.buf), TraceInfo::default());
         Ok(())
     }
 
@@ -244,7 +244,7 @@ impl Channel {
     pub fn send_buf_timeout(&self, buf: SendBuf, timeout: Duration) -> Result<(), ChannelError> {
         self.check_domain(&buf)?;
         self.inner.shared.reserve(buf.len(), Some(timeout))?;
-        self.submit_buf(buf.buf, TraceInfo::default());
+        self.submit_buf(OutBuf::Pool(buf.buf), TraceInfo::default());
         Ok(())
     }
 
@@ -252,7 +252,7 @@ impl Channel {
     pub async fn send_buf_async(&self, buf: SendBuf) -> Result<(), ChannelError> {
         self.check_domain(&buf)?;
         self.reserve_async(buf.len()).await?;
-        self.submit_buf(buf.buf, TraceInfo::default());
+        self.submit_buf(OutBuf::Pool(buf.buf), TraceInfo::default());
         Ok(())
     }
 

@@ -493,6 +493,21 @@ fn thresholds_change(device: &str) {
     );
     let st = c.stats().expect("stats");
     assert_eq!((st.eager_sent, st.rendezvous_sent), (1, 1));
+    // An eager limit below the size of small payloads (which are otherwise framed in place):
+    // a 20-byte message goes by rendezvous and a 4-byte one eagerly, both intact, in order.
+    c.set_thresholds(fabriq::Thresholds {
+        eager_max: 8,
+        ..fabriq::Thresholds::default()
+    });
+    c.send(&pattern(20, 3)).expect("send");
+    c.send(&pattern(4, 4)).expect("send");
+    assert_eq!(
+        &s.recv_timeout(HANG).expect("recv")[..],
+        &pattern(20, 3)[..]
+    );
+    assert_eq!(&s.recv_timeout(HANG).expect("recv")[..], &pattern(4, 4)[..]);
+    let st = c.stats().expect("stats");
+    assert_eq!((st.eager_sent, st.rendezvous_sent), (2, 2));
 }
 
 /// Channel (eager and rendezvous), RPC and one-sided access on each device named by

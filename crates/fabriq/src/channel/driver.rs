@@ -14,6 +14,7 @@ use fabriq_verbs::{
     Sge, WorkCompletion, WrOpcode,
 };
 
+use super::outbuf::OutBuf;
 use super::proto::{
     ChannelConfig, ChannelCore, Event, InPayload, Instant, OutPayload, PeerGeometry, TraceInfo,
     WorkRequest,
@@ -84,9 +85,9 @@ impl BufferSource for MemPool {
 }
 
 /// The core type the driver runs.
-pub type Core = ChannelCore<PoolBuf, PoolBuf>;
+pub type Core = ChannelCore<OutBuf, PoolBuf>;
 /// The events it produces.
-pub type CoreEvent = Event<PoolBuf, PoolBuf>;
+pub type CoreEvent = Event<OutBuf, PoolBuf>;
 
 /// A channel end bound to a queue pair.
 pub struct ChannelDriver {
@@ -228,10 +229,15 @@ impl ChannelDriver {
     #[allow(clippy::result_large_err)] // the payload is handed back, not boxed
     pub fn send(
         &mut self,
-        payload: PoolBuf,
+        payload: OutBuf,
         trace: TraceInfo,
-    ) -> Result<u64, (ChannelError, PoolBuf)> {
+    ) -> Result<u64, (ChannelError, OutBuf)> {
         self.core.send(payload, trace).map(|id| id.0)
+    }
+
+    /// Largest payload sent eagerly now (a larger one must be in registered memory).
+    pub fn eager_limit(&self) -> u64 {
+        self.core.eager_limit()
     }
 
     /// Feed one completion of this QP to the core.
@@ -450,7 +456,11 @@ mod tests {
             buf.copy_from_slice(bytes);
             buf
         };
-        let (first, second) = (msg(b"first"), msg(b"second"));
+        // One payload gathered from the pool, one held in place behind the headers.
+        let first = OutBuf::Pool(msg(b"first"));
+        let second = OutBuf::Small(
+            crate::channel::outbuf::SmallBuf::from_parts(&[b"sec", b"ond"]).expect("small"),
+        );
         a.send(first, TraceInfo::default())
             .map_err(|(e, _)| e)
             .expect("send");

@@ -78,6 +78,9 @@ impl Mem {
 pub struct TestOut {
     key: u32,
     len: u64,
+    /// Small payloads of every other message are also held in place (as `OutBuf::Small` is):
+    /// the core frames them behind the headers instead of gathering the region.
+    in_place: Option<Vec<u8>>,
 }
 
 impl OutPayload for TestOut {
@@ -96,6 +99,9 @@ impl OutPayload for TestOut {
             addr: u64::from(self.key) << ADDR_SHIFT,
             rkey: Rkey(self.key),
         })
+    }
+    fn in_place(&self) -> Option<&[u8]> {
+        self.in_place.as_deref()
     }
 }
 
@@ -269,19 +275,29 @@ impl Pair {
     /// Offer `data` on side `s`; WouldBlock hands the error back.
     pub fn send(&mut self, s: usize, data: Vec<u8>) -> Result<u64, ChannelError> {
         let len = data.len() as u64;
+        let small = data.len() <= super::outbuf::SMALL_MAX;
+        let copy = small.then(|| data.clone());
         let key = self.sides[s].mem.add(Region::Bytes(data));
-        self.send_key(s, key, len)
+        let in_place = copy.filter(|_| key % 2 == 0);
+        self.send_out(s, TestOut { key, len, in_place })
     }
 
     /// Offer a pattern payload of `len` bytes on side `s`.
     pub fn send_pattern(&mut self, s: usize, len: u64) -> Result<u64, ChannelError> {
         let key = self.sides[s].mem.add(Region::Pattern { len });
-        self.send_key(s, key, len)
+        self.send_out(
+            s,
+            TestOut {
+                key,
+                len,
+                in_place: None,
+            },
+        )
     }
 
-    fn send_key(&mut self, s: usize, key: u32, len: u64) -> Result<u64, ChannelError> {
+    fn send_out(&mut self, s: usize, out: TestOut) -> Result<u64, ChannelError> {
         let side = &mut self.sides[s];
-        match side.core.send(TestOut { key, len }, TraceInfo::default()) {
+        match side.core.send(out, TraceInfo::default()) {
             Ok(id) => Ok(id.0),
             Err((e, p)) => {
                 side.mem.regions.remove(&p.key);

@@ -1,10 +1,12 @@
 //! Channels: reliable, ordered, message-boundary-preserving pipes between two endpoints.
 //!
 //! `wire` is the frame format, `proto` the sans-IO protocol core (eager, rendezvous, seq-ack,
-//! credits), `driver` the code that binds a core to a real `QueuePair` and its registered
+//! credits), `outbuf` what a message to send is held in (a pool buffer, or a small payload in
+//! place), `driver` the code that binds a core to a real `QueuePair` and its registered
 //! memory. The public, thread-safe handle applications use is [`crate::Channel`].
 
 pub mod driver;
+pub mod outbuf;
 pub mod proto;
 mod window;
 pub mod wire;

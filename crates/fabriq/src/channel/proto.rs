@@ -214,6 +214,11 @@ pub trait OutPayload {
     fn sge(&self) -> Option<Sge>;
     /// Where the peer may READ the payload, if its memory allows remote reads.
     fn remote(&self) -> Option<RemoteAddr>;
+    /// The payload's bytes when it is small and held in place: framed behind the headers
+    /// instead of gathered from registered memory (eager only).
+    fn in_place(&self) -> Option<&[u8]> {
+        None
+    }
 }
 
 /// A receive buffer for a rendezvous payload, handed in with [`ChannelCore::handle_buffer`].
@@ -639,7 +644,7 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
             ));
         }
         let kind = if len <= self.eager_limit() {
-            if len > 0 && payload.sge().is_none() {
+            if len > 0 && payload.sge().is_none() && payload.in_place().is_none() {
                 return Err((ChannelError::NotRegistered, payload));
             }
             SendKind::Eager
@@ -1174,16 +1179,19 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
                 break;
             };
             self.stats.msgs_posted += 1;
+            let in_place = q.payload.in_place().is_some();
             let head = match kind {
                 SendKind::Eager => {
                     self.stats.eager_sent += 1;
+                    let body = q.payload.in_place().unwrap_or(&[]);
+                    let (trace, seq) = (q.trace, q.seq);
                     self.frame(
                         MsgKind::Data,
-                        q.seq,
-                        q.trace,
+                        seq,
+                        trace,
                         now,
                         len as u32,
-                        FrameBody::Data(&[]),
+                        FrameBody::Data(body),
                     )
                 }
                 SendKind::Rendezvous => {
@@ -1205,7 +1213,7 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
                 }
             };
             let payload = match kind {
-                SendKind::Eager if len > 0 => sge,
+                SendKind::Eager if len > 0 && !in_place => sge,
                 _ => None,
             };
             let signaled = self.push_send(head, payload, TxUse::Data(q.seq));

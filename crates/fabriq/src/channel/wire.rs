@@ -42,8 +42,8 @@ pub const HEADER_LEN: usize = TRACE_HEADER_LEN + MSG_HEADER_LEN;
 pub const RTS_BODY_LEN: usize = 24;
 /// Body of a FIN frame.
 pub const FIN_BODY_LEN: usize = 8;
-/// The longest frame prefix the sender builds itself (headers and a control body); the payload
-/// of a Data frame is gathered from the caller's buffer behind it.
+/// The longest frame prefix the sender builds itself (headers and a control body, or a small
+/// Data payload held in place); a larger Data payload is gathered from its buffer behind it.
 pub const MAX_HEAD_LEN: usize = HEADER_LEN + RTS_BODY_LEN;
 
 /// The default stream window: data messages a sender may have on one stream that the
@@ -291,7 +291,16 @@ impl HeadBuf {
                 put(b, HEADER_LEN, &seq.to_le_bytes());
                 out.len = (HEADER_LEN + FIN_BODY_LEN) as u8;
             }
-            FrameBody::Data(_) | FrameBody::Update => {}
+            FrameBody::Data(payload) => {
+                // A small payload held in place goes behind the headers (the caller keeps it
+                // within MAX_HEAD_LEN); a larger one is gathered from its own buffer instead.
+                let end = HEADER_LEN + payload.len();
+                if let Some(dst) = b.get_mut(HEADER_LEN..end) {
+                    dst.copy_from_slice(payload);
+                    out.len = end as u8;
+                }
+            }
+            FrameBody::Update => {}
         }
         out
     }
@@ -410,6 +419,24 @@ mod tests {
             stream: 11,
             stream_credits: 2,
         }
+    }
+
+    #[test]
+    fn a_small_data_payload_is_framed_behind_the_headers() {
+        let h = MsgHeader {
+            seq: 3,
+            ack: 1,
+            credits: 0,
+            kind: MsgKind::Data,
+            len: 5,
+            stream: 2,
+            stream_credits: 0,
+        };
+        let head = HeadBuf::encode(&TraceHeader::default(), &h, &FrameBody::Data(b"hello"));
+        assert_eq!(head.as_slice().len(), HEADER_LEN + 5);
+        let f = decode(head.as_slice()).expect("decode");
+        assert_eq!(f.body, FrameBody::Data(b"hello"));
+        assert_eq!(f.header, h);
     }
 
     #[test]

@@ -47,6 +47,7 @@ use rustix::event::epoll;
 use tokio::sync::oneshot;
 
 use crate::channel::driver::{ChannelDriver, CoreEvent};
+use crate::channel::outbuf::{OutBuf, SmallBuf};
 use crate::channel::proto::{Instant, Received, TraceInfo};
 use crate::channel::{ChannelError, TraceFlags};
 use crate::config::Progress;
@@ -105,7 +106,7 @@ pub(crate) enum Command {
     },
     Send {
         chan: StreamKey,
-        buf: PoolBuf,
+        buf: OutBuf,
         trace: TraceInfo,
     },
     Released {
@@ -136,7 +137,7 @@ pub(crate) enum Command {
 pub(crate) struct Call {
     pub(crate) chan: StreamKey,
     pub(crate) call_id: u64,
-    pub(crate) buf: PoolBuf,
+    pub(crate) buf: OutBuf,
     pub(crate) deadline: Instant,
     pub(crate) reply: CallReply,
 }
@@ -215,7 +216,7 @@ impl StreamState {
 struct ConnState {
     driver: ChannelDriver,
     /// Messages waiting for the core (credits, send window), in order, each with its stream.
-    backlog: VecDeque<(PoolBuf, TraceInfo)>,
+    backlog: VecDeque<(OutBuf, TraceInfo)>,
     streams: FxHashMap<u32, StreamState>,
     one_sided_queue: VecDeque<(OneSidedOp, OneSidedReply)>,
     one_sided: FxHashMap<u64, OneSidedPending>,
@@ -565,7 +566,7 @@ impl Worker {
     }
 
     /// Direct send from an application thread (the inbox drained first).
-    pub(crate) fn enqueue_send(&mut self, chan: StreamKey, buf: PoolBuf, trace: TraceInfo) {
+    pub(crate) fn enqueue_send(&mut self, chan: StreamKey, buf: OutBuf, trace: TraceInfo) {
         self.command_send(chan, buf, trace);
     }
 
@@ -863,7 +864,7 @@ impl Worker {
         self.mark_dirty(conn);
     }
 
-    fn command_send(&mut self, chan: StreamKey, buf: PoolBuf, mut trace: TraceInfo) {
+    fn command_send(&mut self, chan: StreamKey, buf: OutBuf, mut trace: TraceInfo) {
         let Some(st) = self.conns.get_mut(&key_conn(chan)) else {
             return;
         };
@@ -1082,7 +1083,9 @@ impl Worker {
                         ..
                     } => {
                         let len = payload.len() as u64;
-                        buffers.recycle(payload);
+                        if let OutBuf::Pool(b) = payload {
+                            buffers.recycle(b);
+                        }
                         // Stream-control messages are not in the stream's send window.
                         if !is_stream_control(flags) {
                             if let Some(ss) = st.streams.get(&stream) {
@@ -1127,9 +1130,26 @@ impl Worker {
                 }
                 if trace.flags.contains(TraceFlags::STREAM_CREDIT) && trace.stream_credits == 0 {
                     // Already carried by a message before it.
-                    buffers.recycle(buf);
+                    if let OutBuf::Pool(b) = buf {
+                        buffers.recycle(b);
+                    }
                     continue;
                 }
+                let buf = match buf {
+                    // Held in place but above the eager limit (thresholds set below
+                    // SMALL_MAX): it must go from registered memory, by rendezvous.
+                    OutBuf::Small(s) if s.as_slice().len() as u64 > st.driver.eager_limit() => {
+                        match alloc_registered(buffers, &[s.as_slice()]) {
+                            Ok(b) => OutBuf::Pool(b),
+                            Err(e) => {
+                                tracing::warn!(%e, "no memory to move a small message to the pool");
+                                st.backlog.push_front((OutBuf::Small(s), trace));
+                                break;
+                            }
+                        }
+                    }
+                    other => other,
+                };
                 match st.driver.send(buf, trace) {
                     Ok(_) => progress += 1,
                     Err((ChannelError::WouldBlock, buf)) => {
@@ -1264,7 +1284,20 @@ impl Worker {
     }
 }
 
+/// A message's payload made of `parts`: held in place when it is small, else copied into a
+/// registered buffer.
 pub(crate) fn alloc_filled(
+    buffers: &Buffers,
+    parts: &[&[u8]],
+) -> Result<OutBuf, crate::mempool::PoolError> {
+    if let Some(s) = SmallBuf::from_parts(parts) {
+        return Ok(OutBuf::Small(s));
+    }
+    alloc_registered(buffers, parts).map(OutBuf::Pool)
+}
+
+/// `parts` copied into one registered buffer.
+pub(crate) fn alloc_registered(
     buffers: &Buffers,
     parts: &[&[u8]],
 ) -> Result<PoolBuf, crate::mempool::PoolError> {

@@ -75,6 +75,28 @@ fn wait_stats(ep: &Endpoint, what: &str, cond: impl Fn(&ConnStats) -> bool) -> C
     }
 }
 
+/// Close round `round`'s channel pair from the client side: the server's end sees `PeerGone`,
+/// and both sides' QPs go back to their caches (bounded wait on the counters).
+fn close_and_wait_cached(
+    (client, server): (&Endpoint, &Endpoint),
+    (c, s): (Channel, Channel),
+    round: u64,
+    what: &str,
+) {
+    drop(c);
+    match s.recv_timeout(HANG) {
+        Err(ChannelError::PeerGone) => {}
+        other => panic!("{what} round {round}: expected PeerGone, got {other:?}"),
+    }
+    drop(s);
+    wait_stats(client, "client QP back in the cache", |st| {
+        st.qps_cached >= 1 && st.connects > round
+    });
+    wait_stats(server, "server QP back in the cache", |st| {
+        st.qps_cached >= 1 && st.accepts > round
+    });
+}
+
 fn is_auth_error(e: &ConnError) -> bool {
     matches!(
         e,
@@ -700,18 +722,8 @@ fn cached_connects_deliver_the_first_messages_with_spinning_on_and_off() {
                     &[round as u8; 3000][..],
                     "{device} spin {spin_us}"
                 );
-                drop(c);
-                match s.recv_timeout(HANG) {
-                    Err(ChannelError::PeerGone) => {}
-                    other => panic!("{device} spin {spin_us}: expected PeerGone, got {other:?}"),
-                }
-                drop(s);
-                wait_stats(&client, "client QP back in the cache", |st| {
-                    st.qps_cached >= 1 && st.connects > round
-                });
-                wait_stats(&server, "server QP back in the cache", |st| {
-                    st.qps_cached >= 1 && st.accepts > round
-                });
+                let what = format!("{device} spin {spin_us}");
+                close_and_wait_cached((&client, &server), (c, s), round, &what);
             }
             let cs = client.conn_stats();
             let ss = server.conn_stats();
@@ -760,18 +772,7 @@ fn a_cached_qp_serves_many_connects_in_a_row() {
                 ping(&c, &s, &[i; 64]);
                 ping(&s, &c, &[i; 64]);
             }
-            drop(c);
-            match s.recv_timeout(HANG) {
-                Err(ChannelError::PeerGone) => {}
-                other => panic!("{device} round {round}: expected PeerGone, got {other:?}"),
-            }
-            drop(s);
-            wait_stats(&client, "client QP back in the cache", |st| {
-                st.qps_cached >= 1 && st.connects > round
-            });
-            wait_stats(&server, "server QP back in the cache", |st| {
-                st.qps_cached >= 1 && st.accepts > round
-            });
+            close_and_wait_cached((&client, &server), (c, s), round, &device);
         }
         let cs = client.conn_stats();
         let ss = server.conn_stats();

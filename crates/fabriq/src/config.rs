@@ -36,6 +36,8 @@
 //!                            # connection per channel, e.g. to give a flow its own credits)
 //! stream_window = 64         # data messages of one channel the peer may hold unconsumed before
 //!                            # its sender waits (4..=65536; a connection uses the smaller side's)
+//! ack_delay_us = 50          # a received message is acknowledged at the latest this long after
+//!                            # delivery when no frame going back carries the ack (1..=10000000)
 //!
 //! [device_options]           # provider options for a named device (tcp0: progress, …);
 //! # progress = "thread"      # default for a tcp device: progress = "busy" (pollers read the
@@ -48,7 +50,7 @@
 //! `FABRIQ_RX_SLOTS`, `FABRIQ_SQ_DEPTH`, `FABRIQ_SIGNAL_EVERY`, `FABRIQ_MAX_QUEUED`, `FABRIQ_MAX_MESSAGE_LEN`,
 //! `FABRIQ_EAGER_MAX`, `FABRIQ_CHUNK_SIZE`, `FABRIQ_READS_IN_FLIGHT`, `FABRIQ_RNR_RETRY`,
 //! `FABRIQ_AUTH_TOKEN`, `FABRIQ_QP_CACHE_SIZE`, `FABRIQ_REUSE_CONTROL_STREAMS`,
-//! `FABRIQ_SHARE_CONNECTIONS`, `FABRIQ_DEVICE_OPTIONS` (`key=value,key=value`); `FABRIQ_CONFIG` names a
+//! `FABRIQ_SHARE_CONNECTIONS`, `FABRIQ_STREAM_WINDOW`, `FABRIQ_ACK_DELAY_US`, `FABRIQ_DEVICE_OPTIONS` (`key=value,key=value`); `FABRIQ_CONFIG` names a
 //! TOML file read by [`Config::from_env`].
 
 use std::path::Path;
@@ -192,6 +194,10 @@ pub struct Config {
     /// that stops holds back only its own channel, by at most this many messages. Announced
     /// in the hello; a connection uses the smaller of the two sides'.
     pub stream_window: u32,
+    /// Longest a delivered message waits for its acknowledgement when no frame going back
+    /// carries it (a lone ack goes then), microseconds (1 ..= 10 000 000, default 50). Acks also
+    /// go at once every quarter ring of deliveries.
+    pub ack_delay_us: u64,
 }
 
 impl Default for Config {
@@ -221,6 +227,7 @@ impl Default for Config {
             reuse_control_streams: true,
             share_connections: true,
             stream_window: crate::channel::wire::STREAM_WINDOW as u32,
+            ack_delay_us: 50,
         }
     }
 }
@@ -322,6 +329,7 @@ impl Config {
             parse_bool
         );
         var!("FABRIQ_STREAM_WINDOW", self.stream_window, parse);
+        var!("FABRIQ_ACK_DELAY_US", self.ack_delay_us, parse);
         if let Some(v) = get("FABRIQ_AUTH_TOKEN") {
             self.auth_token = v;
         }
@@ -368,6 +376,9 @@ impl Config {
         }
         if !crate::conn::wire::STREAM_WINDOW_RANGE.contains(&self.stream_window) {
             return bad("stream_window must be in 4..=65536");
+        }
+        if !(1..=10_000_000).contains(&self.ack_delay_us) {
+            return bad("ack_delay_us must be in 1..=10000000");
         }
         self.channel_config(0)
             .validate()
@@ -449,7 +460,7 @@ impl Config {
             rx_slot_size: eager_room.saturating_add(HEADER_LEN as u32),
             sq_depth: self.sq_depth,
             thresholds,
-            ack_delay: Duration::from_micros(50),
+            ack_delay: Duration::from_micros(self.ack_delay_us),
             max_queued: self.max_queued,
             max_pulls: 4,
             max_message_len: self.max_message_len,
@@ -550,6 +561,28 @@ mod tests {
         );
         let err = Config::default().with_env_vars(|k| (k == "FABRIQ_WORKERS").then(|| "0".into()));
         assert!(matches!(err, Err(ConfigError::Invalid(_))));
+    }
+
+    #[test]
+    fn the_ack_delay_is_set_by_file_or_env_and_reaches_the_channel() {
+        assert_eq!(
+            Config::default().channel_config(0).ack_delay,
+            Duration::from_micros(50)
+        );
+        let c = Config::from_toml_str("ack_delay_us = 200\n").expect("valid");
+        assert_eq!(c.channel_config(0).ack_delay, Duration::from_micros(200));
+        let c = Config::default()
+            .with_env_vars(|k| (k == "FABRIQ_ACK_DELAY_US").then(|| "1000".into()))
+            .expect("valid");
+        assert_eq!(c.channel_config(100).ack_delay, Duration::from_millis(1));
+        for bad in ["0", "10000001"] {
+            let err = Config::default()
+                .with_env_vars(|k| (k == "FABRIQ_ACK_DELAY_US").then(|| bad.into()));
+            assert!(
+                matches!(err, Err(ConfigError::Invalid(_))),
+                "ack delay {bad}"
+            );
+        }
     }
 
     #[test]

@@ -36,8 +36,34 @@ use super::ring::{ring_bytes, Cell, Ring, RingHead};
 use super::sys;
 use crate::{Result, VerbsError};
 
-/// Bytes of address space a segment spans.
-pub(crate) const SEG_SIZE: u64 = 1 << 36;
+/// Bytes of address space a segment spans: 64 GiB, or `1 << FABRIQ_SHM_SEGMENT_BITS` when that
+/// variable is set at build time (28 ..= 40): an instruction counter such as valgrind maps only
+/// a few tens of GiB (`bench/instructions.sh`). Processes that share segments must agree on it
+/// (an import checks the size).
+pub(crate) const SEG_SIZE: u64 = 1 << segment_bits(option_env!("FABRIQ_SHM_SEGMENT_BITS"));
+
+/// The segment size's bits from the build-time setting (a bad one fails the build).
+const fn segment_bits(setting: Option<&str>) -> u32 {
+    let Some(s) = setting else {
+        return 36;
+    };
+    let b = s.as_bytes();
+    let mut i = 0;
+    let mut bits = 0u32;
+    while i < b.len() {
+        assert!(
+            b[i].is_ascii_digit() && i < 2,
+            "FABRIQ_SHM_SEGMENT_BITS: a number of bits"
+        );
+        bits = bits * 10 + (b[i] - b'0') as u32;
+        i += 1;
+    }
+    assert!(
+        bits >= 28 && bits <= 40,
+        "FABRIQ_SHM_SEGMENT_BITS must be in 28..=40"
+    );
+    bits
+}
 /// Segment magic, "FABRQSHM".
 pub(crate) const MAGIC: u64 = u64::from_le_bytes(*b"FABRQSHM");
 /// Layout version.
@@ -728,5 +754,17 @@ mod heap_tests {
         assert_eq!(h.alloc(PAGE), Some(big + 2 * huge), "the gap is used up");
         // Not a huge-page multiple: page alignment only.
         assert_eq!(h.alloc(huge + PAGE), Some(big + 2 * huge + PAGE));
+    }
+}
+
+#[cfg(test)]
+mod size_tests {
+    use super::segment_bits;
+
+    #[test]
+    fn the_segment_size_is_64_gib_unless_the_build_sets_it() {
+        assert_eq!(segment_bits(None), 36);
+        assert_eq!(segment_bits(Some("32")), 32);
+        assert_eq!(segment_bits(Some("28")), 28);
     }
 }

@@ -20,7 +20,7 @@ use crate::message::{Message, SendBuf};
 use crate::remote::{RegionDescriptor, RemoteRegion};
 use crate::worker::shared::ChannelShared;
 use crate::worker::streams::ConnHandle;
-use crate::worker::{alloc_filled, direct_or_submit, Command};
+use crate::worker::{alloc_filled, direct_or_submit_settled, Command};
 
 struct Inner {
     shared: Arc<ChannelShared>,
@@ -122,7 +122,7 @@ impl Channel {
     fn submit_buf(&self, buf: OutBuf, trace: TraceInfo) {
         let s = &self.inner.shared;
         let chan = s.id;
-        direct_or_submit(
+        direct_or_submit_settled(
             &s.worker,
             (buf, trace),
             |g, (buf, trace)| g.enqueue_send(chan, buf, trace),

@@ -6,13 +6,15 @@ use std::sync::Arc;
 
 use crossbeam_queue::SegQueue;
 
+use crate::channel::proto::EagerBytes;
 use crate::channel::TraceHeader;
 use crate::mempool::PoolBuf;
 
 /// Bytes of a message.
 #[derive(Debug)]
 pub(crate) enum Payload {
-    Vec(Vec<u8>),
+    /// An eager payload (held in place when small).
+    Eager(EagerBytes),
     Pool(PoolBuf),
 }
 
@@ -29,7 +31,8 @@ pub struct Message {
 impl Drop for Message {
     fn drop(&mut self) {
         if let Some(q) = self.recycle.take() {
-            if let Payload::Pool(b) = std::mem::replace(&mut self.payload, Payload::Vec(Vec::new()))
+            if let Payload::Pool(b) =
+                std::mem::replace(&mut self.payload, Payload::Eager(EagerBytes::new()))
             {
                 q.push(b);
             }
@@ -48,10 +51,10 @@ impl Message {
         self.seq
     }
 
-    /// Copy the payload into a `Vec` (free when it already is one).
+    /// The payload as a `Vec` (no copy for an eager payload above 24 bytes, which already is one).
     pub fn into_vec(mut self) -> Vec<u8> {
         match &mut self.payload {
-            Payload::Vec(v) => std::mem::take(v),
+            Payload::Eager(v) => std::mem::take(v).into_vec(),
             Payload::Pool(b) => b.to_vec(),
         }
     }
@@ -61,7 +64,7 @@ impl std::ops::Deref for Message {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
         match &self.payload {
-            Payload::Vec(v) => v,
+            Payload::Eager(v) => v,
             Payload::Pool(b) => b,
         }
     }

@@ -492,7 +492,7 @@ mod tests {
                     ..
                 } = ev
                 {
-                    got.push(bytes);
+                    got.push(bytes.into_vec());
                 }
             }
         }

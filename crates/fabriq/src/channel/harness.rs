@@ -415,7 +415,7 @@ impl Pair {
             match ev {
                 Event::Received { seq, payload, .. } => {
                     let got = match payload {
-                        Received::Eager(v) => Got::Bytes(v),
+                        Received::Eager(v) => Got::Bytes(v.into_vec()),
                         Received::Rendezvous { buf, len } => {
                             let r = side.mem.regions.remove(&buf.key).expect("buffer region");
                             match r {

@@ -297,11 +297,18 @@ pub struct BufferRequest {
     pub len: u64,
 }
 
+/// Bytes of an eager payload copied out of a receive slot: held in place up to
+/// [`EAGER_INLINE`] bytes (no allocation for a small message), else on the heap.
+pub type EagerBytes = smallvec::SmallVec<[u8; EAGER_INLINE]>;
+
+/// Eager payloads up to this many bytes are held in place once received.
+pub const EAGER_INLINE: usize = 24;
+
 /// A delivered payload.
 #[derive(Debug)]
 pub enum Received<I> {
     /// An eager payload, copied out of the receive slot.
-    Eager(Vec<u8>),
+    Eager(EagerBytes),
     /// A rendezvous payload, pulled into the buffer the driver provided.
     Rendezvous {
         /// The buffer.
@@ -628,6 +635,11 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
         self.queued.len() + self.inflight.len()
     }
 
+    /// Messages accepted and not yet framed (waiting for credit or send-queue room).
+    pub fn outstanding_queued(&self) -> usize {
+        self.queued.len()
+    }
+
     /// Queue a message. Back-pressure answers `WouldBlock` and hands the payload back.
     pub fn send(&mut self, payload: O, trace: TraceInfo) -> Result<MsgId, (ChannelError, O)> {
         if self.state == State::Failed {
@@ -750,6 +762,9 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
     pub fn poll_buffer_request(&mut self) -> Option<BufferRequest> {
         if self.state == State::Failed {
             return None;
+        }
+        if self.arrived.is_empty() {
+            return self.buffer_requests.pop_front();
         }
         self.schedule_pulls();
         self.buffer_requests.pop_front()
@@ -887,7 +902,7 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
                     frame.header.seq,
                     frame.trace,
                     (frame.header.stream, frame.header.stream_credits),
-                    || Incoming::Ready(Received::Eager(payload.to_vec())),
+                    || Incoming::Ready(Received::Eager(EagerBytes::from_slice(payload))),
                 );
             }
             FrameBody::Rts(rts) => {
@@ -1106,8 +1121,42 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
     }
 
     fn fill(&mut self, now: Instant) {
+        // 1. RDMA READs of rendezvous pulls (none while every message is delivered on arrival).
+        if !self.arrived.is_empty() {
+            self.fill_reads();
+        }
+        // 2. FINs: they free the peer's memory.
+        while let Some(&seq) = self.fins.front() {
+            if !self.may_send_frame(self.owed) {
+                break;
+            }
+            self.fins.pop_front();
+            self.stats.fins_sent += 1;
+            let head = self.frame(
+                MsgKind::Fin,
+                0,
+                TraceInfo::default(),
+                now,
+                FIN_BODY_LEN as u32,
+                FrameBody::Fin {
+                    seq: wire::wire_seq(seq),
+                },
+            );
+            self.push_send(head, None, TxUse::Control);
+        }
+        // 3. Queued data, in order.
+        if !self.queued.is_empty() {
+            self.fill_data(now);
+        }
+        // 4. A lone update when credits or an ack must go and nothing carried them.
+        if self.owed >= 2 || self.delivered > self.ack_sent {
+            self.fill_update(now);
+        }
+    }
+
+    /// RDMA READs for pulls that have a buffer, oldest first.
+    fn fill_reads(&mut self) {
         self.schedule_pulls();
-        // 1. RDMA READs for pulls that have a buffer, oldest first.
         let chunk = u64::from(self.config.thresholds.chunk_size);
         'pulls: for a in self.arrived.iter_mut() {
             let Incoming::Pulling {
@@ -1149,26 +1198,10 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
                 });
             }
         }
-        // 2. FINs: they free the peer's memory.
-        while let Some(&seq) = self.fins.front() {
-            if !self.may_send_frame(self.owed) {
-                break;
-            }
-            self.fins.pop_front();
-            self.stats.fins_sent += 1;
-            let head = self.frame(
-                MsgKind::Fin,
-                0,
-                TraceInfo::default(),
-                now,
-                FIN_BODY_LEN as u32,
-                FrameBody::Fin {
-                    seq: wire::wire_seq(seq),
-                },
-            );
-            self.push_send(head, None, TxUse::Control);
-        }
-        // 3. Queued data, in order.
+    }
+
+    /// Queued data, in order, as far as credits and the send queue allow.
+    fn fill_data(&mut self, now: Instant) {
         while let Some(q) = self.queued.front() {
             if !self.may_send_frame(self.owed) {
                 break;
@@ -1233,7 +1266,10 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
             // Sequence numbers are handed out in queue order and leave the queue in order.
             debug_assert!(fresh, "message {} added out of order", q.seq);
         }
-        // 4. A lone update when credits or an ack must go and nothing carried them.
+    }
+
+    /// A lone update when credits or an ack must go and nothing carried them.
+    fn fill_update(&mut self, now: Instant) {
         let peer_view = self.granted_total as i64 - self.received_total as i64;
         let credit_due =
             self.owed >= 2 && (peer_view <= 1 || self.owed >= self.config.rx_slots / 2);

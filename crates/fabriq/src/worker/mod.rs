@@ -27,6 +27,7 @@
 
 mod buffers;
 mod clock;
+mod delivery;
 pub(crate) mod shared;
 pub(crate) mod streams;
 mod wheel;
@@ -232,9 +233,84 @@ struct ConnState {
     failed: Option<Failure>,
 }
 
+/// What became of a message offered to a connection's core.
+enum Offered {
+    /// The core took it (it is framed and posted as credits allow).
+    Queued,
+    /// Nothing to send (a stream report already carried by an earlier message), or refused
+    /// for good (its reservation was given back).
+    Dropped,
+    /// Not now (the core's queue is full, or no memory to move it): it goes back to the front
+    /// of the backlog.
+    Later(OutBuf, TraceInfo),
+}
+
 impl ConnState {
     fn is_failed(&self) -> bool {
         self.failed.is_some()
+    }
+
+    /// Arm the worker's timer for the core's next deadline, unless one at or before it is
+    /// armed already.
+    fn arm_timer(&mut self, id: u32, timers: &mut wheel::TimerWheel<(Instant, Timer)>) {
+        if let Some(t) = self.driver.core().poll_timeout() {
+            if self.timer_at.map_or(true, |cur| t < cur) {
+                self.timer_at = Some(t);
+                timers.insert(t, (t, Timer::Channel(id)));
+            }
+        }
+    }
+
+    /// Hand one message (in backlog order) to the core. It carries what the application of its
+    /// stream consumed since the stream's last report, whether or not the worker was told (it
+    /// is told only once a report's worth built up).
+    fn offer(&mut self, buffers: &Buffers, buf: OutBuf, mut trace: TraceInfo) -> Offered {
+        if let Some(ss) = self.streams.get_mut(&trace.stream) {
+            let owed = std::mem::take(&mut ss.to_report) + ss.shared.take_released();
+            trace.stream_credits = trace
+                .stream_credits
+                .saturating_add(owed.min(u32::MAX.into()) as u32);
+            if trace.flags.contains(TraceFlags::STREAM_CREDIT) {
+                ss.report_queued = false;
+            }
+        }
+        if trace.flags.contains(TraceFlags::STREAM_CREDIT) && trace.stream_credits == 0 {
+            // Already carried by a message before it.
+            if let OutBuf::Pool(b) = buf {
+                buffers.recycle(b);
+            }
+            return Offered::Dropped;
+        }
+        let buf = match buf {
+            // Held in place but above the eager limit (thresholds set below SMALL_MAX): it
+            // must go from registered memory, by rendezvous.
+            OutBuf::Small(s) if s.as_slice().len() as u64 > self.driver.eager_limit() => {
+                match alloc_registered(buffers, &[s.as_slice()]) {
+                    Ok(b) => OutBuf::Pool(b),
+                    Err(e) => {
+                        tracing::warn!(%e, "no memory to move a small message to the pool");
+                        return Offered::Later(OutBuf::Small(s), trace);
+                    }
+                }
+            }
+            other => other,
+        };
+        match self.driver.send(buf, trace) {
+            Ok(_) => Offered::Queued,
+            Err((ChannelError::WouldBlock, buf)) => Offered::Later(buf, trace),
+            Err((e, buf)) => {
+                tracing::warn!(%e, "message refused by the channel");
+                let rpc = trace.flags.0 & (TraceFlags::RPC_REQUEST | TraceFlags::RPC_RESPONSE) != 0;
+                match self.streams.get(&trace.stream) {
+                    Some(_) if is_stream_control(trace.flags) => {}
+                    // RPC messages count in the send window only.
+                    Some(ss) if rpc => ss.shared.send_progress(1, buf.len() as u64),
+                    Some(ss) => ss.shared.cancel_reservation(buf.len() as u64),
+                    None => {}
+                }
+                Offered::Dropped
+            }
+        }
     }
 
     /// The accepting side closes a failed connection once every stream on it was dropped; the
@@ -443,14 +519,37 @@ pub(crate) fn direct_or_submit<V>(
     direct: impl FnOnce(&mut Worker, V),
     queued: impl FnOnce(V) -> Command,
 ) {
+    direct_or_submit_settled(
+        w,
+        value,
+        |g, v| {
+            direct(g, v);
+            false
+        },
+        queued,
+    );
+}
+
+/// [`direct_or_submit`] where `direct` says whether it left anything for a pass: when it
+/// did not (a send that went straight out), the pass is skipped — the next call, the worker
+/// thread or a waiter polls the completion queue.
+pub(crate) fn direct_or_submit_settled<V>(
+    w: &WorkerShared,
+    value: V,
+    direct: impl FnOnce(&mut Worker, V) -> bool,
+    queued: impl FnOnce(V) -> Command,
+) {
     let _caller = w.enter_caller();
     if let Some(mut g) = w.try_lock_state() {
         // Earlier commands of this thread (queued while the state was busy) go first.
         g.drain_inbox(w);
-        direct(&mut g, value);
-        // What was just handed in leaves first; the pass (CQ, timers) follows on the same clock.
-        g.pump_now();
-        g.pass(w);
+        g.clock.begin();
+        if !direct(&mut g, value) {
+            // What was just handed in leaves first; the pass (CQ, timers) follows on the same
+            // clock.
+            g.pump_dirty();
+            g.pass(w);
+        }
         drop(g);
         w.notify_parked();
         return;
@@ -521,7 +620,7 @@ impl Worker {
         self.pass(shared)
     }
 
-    /// A progress pass on the clock already read (right after [`Worker::pump_now`]).
+    /// A progress pass on the clock already read (right after a direct operation).
     fn pass(&mut self, shared: &WorkerShared) -> usize {
         if shared.stopped.load(Ordering::Acquire) {
             return 0;
@@ -565,9 +664,46 @@ impl Worker {
         work
     }
 
-    /// Direct send from an application thread (the inbox drained first).
-    pub(crate) fn enqueue_send(&mut self, chan: StreamKey, buf: OutBuf, trace: TraceInfo) {
-        self.command_send(chan, buf, trace);
+    /// Direct send from an application thread (the inbox drained first). When nothing waits
+    /// ahead of it on the connection, the message goes to the core and is posted at once,
+    /// without the backlog and the connection's pump; true when that left nothing for a pass
+    /// to do (the message is on the wire, the core has no event and no queued message).
+    pub(crate) fn enqueue_send(&mut self, chan: StreamKey, buf: OutBuf, trace: TraceInfo) -> bool {
+        let id = key_conn(chan);
+        let stream = key_stream(chan);
+        let direct = self.conns.get(&id).is_some_and(|st| {
+            st.backlog.is_empty()
+                && st.failed.is_none()
+                && st.streams.get(&stream).is_some_and(|ss| !ss.peer_closed)
+        });
+        if !direct {
+            self.command_send(chan, buf, trace);
+            return false;
+        }
+        let now = self.clock.get(now);
+        let Worker {
+            conns,
+            buffers,
+            timers,
+            ..
+        } = self;
+        let Some(st) = conns.get_mut(&id) else {
+            return false;
+        };
+        let trace = TraceInfo { stream, ..trace };
+        let offered = st.offer(buffers, buf, trace);
+        if let Offered::Later(buf, trace) = offered {
+            st.backlog.push_back((buf, trace));
+        }
+        st.driver.pump(now, &mut &**buffers);
+        st.arm_timer(id, timers);
+        let settled = st.backlog.is_empty()
+            && !st.driver.has_events()
+            && st.driver.core().outstanding_queued() == 0;
+        if !settled {
+            self.mark_dirty(id);
+        }
+        settled
     }
 
     /// Messages the application of stream `chan` consumed open the peer's stream window: the
@@ -1022,13 +1158,6 @@ impl Worker {
         fired
     }
 
-    /// Post what the connections marked dirty have queued (a direct operation's message
-    /// leaves before the rest of the pass).
-    pub(crate) fn pump_now(&mut self) {
-        self.clock.begin();
-        self.pump_dirty();
-    }
-
     fn pump_dirty(&mut self) {
         while let Some(id) = self.dirty.pop() {
             self.pump_channel(id);
@@ -1116,58 +1245,13 @@ impl Worker {
             }
             progress += events;
             // Backlog into the core, in order; each message carries its stream's window report.
-            while let Some((buf, mut trace)) = st.backlog.pop_front() {
-                if let Some(ss) = st.streams.get_mut(&trace.stream) {
-                    // What the application consumed since the last report, whether or not the
-                    // worker was told (it is told only once a report's worth built up).
-                    let owed = std::mem::take(&mut ss.to_report) + ss.shared.take_released();
-                    trace.stream_credits = trace
-                        .stream_credits
-                        .saturating_add(owed.min(u32::MAX.into()) as u32);
-                    if trace.flags.contains(TraceFlags::STREAM_CREDIT) {
-                        ss.report_queued = false;
-                    }
-                }
-                if trace.flags.contains(TraceFlags::STREAM_CREDIT) && trace.stream_credits == 0 {
-                    // Already carried by a message before it.
-                    if let OutBuf::Pool(b) = buf {
-                        buffers.recycle(b);
-                    }
-                    continue;
-                }
-                let buf = match buf {
-                    // Held in place but above the eager limit (thresholds set below
-                    // SMALL_MAX): it must go from registered memory, by rendezvous.
-                    OutBuf::Small(s) if s.as_slice().len() as u64 > st.driver.eager_limit() => {
-                        match alloc_registered(buffers, &[s.as_slice()]) {
-                            Ok(b) => OutBuf::Pool(b),
-                            Err(e) => {
-                                tracing::warn!(%e, "no memory to move a small message to the pool");
-                                st.backlog.push_front((OutBuf::Small(s), trace));
-                                break;
-                            }
-                        }
-                    }
-                    other => other,
-                };
-                match st.driver.send(buf, trace) {
-                    Ok(_) => progress += 1,
-                    Err((ChannelError::WouldBlock, buf)) => {
+            while let Some((buf, trace)) = st.backlog.pop_front() {
+                match st.offer(buffers, buf, trace) {
+                    Offered::Queued => progress += 1,
+                    Offered::Dropped => {}
+                    Offered::Later(buf, trace) => {
                         st.backlog.push_front((buf, trace));
                         break;
-                    }
-                    Err((e, buf)) => {
-                        tracing::warn!(%e, "message refused by the channel");
-                        let rpc = trace.flags.0
-                            & (TraceFlags::RPC_REQUEST | TraceFlags::RPC_RESPONSE)
-                            != 0;
-                        match st.streams.get(&trace.stream) {
-                            Some(_) if is_stream_control(trace.flags) => {}
-                            // RPC messages count in the send window only.
-                            Some(ss) if rpc => ss.shared.send_progress(1, buf.len() as u64),
-                            Some(ss) => ss.shared.cancel_reservation(buf.len() as u64),
-                            None => {}
-                        }
                     }
                 }
             }
@@ -1188,13 +1272,7 @@ impl Worker {
                 break;
             }
         }
-        // Arm the core's timer.
-        if let Some(t) = st.driver.core().poll_timeout() {
-            if st.timer_at.map_or(true, |cur| t < cur) {
-                st.timer_at = Some(t);
-                timers.insert(t, (t, Timer::Channel(id)));
-            }
-        }
+        st.arm_timer(id, timers);
         if let Some(why) = newly_failed {
             self.fail_conn(id, why);
         }
@@ -1316,7 +1394,7 @@ pub(crate) fn alloc_registered(
 
 fn into_payload(payload: Received<PoolBuf>) -> Payload {
     match payload {
-        Received::Eager(v) => Payload::Vec(v),
+        Received::Eager(v) => Payload::Eager(v),
         Received::Rendezvous { mut buf, len } => {
             buf.set_len(usize::try_from(len).unwrap_or(0).min(buf.capacity()));
             Payload::Pool(buf)
@@ -1380,7 +1458,7 @@ fn on_received(
         _ => None,
     };
     let bytes: &[u8] = match &payload {
-        Payload::Vec(v) => v,
+        Payload::Eager(v) => v,
         Payload::Pool(b) => b,
     };
     if flags.contains(TraceFlags::RPC_REQUEST) {

@@ -23,6 +23,7 @@ use parking_lot::{Condvar, Mutex, MutexGuard};
 use rustix::event::epoll;
 
 use super::buffers::Buffers;
+use super::delivery::DeliveryQueue;
 use super::{Command, Worker};
 use crate::channel::proto::Instant;
 use crate::channel::ChannelError;
@@ -570,9 +571,9 @@ pub(crate) struct ChannelShared {
     /// The stream's key on its worker (`worker::streams::StreamKey`).
     pub(crate) id: u64,
     pub(crate) worker: Arc<WorkerShared>,
-    /// Delivered messages in order (lock-free: the worker pushes, readers pop; waiters that
-    /// poll look at it with two loads).
-    rx: SegQueue<Message>,
+    /// Delivered messages in order (the worker pushes, readers pop; waiters that poll look at
+    /// it with one load).
+    rx: DeliveryQueue,
     /// Why the stream stopped, once it did (`failed` is set after it).
     failure: Mutex<Option<Failure>>,
     pub(crate) rx_notify: tokio::sync::Notify,
@@ -621,7 +622,7 @@ impl ChannelShared {
         ChannelShared {
             id,
             worker,
-            rx: SegQueue::new(),
+            rx: DeliveryQueue::default(),
             failure: Mutex::new(None),
             rx_notify: tokio::sync::Notify::new(),
             rx_async_waiters: AtomicUsize::new(0),
@@ -653,11 +654,7 @@ impl ChannelShared {
     /// Worker: the stream closed here; drop what the application never read. Returns how many
     /// messages that was (their receive slots' credits go back to the peer).
     pub(crate) fn discard(&self) -> u64 {
-        let mut n = 0;
-        while self.rx.pop().is_some() {
-            n += 1;
-        }
-        n
+        self.rx.clear()
     }
 
     /// Worker: the channel stopped.
@@ -799,11 +796,9 @@ impl ChannelShared {
 
     /// Application: take a delivered message without waiting.
     pub(crate) fn try_take(&self) -> Result<Option<Message>, ChannelError> {
-        // `is_empty` is two loads; popping an empty queue would pay a full fence.
-        if !self.rx.is_empty() {
-            if let Some(m) = self.rx.pop() {
-                return Ok(Some(m));
-            }
+        // An empty queue is told by one load, without its lock.
+        if let Some(m) = self.rx.pop() {
+            return Ok(Some(m));
         }
         if !self.is_failed() {
             return Ok(None);

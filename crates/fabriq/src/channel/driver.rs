@@ -276,9 +276,26 @@ impl ChannelDriver {
         }
     }
 
-    /// Answer buffer requests from `pool`, then post every work request the core has. Returns
-    /// how many work requests were posted. A post the QP refuses fails the channel.
+    /// Answer buffer requests from `pool`, then post every work request the core has (send
+    /// queue first, then receive slots). Returns how many work requests were posted. A post
+    /// the QP refuses fails the channel.
     pub fn pump(&mut self, now: Instant, pool: &mut impl BufferSource) -> usize {
+        self.pump_with(now, pool, false)
+    }
+
+    /// [`ChannelDriver::pump`] that leaves receive slots to repost for a later pump, as far as
+    /// the core allows (`ChannelCore::poll_work_request_deferring`): for the pass that just
+    /// delivered a message, whose reader should not wait for the reposts.
+    pub fn pump_deferring(&mut self, now: Instant, pool: &mut impl BufferSource) -> usize {
+        self.pump_with(now, pool, true)
+    }
+
+    /// Receive slots waiting to be posted (left by [`ChannelDriver::pump_deferring`]).
+    pub fn reposts_pending(&self) -> usize {
+        self.core.reposts_pending()
+    }
+
+    fn pump_with(&mut self, now: Instant, pool: &mut impl BufferSource, defer: bool) -> usize {
         while let Some(req) = self.core.poll_buffer_request() {
             let Ok(len) = usize::try_from(req.len) else {
                 self.core
@@ -306,7 +323,11 @@ impl ChannelDriver {
                 posted += 1;
             }
         }
-        while let Some(wr) = self.core.poll_work_request(now) {
+        while let Some(wr) = if defer {
+            self.core.poll_work_request_deferring(now)
+        } else {
+            self.core.poll_work_request(now)
+        } {
             if !self.peer_ready && !matches!(wr, WorkRequest::Recv { .. }) {
                 self.held.push_back(wr);
                 continue;

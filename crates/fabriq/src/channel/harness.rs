@@ -160,6 +160,13 @@ pub struct Side {
     pub withhold_buffers: bool,
     pending_buffers: VecDeque<(u64, u64)>,
     inject: VecDeque<(WcOpcode, WcStatus)>,
+    /// Pumps so far: every other one leaves receive reposts for later, as the driver does in
+    /// the pass that delivers a message.
+    pumps: u64,
+    /// Every pump leaves receive reposts for later (as far as the core lets it).
+    pub always_defer: bool,
+    /// Not pumped at all (a receiver busy elsewhere): arrivals still land in posted slots.
+    pub paused: bool,
 }
 
 #[derive(Debug)]
@@ -216,6 +223,9 @@ impl Side {
             withhold_buffers: false,
             pending_buffers: VecDeque::new(),
             inject: VecDeque::new(),
+            pumps: 0,
+            always_defer: false,
+            paused: false,
         }
     }
 
@@ -314,6 +324,9 @@ impl Pair {
 
     /// Drain one side's outputs. True if anything happened.
     fn pump(&mut self, s: usize) -> bool {
+        if self.sides[s].paused {
+            return false;
+        }
         let now = self.now;
         let mut progress = false;
         // Buffer requests.
@@ -337,8 +350,14 @@ impl Pair {
                 progress = true;
             }
         }
-        // Work requests.
-        while let Some(wr) = self.sides[s].core.poll_work_request(now) {
+        // Work requests; every other pump leaves the receive reposts for the next.
+        self.sides[s].pumps += 1;
+        let deferring = self.sides[s].always_defer || self.sides[s].pumps % 2 == 0;
+        while let Some(wr) = if deferring {
+            self.sides[s].core.poll_work_request_deferring(now)
+        } else {
+            self.sides[s].core.poll_work_request(now)
+        } {
             progress = true;
             match wr {
                 WorkRequest::Recv { wr_id, slot } => {
@@ -358,6 +377,14 @@ impl Pair {
                     ..
                 } => {
                     let side = &mut self.sides[s];
+                    // Every credit the peer holds (this frame's included) names a posted,
+                    // unused slot: else a SEND could find none.
+                    assert!(
+                        side.core.peer_credits() <= side.posted_recvs.len() as u64,
+                        "credits granted for slots not posted ({} > {})",
+                        side.core.peer_credits(),
+                        side.posted_recvs.len()
+                    );
                     side.sq_outstanding += 1;
                     assert!(
                         side.sq_outstanding <= side.cfg.sq_depth,
@@ -449,7 +476,11 @@ impl Pair {
                 Event::Error(e) => side.errors.push(e),
             }
         }
+        // Reposts left by a deferring pump are posted by the next full one.
         progress
+            || (deferring
+                && !self.sides[s].always_defer
+                && self.sides[s].core.reposts_pending() > 0)
     }
 
     fn apply(&mut self, a: Action) {

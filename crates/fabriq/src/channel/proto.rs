@@ -474,7 +474,12 @@ pub struct ChannelCore<O, I> {
     config: ChannelConfig,
     peer: PeerGeometry,
     state: State,
+    /// Send-queue work requests (SENDs, READs) to post, in order.
     out: VecDeque<WorkRequest>,
+    /// Receive slots to post (again): returned after the send-queue work requests, so a reply
+    /// is not held up by reposting the slot of the message it answers. A slot's credit goes
+    /// back only once it is posted ([`ChannelCore::returnable`]).
+    reposts: VecDeque<u32>,
     events: VecDeque<Event<O, I>>,
     stats: ChannelStats,
 
@@ -533,18 +538,13 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
                 "peer ring geometry {peer:?} too small"
             )));
         }
-        let mut out = VecDeque::with_capacity(config.rx_slots as usize);
-        for slot in 0..config.rx_slots {
-            out.push_back(WorkRequest::Recv {
-                wr_id: wr_id(WR_RECV, u64::from(slot)),
-                slot,
-            });
-        }
+        let reposts = (0..config.rx_slots).collect();
         let sq = config.sq_depth;
         Ok(ChannelCore {
             peer,
             state: State::Open,
-            out,
+            out: VecDeque::new(),
+            reposts,
             events: VecDeque::new(),
             stats: ChannelStats::default(),
             next_seq: 1,
@@ -622,6 +622,7 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
             && self.arrived.is_empty()
             && self.fins.is_empty()
             && self.out.is_empty()
+            && self.reposts.is_empty()
             && self.reads_outstanding == 0
     }
 
@@ -775,10 +776,59 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
         if self.state == State::Failed {
             return None;
         }
+        // Slots the peer already holds credits for (the ring at set-up) go before anything.
+        let credited_unposted =
+            self.peer_credits() + self.reposts.len() as u64 > u64::from(self.config.rx_slots);
+        if self.out.is_empty() && !credited_unposted {
+            self.fill(now);
+        }
+        if !credited_unposted {
+            if let Some(wr) = self.out.pop_front() {
+                return Some(wr);
+            }
+        }
+        // A slot posted now: its credit may go back with the next frame (which the next call
+        // may build, e.g. an update the peer waits for).
+        self.reposts.pop_front().map(|slot| WorkRequest::Recv {
+            wr_id: wr_id(WR_RECV, u64::from(slot)),
+            slot,
+        })
+    }
+
+    /// Credits the peer holds as far as this end knows: granted (initial and returned) minus
+    /// the frames that arrived. Never more than the slots posted and not yet used.
+    pub fn peer_credits(&self) -> u64 {
+        self.granted_total.saturating_sub(self.received_total)
+    }
+
+    /// Like [`ChannelCore::poll_work_request`], but receive slots are left for later while
+    /// fewer than a quarter of the ring wait and the peer holds at least half of it in credits:
+    /// what the driver posts in the pass that delivered a message, so the reader gets it
+    /// without waiting for the reposts (the next pass posts them; their credits stay withheld
+    /// until then, which a peer with credits to spare does not notice). Slots the peer already
+    /// holds credits for (the ring at set-up) are never left.
+    pub fn poll_work_request_deferring(&mut self, now: Instant) -> Option<WorkRequest> {
+        let rx_slots = u64::from(self.config.rx_slots);
+        let peer_view = self.peer_credits();
+        let unposted = self.reposts.len() as u64;
+        if unposted >= (rx_slots / 4).max(1)
+            || peer_view * 2 < rx_slots
+            || peer_view + unposted > rx_slots
+        {
+            return self.poll_work_request(now);
+        }
+        if self.state == State::Failed {
+            return None;
+        }
         if self.out.is_empty() {
             self.fill(now);
         }
         self.out.pop_front()
+    }
+
+    /// Receive slots waiting to be posted.
+    pub fn reposts_pending(&self) -> usize {
+        self.reposts.len()
     }
 
     /// When to call [`ChannelCore::handle_timeout`] next.
@@ -787,7 +837,7 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
             return None;
         }
         // A due ack that cannot go for lack of credit waits for the peer, not for the clock.
-        if !self.may_send_frame(self.owed) {
+        if !self.may_send_frame(self.returnable()) {
             return None;
         }
         self.ack_deadline
@@ -822,6 +872,7 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
         tracing::debug!(%err, "channel failed");
         self.state = State::Failed;
         self.out.clear();
+        self.reposts.clear();
         self.queued.clear();
         self.inflight.clear();
         self.arrived.clear();
@@ -835,6 +886,16 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
     }
 
     /// Rule 1: the last credit only goes with a frame that returns one.
+    /// Credits a frame may return now: the released slots (`owed`), but no more than the
+    /// posted slots the peer holds no credit for — a slot waiting in `reposts` is not posted
+    /// yet, and a credit for it would let the peer send into nothing (RNR).
+    fn returnable(&self) -> u32 {
+        let peer_view = self.peer_credits();
+        let unposted = self.reposts.len() as u64;
+        let room = u64::from(self.config.rx_slots).saturating_sub(peer_view + unposted);
+        self.owed.min(u32::try_from(room).unwrap_or(u32::MAX))
+    }
+
     fn may_send_frame(&self, returning: u32) -> bool {
         self.sq_free > 0
             && !self.tx_free.is_empty()
@@ -851,12 +912,9 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
         if wc.opcode != WcOpcode::Recv {
             return self.protocol_error(format!("unexpected receive opcode {:?}", wc.opcode));
         }
-        // The slot's bytes are consumed below; the slot goes back to the ring right away, its
-        // credit when the message is released.
-        self.out.push_back(WorkRequest::Recv {
-            wr_id: wr_id(WR_RECV, u64::from(slot)),
-            slot,
-        });
+        // The slot's bytes are consumed below; the slot goes back to the ring when the driver
+        // next posts receives, its credit once it is posted and the message released.
+        self.reposts.push_back(slot);
         self.received_total += 1;
         let Some(bytes) = rx.get(..wc.byte_len as usize) else {
             return self.protocol_error("receive shorter than its completion says".into());
@@ -1127,7 +1185,7 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
         }
         // 2. FINs: they free the peer's memory.
         while let Some(&seq) = self.fins.front() {
-            if !self.may_send_frame(self.owed) {
+            if !self.may_send_frame(self.returnable()) {
                 break;
             }
             self.fins.pop_front();
@@ -1150,6 +1208,7 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
         }
         // 4. A lone update when credits or an ack must go and nothing carried them.
         if self.owed >= 2 || self.delivered > self.ack_sent {
+            // (Cheap test first: what is returnable is at most `owed`.)
             self.fill_update(now);
         }
     }
@@ -1203,7 +1262,7 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
     /// Queued data, in order, as far as credits and the send queue allow.
     fn fill_data(&mut self, now: Instant) {
         while let Some(q) = self.queued.front() {
-            if !self.may_send_frame(self.owed) {
+            if !self.may_send_frame(self.returnable()) {
                 break;
             }
             let (kind, len, sge, remote) =
@@ -1271,13 +1330,14 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
     /// A lone update when credits or an ack must go and nothing carried them.
     fn fill_update(&mut self, now: Instant) {
         let peer_view = self.granted_total as i64 - self.received_total as i64;
+        let returnable = self.returnable();
         let credit_due =
-            self.owed >= 2 && (peer_view <= 1 || self.owed >= self.config.rx_slots / 2);
+            returnable >= 2 && (peer_view <= 1 || returnable >= self.config.rx_slots / 2);
         let unacked = self.delivered - self.ack_sent;
         let ack_every = u64::from((self.config.rx_slots / 4).max(1));
         let ack_due =
             unacked > 0 && (unacked >= ack_every || self.ack_deadline.is_some_and(|d| now >= d));
-        if (credit_due || ack_due) && self.may_send_frame(self.owed) {
+        if (credit_due || ack_due) && self.may_send_frame(self.returnable()) {
             self.stats.updates_sent += 1;
             let head = self.frame(
                 MsgKind::Update,
@@ -1301,7 +1361,7 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
         len: u32,
         body: FrameBody<'_>,
     ) -> HeadBuf {
-        let returning = self.owed.min(u32::from(u16::MAX));
+        let returning = self.returnable().min(u32::from(u16::MAX));
         self.owed -= returning;
         self.granted_total += u64::from(returning);
         self.ack_sent = self.delivered;

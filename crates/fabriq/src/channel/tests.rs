@@ -229,6 +229,59 @@ mod open_channel {
         }
     }
 
+    /// A receiver that leaves its reposts for later (the pass that delivers a message posts
+    /// the reply first) withholds the credits of slots not posted yet: its reply returns no
+    /// credit for them, so a sender that then spends every credit at once while the receiver
+    /// is busy elsewhere never finds an unposted slot.
+    #[test]
+    fn credits_of_slots_waiting_to_be_reposted_are_withheld() {
+        let cfg = ChannelConfig::default();
+        let mut p = Pair::symmetric(cfg.clone());
+        p.sides[1].always_defer = true;
+        let mut sent = Vec::new();
+        let mut send = |p: &mut Pair, len: usize, seed: u8| {
+            let msg = data(len, seed);
+            p.send(0, msg.clone()).expect("accepted");
+            sent.push(msg);
+        };
+        for round in 0..20u8 {
+            // A few messages whose slots then wait to be reposted, and a reply.
+            for i in 0..(3 + round % 10) {
+                send(&mut p, 24, round.wrapping_add(i));
+            }
+            p.drive();
+            p.send(1, data(8, round)).expect("reply accepted");
+            p.drive();
+            assert!(
+                p.sides[1].core.reposts_pending() > 0,
+                "the receiver left its reposts"
+            );
+            // A busy receiver: the sender spends every credit it holds.
+            p.sides[1].paused = true;
+            for i in 0..p.sides[0].core.credits().min(cfg.max_queued) {
+                send(&mut p, 16 + i as usize, round ^ 0x5a);
+            }
+            // (The paused side's ack timer keeps the pair from going idle: bounded steps.)
+            for _ in 0..2_000 {
+                if !p.step() {
+                    break;
+                }
+            }
+            p.sides[1].paused = false;
+            p.drive();
+        }
+        let got: Vec<Vec<u8>> = p.sides[1]
+            .received
+            .iter()
+            .map(|(_, g)| match g {
+                Got::Bytes(b) => b.clone(),
+                Got::Pattern(_) => panic!("no pattern sent"),
+            })
+            .collect();
+        assert_eq!(got, sent);
+        assert_clean(&p);
+    }
+
     #[test]
     fn an_idle_channel_stops_sending_updates() {
         let mut p = Pair::symmetric(small_ring());

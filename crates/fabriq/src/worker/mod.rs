@@ -376,6 +376,10 @@ pub(crate) struct Worker {
     /// are held, `ChannelDriver::await_peer`), with the time by which it must: their control
     /// streams are read on every pass until then, so the peer's `Ready` releases them at once.
     awaiting: Vec<(u32, Instant)>,
+    /// Connections that left receive slots to repost in this pass, and in the one before
+    /// (`Worker::post_deferred` posts the latter's at the end of a pass).
+    deferred_now: Vec<u32>,
+    deferred_before: Vec<u32>,
 }
 
 /// Start a worker: install its state in `shared` and start its thread (the poller in thread
@@ -416,6 +420,8 @@ pub(crate) fn spawn(
         handlers,
         orphans: FxHashMap::default(),
         awaiting: Vec::new(),
+        deferred_now: Vec::new(),
+        deferred_before: Vec::new(),
         next_one_sided: 1,
         has_cq_events,
         wcs: vec![WorkCompletion::EMPTY; 64],
@@ -483,11 +489,12 @@ fn run_thread(shared: &WorkerShared, idle_spin: Duration) {
 /// Caller mode: stay out of the way while application threads call in; once none has for
 /// [`shared::BACKSTOP_GRACE`], progress the worker and sleep in its epoll between events.
 fn run_backstop(shared: &WorkerShared) {
+    let mut watch = shared::QuietWatch::default();
     loop {
         if shared.stopped.load(Ordering::Acquire) {
             return;
         }
-        if let Err(wait) = shared.callers_quiet() {
+        if let Err(wait) = shared.callers_quiet(&mut watch) {
             std::thread::sleep(wait);
             continue;
         }
@@ -497,11 +504,14 @@ fn run_backstop(shared: &WorkerShared) {
         }
         // Progress while there is work and nobody else calls in.
         while let Some(n) = shared.try_progress() {
-            if n == 0 || shared.callers_quiet().is_err() || shared.stopped.load(Ordering::Acquire) {
+            if n == 0
+                || shared.callers_quiet(&mut watch).is_err()
+                || shared.stopped.load(Ordering::Acquire)
+            {
                 break;
             }
         }
-        if shared.callers_quiet().is_ok() && !shared.stopped.load(Ordering::Acquire) {
+        if shared.callers_quiet(&mut watch).is_ok() && !shared.stopped.load(Ordering::Acquire) {
             shared.poll_sleep(None, &mut || None::<()>);
         }
         shared.release_poller();
@@ -641,6 +651,7 @@ impl Worker {
             self.check_awaiting();
         }
         self.pump_dirty();
+        self.post_deferred();
         if work == 0 && self.loops % 1024 == 0 {
             // Busy for a while: look at the control streams without sleeping.
             let keys = epoll_wait(&shared.epoll, Some(Duration::ZERO));
@@ -1160,11 +1171,30 @@ impl Worker {
 
     fn pump_dirty(&mut self) {
         while let Some(id) = self.dirty.pop() {
-            self.pump_channel(id);
+            self.pump_channel(id, true);
         }
     }
 
-    fn pump_channel(&mut self, id: u32) {
+    /// Post the receive slots that connections left for later in an earlier pass (see
+    /// `pump_channel`), unless they left some in this one too (the next pass comes soon: a
+    /// reader that just got a message is about to answer it or ask for the next).
+    fn post_deferred(&mut self) {
+        if self.deferred_before.is_empty() && self.deferred_now.is_empty() {
+            return;
+        }
+        let mut before = std::mem::take(&mut self.deferred_before);
+        for id in before.drain(..) {
+            if !self.deferred_now.contains(&id) {
+                self.pump_channel(id, false);
+            }
+        }
+        self.deferred_before = std::mem::replace(&mut self.deferred_now, before);
+    }
+
+    /// Events, backlog, one-sided operations and work requests of connection `id`. With
+    /// `defer`, a round that delivered a message leaves the receive slots to repost for a later
+    /// pass (their credits stay withheld; the core decides how many may wait).
+    fn pump_channel(&mut self, id: u32, defer: bool) {
         let now = self.clock();
         let Worker {
             me,
@@ -1179,6 +1209,7 @@ impl Worker {
             return;
         };
         let mut newly_failed = None;
+        let mut delivered = false;
         for _round in 0..64 {
             let mut progress = 0usize;
             // Events first: a delivered message reaches its reader before the housekeeping of
@@ -1194,6 +1225,7 @@ impl Worker {
                         stream_credits,
                         payload,
                     } => {
+                        delivered = true;
                         let msg = Arrival {
                             seq,
                             trace,
@@ -1258,7 +1290,11 @@ impl Worker {
             let backlog_moved = progress > events;
             let one_sided = post_one_sided(st, buffers, next_one_sided);
             progress += one_sided;
-            progress += st.driver.pump(now, &mut &**buffers);
+            progress += if defer && delivered {
+                st.driver.pump_deferring(now, &mut &**buffers)
+            } else {
+                st.driver.pump(now, &mut &**buffers)
+            };
             if progress == 0 || newly_failed.is_some() {
                 break;
             }
@@ -1273,8 +1309,11 @@ impl Worker {
             }
         }
         st.arm_timer(id, timers);
+        let left = st.driver.reposts_pending() > 0;
         if let Some(why) = newly_failed {
             self.fail_conn(id, why);
+        } else if left && !self.deferred_now.contains(&id) {
+            self.deferred_now.push(id);
         }
     }
 

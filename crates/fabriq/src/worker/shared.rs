@@ -59,13 +59,20 @@ fn thread_token() -> u64 {
     })
 }
 
-/// The coarse monotonic clock (a few milliseconds' resolution, far cheaper to read): enough
-/// for the back-stop's grace period, read on every call.
-fn coarse_nanos() -> u64 {
-    let ts = rustix::time::clock_gettime(rustix::time::ClockId::MonotonicCoarse);
-    (ts.tv_sec as u64)
-        .saturating_mul(1_000_000_000)
-        .saturating_add(ts.tv_nsec as u64)
+/// [`WorkerShared::activity`]: one call entering adds this (a call counted, one more inside).
+const CALL_ENTERED: u64 = (1 << 32) | 1;
+/// The part of [`WorkerShared::activity`] that counts the calls inside.
+const CALLS_INSIDE: u64 = (1 << 32) - 1;
+
+/// What the back-stop thread last saw of the application's calls (caller mode).
+#[derive(Debug, Default)]
+pub(crate) struct QuietWatch {
+    /// The count of calls that had entered.
+    entered: u64,
+    /// A call was inside.
+    busy: bool,
+    /// Since when nothing changed (`None`: no call ever seen).
+    since: Option<StdInstant>,
 }
 
 /// The worker state, locked; remembers the holding thread so that a re-entrant call (a handler
@@ -103,8 +110,7 @@ pub(crate) struct CallerGuard<'a> {
 impl Drop for CallerGuard<'_> {
     fn drop(&mut self) {
         if let Some(s) = self.shared {
-            s.last_call_ns.store(coarse_nanos(), Ordering::Relaxed);
-            s.callers.fetch_sub(1, Ordering::AcqRel);
+            s.activity.fetch_sub(1, Ordering::AcqRel);
         }
     }
 }
@@ -132,9 +138,10 @@ pub(crate) struct WorkerShared {
     parked: AtomicUsize,
     park: Mutex<u64>,
     park_cv: Condvar,
-    /// Application threads inside a call (caller mode), and when the last one left.
-    callers: AtomicUsize,
-    last_call_ns: AtomicU64,
+    /// Application calls (caller mode): in the low 32 bits the calls inside now, above them
+    /// how many ever entered (wrapping). One atomic add on the way in and one on the way out;
+    /// the back-stop thread tells a quiet application by the count standing still.
+    activity: AtomicU64,
     /// Set once the worker processed `Shutdown`.
     pub(crate) stopped: AtomicBool,
     /// RPC call ids, unique per worker.
@@ -171,8 +178,7 @@ impl WorkerShared {
             parked: AtomicUsize::new(0),
             park: Mutex::new(0),
             park_cv: Condvar::new(),
-            callers: AtomicUsize::new(0),
-            last_call_ns: AtomicU64::new(0),
+            activity: AtomicU64::new(0),
             stopped: AtomicBool::new(false),
             next_call: AtomicU64::new(1),
         })
@@ -321,23 +327,31 @@ impl WorkerShared {
         if !self.is_caller_mode() || self.holder.load(Ordering::Acquire) == thread_token() {
             return CallerGuard { shared: None };
         }
-        self.callers.fetch_add(1, Ordering::AcqRel);
+        self.activity.fetch_add(CALL_ENTERED, Ordering::AcqRel);
         CallerGuard { shared: Some(self) }
     }
 
-    /// True when no application thread has called in for `BACKSTOP_GRACE`; otherwise how long
-    /// to wait before asking again.
-    pub(crate) fn callers_quiet(&self) -> Result<(), Duration> {
-        if self.callers.load(Ordering::Acquire) > 0 {
+    /// True when no application thread has called in for `BACKSTOP_GRACE` of the back-stop's
+    /// watch (`watch` remembers what it saw); otherwise how long to wait before asking again.
+    pub(crate) fn callers_quiet(&self, watch: &mut QuietWatch) -> Result<(), Duration> {
+        let v = self.activity.load(Ordering::Acquire);
+        if v & CALLS_INSIDE > 0 {
+            watch.busy = true;
             return Err(BACKSTOP_GRACE);
         }
-        let since = Duration::from_nanos(
-            coarse_nanos().saturating_sub(self.last_call_ns.load(Ordering::Relaxed)),
-        );
-        if since >= BACKSTOP_GRACE {
+        let entered = v >> 32;
+        if entered != watch.entered || watch.busy {
+            // A call came and went: quiet from now on, as far as the watch can tell.
+            watch.entered = entered;
+            watch.busy = false;
+            watch.since = Some(StdInstant::now());
+            return Err(BACKSTOP_GRACE);
+        }
+        let quiet = watch.since.map_or(BACKSTOP_GRACE, |s| s.elapsed());
+        if quiet >= BACKSTOP_GRACE {
             Ok(())
         } else {
-            Err(BACKSTOP_GRACE - since)
+            Err(BACKSTOP_GRACE - quiet)
         }
     }
 

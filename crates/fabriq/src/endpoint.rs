@@ -27,7 +27,10 @@
 //! That sets up a *connection*; channels are streams on it (`worker::streams`). Each worker keeps
 //! a [`ConnPool`]: one connection per peer address, shared by every channel this endpoint opens
 //! to that peer on that worker, so connections grow with peers × workers, not with channels or
-//! threads. A connect that finds a live pooled connection costs no round trip: it names a new
+//! threads. A pooled connection is live unless its worker marked it failed or the peer's
+//! `Close` or hang-up waits in its control stream, which the worker reads only when it gets round
+//! to it ([`crate::conn::HangupProbe`], one non-blocking system call); a dead one is replaced by
+//! a new connection. A connect that finds a live pooled connection costs no round trip: it names a new
 //! stream and sends `STREAM_OPEN` in order before the stream's first message; on the other side
 //! the worker hands the stream to [`Listener::accept`].
 //!
@@ -462,10 +465,18 @@ impl Endpoint {
         // Accepting side: the channel is handed out once the hello-ack is sent; its sends wait
         // in the driver for the peer's Ready (or first message).
         let accepting = accept.is_some();
-        let (est, control) = if accepting {
+        let (est, mut control) = if accepting {
             pending.finish_accepting()?
         } else {
             pending.finish_owned()?
+        };
+        // Connecting side, pooled connections: the pool asks it whether the peer ended the
+        // connection before handing the connection out again (the worker reads the control
+        // stream only when it gets round to it). It holds a second descriptor of the stream.
+        let hangup = if accepting || !self.inner.config.share_connections {
+            None
+        } else {
+            control.hangup_probe()
         };
         if accepting {
             driver.await_peer();
@@ -515,6 +526,7 @@ impl Endpoint {
         Ok(Adopted {
             conn,
             failed,
+            hangup,
             eager_max,
             stream_window,
             first,
@@ -534,7 +546,8 @@ impl Endpoint {
             a.stream_window,
             a.failed,
             a.first,
-        ))
+        )
+        .with_hangup_probe(a.hangup))
     }
 
     /// The pooled connection to `addr` of worker `w`, connecting if there is none live.
@@ -547,17 +560,15 @@ impl Endpoint {
             return self.new_connection(w, addr).map(Arc::new);
         }
         let key = PeerKey { addr, worker: None };
-        loop {
-            let conn = w
-                .pool
-                .get_or_connect(key, || self.new_connection(w, addr))?;
-            if !conn.is_failed() {
-                return Ok(conn);
-            }
-            // Failed since it was pooled: forget it (unless another connect already replaced
-            // it) and connect again.
-            w.pool.remove_stale(key, &conn);
-        }
+        // A pooled connection that failed, or whose peer ended it (its `Close` or hang-up is
+        // in the control stream, whether or not the worker has read it yet), is replaced: a
+        // peer that left and a new endpoint on its address get a new connection, never the
+        // dead one (whose channels would only fail, unseen by the new endpoint).
+        w.pool.get_usable_or_connect(
+            key,
+            |conn| !conn.is_failed(),
+            || self.new_connection(w, addr),
+        )
     }
 
     /// Open a stream on `conn`: no round trip, its `STREAM_OPEN` precedes its first message.
@@ -741,6 +752,8 @@ const FAILURES_KEPT: usize = 64;
 struct Adopted {
     conn: u32,
     failed: Arc<AtomicBool>,
+    /// Connecting side: tells whether the peer ended the connection (see `ConnHandle`).
+    hangup: Option<crate::conn::HangupProbe>,
     eager_max: u32,
     /// The stream window both sides agreed on.
     stream_window: u32,
@@ -856,5 +869,69 @@ mod tests {
         .expect("tcp0 endpoint");
         assert_eq!(named.devices(), ["tcp0"]);
         assert_eq!(named.fabric_for("192.0.2.1:9".parse().unwrap()), 0);
+    }
+
+    /// The peer of a pooled connection went away (its endpoint dropped: the `Close` and the
+    /// hang-up of its control stream are in this host's socket) while the connecting side's
+    /// worker has not read that stream yet — arranged here by holding every worker of the
+    /// client, which a busy worker amounts to: it looks at control streams only every 1024th
+    /// idle pass or when it sleeps. A connect to a new endpoint on the same address must not
+    /// be handed the dead connection (it once was, and the new endpoint never saw a peer): it
+    /// sets up a new one, which the new endpoint accepts.
+    #[test]
+    fn a_pooled_connection_whose_peer_hung_up_is_not_reused_before_its_worker_noticed() {
+        use crate::{ChannelError, Config, Endpoint};
+        use std::time::Duration;
+        const WAIT: Duration = Duration::from_secs(10);
+        let devices = std::env::var("FABRIQ_TEST_DEVICES").unwrap_or_else(|_| "tcp0,shm0".into());
+        for device in devices.split(',').map(str::trim).filter(|d| !d.is_empty()) {
+            let cfg = Config {
+                device: device.into(),
+                handshake_timeout_ms: 10_000,
+                ..Config::default()
+            };
+            let Ok(first) = Endpoint::new(cfg.clone()) else {
+                eprintln!("skipping {device}: it does not open here");
+                continue;
+            };
+            let client = Endpoint::new(cfg.clone()).expect("client");
+            let listener = first.listen("127.0.0.1:0").expect("listen");
+            let addr = listener.local_addr();
+            let old = client.connect(addr).expect("connect");
+            let old_peer = listener.accept_timeout(WAIT).expect("accept");
+            old.send(b"first").expect("send");
+            assert_eq!(&old_peer.recv_timeout(WAIT).expect("recv")[..], b"first");
+            // From here on the client's workers read nothing.
+            let held: Vec<_> = client
+                .inner
+                .workers()
+                .map(|w| w.shared.lock_state().expect("worker state"))
+                .collect();
+            drop((listener, old_peer, first));
+            let second = Endpoint::new(cfg).expect("second server");
+            let listener = match second.listen(addr) {
+                Ok(l) => l,
+                Err(e) => {
+                    eprintln!("skipping {device}: {addr} not free again: {e}");
+                    continue;
+                }
+            };
+            let new = client.connect(addr).expect("connect again");
+            drop(held);
+            let new_peer = listener
+                .accept_timeout(WAIT)
+                .unwrap_or_else(|e| panic!("{device}: the new endpoint saw no peer: {e}"));
+            new.send(b"second").expect("send");
+            assert_eq!(&new_peer.recv_timeout(WAIT).expect("recv")[..], b"second");
+            new_peer.send(b"back").expect("send back");
+            assert_eq!(&new.recv_timeout(WAIT).expect("recv back")[..], b"back");
+            let pool = client.pool_stats();
+            assert_eq!((pool.hits, pool.misses), (0, 2), "{device}: {pool:?}");
+            assert_eq!(client.conn_stats().connects, 2, "{device}");
+            match old.recv_timeout(WAIT) {
+                Err(ChannelError::PeerGone) => {}
+                other => panic!("{device}: expected PeerGone on the old channel, got {other:?}"),
+            }
+        }
     }
 }

@@ -11,6 +11,11 @@
 //! [`super::PendingConn::finish_accepting`]); [`ControlStream::take_ready`] tells it. Frames are read exactly (prefix, then body), never past the `Close`: a hello the
 //! peer sends right after it stays in the socket for the listener.
 //!
+//! The owner reads the stream when it gets round to it; a thread that must know *now* whether
+//! the peer ended the connection (the connection pool, before it hands a connection out again)
+//! asks a [`HangupProbe`] (connecting side): on that side nothing but the end of the
+//! connection ever arrives, so any byte or EOF waiting in the socket means it is over.
+//!
 //! **QP lease.** The QP goes back to its manager's cache only once no completion of it can
 //! still surface: [`QpLease::drain`] moves it to ERROR, posts one marker on each work queue, and
 //! polls the owner's CQ until both markers come back flushed (completions of a queue arrive in
@@ -29,6 +34,7 @@ use fabriq_verbs::{
     CompletionQueue, MemoryRegion, QpAttr, QpState, QueuePair, RecvWr, SendFlags, SendWr,
     WorkCompletion, WrOpcode,
 };
+use parking_lot::Mutex;
 
 use super::manager::{ConnManager, ListenerHome};
 use super::wire::{self, Message, MAX_FRAME_LEN};
@@ -72,6 +78,10 @@ pub struct ControlStream {
     /// The peer's `Ready` (the last step of its handshake) arrived on this stream and was not
     /// taken yet: accepting side, see [`super::PendingConn::finish_accepting`].
     ready: bool,
+    /// The probes' share of the socket (a duplicate descriptor), withdrawn when the connection
+    /// ends here, so a probe never keeps the socket open nor looks at a later connection's
+    /// handshake on it.
+    probe: Option<Arc<Mutex<Option<TcpStream>>>>,
 }
 
 impl std::fmt::Debug for ControlStream {
@@ -98,7 +108,33 @@ impl ControlStream {
             state: State::Open,
             rx: Vec::new(),
             ready: false,
+            probe: None,
         }
+    }
+
+    /// A probe that tells from any thread, without reading, whether the peer has ended the
+    /// connection on this stream. Connecting side only: `None` on the accepting side (the
+    /// peer's `Ready` may still be in the socket there, which a look without reading cannot
+    /// tell from a `Close`), or when the descriptor cannot be duplicated.
+    pub fn hangup_probe(&mut self) -> Option<HangupProbe> {
+        if !matches!(self.home, Home::Client(_)) {
+            return None;
+        }
+        if let Some(shared) = &self.probe {
+            return Some(HangupProbe {
+                stream: Arc::clone(shared),
+            });
+        }
+        let dup = match self.stream.as_ref()?.try_clone() {
+            Ok(d) => d,
+            Err(e) => {
+                tracing::debug!(peer = %self.peer_addr, %e, "no hang-up probe: cannot duplicate");
+                return None;
+            }
+        };
+        let shared = Arc::new(Mutex::new(Some(dup)));
+        self.probe = Some(Arc::clone(&shared));
+        Some(HangupProbe { stream: shared })
     }
 
     /// True once after the peer's `Ready` was read by [`ControlStream::poll_peer`].
@@ -188,6 +224,12 @@ impl ControlStream {
     pub fn close(self) {}
 
     fn finish(&mut self) {
+        // The connection ends here: probes let go of the socket first (they answer "ended"
+        // from now on), so closing it below closes it, and a stream given back for reuse
+        // carries no probe into its next connection.
+        if let Some(probe) = self.probe.take() {
+            probe.lock().take();
+        }
         let Some(mut stream) = self.stream.take() else {
             return;
         };
@@ -209,6 +251,54 @@ impl ControlStream {
             Home::Client(mgr) => mgr.put_idle_stream(self.peer_addr, stream),
             Home::Server(Some(home)) => home.give_back(stream, self.peer_addr),
             Home::Server(None) => {}
+        }
+    }
+}
+
+/// Tells whether the peer of a connection (connecting side) has ended it, from any thread and
+/// without taking anything from the stream: a non-blocking `recv(MSG_PEEK)` of one byte on a
+/// duplicate of the control stream's descriptor. On the connecting side a live connection's
+/// stream carries nothing from the peer; a byte (its `Close`, or anything else, which the owner
+/// would take as the peer gone), EOF or an error means the connection is over, even when the
+/// owner ([`ControlStream::poll_peer`]) has not read it yet. Once the [`ControlStream`] is
+/// dropped (the connection ended on this side) the probe says so without a system call.
+///
+/// It answers for what has reached this host: a peer that leaves just after the look is seen by
+/// the owner, and the connection's users get its error then.
+#[derive(Clone)]
+pub struct HangupProbe {
+    stream: Arc<Mutex<Option<TcpStream>>>,
+}
+
+impl std::fmt::Debug for HangupProbe {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HangupProbe")
+            .field("ended", &self.stream.lock().is_none())
+            .finish()
+    }
+}
+
+impl HangupProbe {
+    /// True when the connection is over: the peer's `Close`, hang-up or reset waits in the
+    /// socket, or the connection's [`ControlStream`] was dropped.
+    pub fn ended(&self) -> bool {
+        let guard = self.stream.lock();
+        let Some(stream) = guard.as_ref() else {
+            return true;
+        };
+        let mut byte = [0u8; 1];
+        loop {
+            match rustix::net::recv(
+                stream,
+                &mut byte,
+                rustix::net::RecvFlags::PEEK | rustix::net::RecvFlags::DONTWAIT,
+            ) {
+                // Nothing waiting: as far as this host knows, the peer is there.
+                Err(rustix::io::Errno::AGAIN) => return false,
+                Err(rustix::io::Errno::INTR) => {}
+                // A byte (only the end of the connection can come), EOF, or a reset.
+                Ok(_) | Err(_) => return true,
+            }
         }
     }
 }

@@ -47,7 +47,7 @@ use std::time::Duration;
 
 use fabriq_verbs::{AccessFlags, PostError, QpCaps, VerbsError};
 
-pub use control::{ControlEvent, ControlStream, QpLease};
+pub use control::{ControlEvent, ControlStream, HangupProbe, QpLease};
 pub use manager::{
     ConnManager, ConnStats, Established, Incoming, Listener, ListenerCloser, PendingConn, Role,
 };

@@ -93,11 +93,27 @@ impl<C> ConnPool<C> {
         key: PeerKey,
         connect: impl FnOnce() -> Result<C, E>,
     ) -> Result<Arc<C>, E> {
+        self.get_usable_or_connect(key, |_| true, connect)
+    }
+
+    /// [`ConnPool::get_or_connect`], handing out the pooled connection only if `usable` says
+    /// so (e.g. its peer has not hung up); otherwise it is forgotten (its users keep it) and
+    /// `connect` replaces it, counted as a miss. `usable` runs under the key's lock, so
+    /// concurrent acquirers replace a dead connection once.
+    pub fn get_usable_or_connect<E>(
+        &self,
+        key: PeerKey,
+        usable: impl FnOnce(&C) -> bool,
+        connect: impl FnOnce() -> Result<C, E>,
+    ) -> Result<Arc<C>, E> {
         let slot = self.slot(key);
         let mut weak = slot.lock();
         if let Some(c) = weak.upgrade() {
-            self.hits.fetch_add(1, Ordering::Relaxed);
-            return Ok(c);
+            if usable(&c) {
+                self.hits.fetch_add(1, Ordering::Relaxed);
+                return Ok(c);
+            }
+            *weak = Weak::new();
         }
         self.misses.fetch_add(1, Ordering::Relaxed);
         let c = Arc::new(connect()?);
@@ -228,6 +244,49 @@ mod tests {
             .get_or_connect(key(1, None), || Ok::<_, ()>(8))
             .unwrap();
         assert_eq!((*a, *b), (7, 8));
+    }
+
+    #[test]
+    fn an_unusable_connection_is_replaced_once_and_counted_as_a_miss() {
+        use std::cell::Cell;
+        let pool = ConnPool::new();
+        let k = key(11, None);
+        let old = pool
+            .get_or_connect(k, || Ok::<_, ()>(Cell::new(1)))
+            .unwrap();
+        // Usable: handed out again.
+        let again = pool
+            .get_usable_or_connect(k, |c| c.get() == 1, || Ok::<_, ()>(Cell::new(2)))
+            .unwrap();
+        assert!(Arc::ptr_eq(&old, &again));
+        // Not usable any more: replaced, though its holders keep it.
+        old.set(0);
+        let new = pool
+            .get_usable_or_connect(k, |c| c.get() == 1, || Ok::<_, ()>(Cell::new(1)))
+            .unwrap();
+        assert!(!Arc::ptr_eq(&old, &new));
+        assert_eq!((old.get(), new.get()), (0, 1));
+        // The replacement is what the pool hands out now.
+        let third = pool
+            .get_usable_or_connect(k, |c| c.get() == 1, || Ok::<_, ()>(Cell::new(3)))
+            .unwrap();
+        assert!(Arc::ptr_eq(&new, &third));
+        assert_eq!(
+            pool.stats(),
+            ConnPoolStats {
+                hits: 2,
+                misses: 2,
+                live: 1
+            }
+        );
+        // A failed replacement leaves nothing pooled, though the old one is still held.
+        new.set(0);
+        assert!(pool
+            .get_usable_or_connect(k, |c| c.get() == 1, || Err::<Cell<u8>, _>("refused"))
+            .is_err());
+        assert_eq!(pool.stats().live, 0);
+        assert_eq!(pool.stats().misses, 3);
+        assert_eq!(third.get(), 0);
     }
 
     #[test]

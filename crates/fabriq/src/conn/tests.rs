@@ -712,6 +712,7 @@ fn handles_cross_threads_where_the_design_says_so() {
     send::<Incoming>();
     send::<Established>();
     send_sync::<ControlStream>();
+    send_sync::<HangupProbe>();
     send_sync::<QpLease>();
     send_sync::<crate::mempool::PoolBuf>();
     send_sync::<crate::mempool::RegCache>();
@@ -861,6 +862,96 @@ fn a_control_stream_reports_a_vanished_peer_and_garbage() {
     );
     drop(control);
     cli.release(est);
+}
+
+/// Wait (bounded) until `probe` says the connection ended.
+fn wait_ended(probe: &HangupProbe) -> bool {
+    let deadline = std::time::Instant::now() + LONG;
+    while !probe.ended() {
+        if std::time::Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::yield_now();
+    }
+    true
+}
+
+#[test]
+fn a_hangup_probe_sees_the_end_of_a_connection_before_its_owner_reads_it() {
+    use std::sync::mpsc;
+    let (srv, _) = manager(ConnConfig::default());
+    let listener = srv.listen("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr();
+    let (go, step) = mpsc::channel::<()>();
+    let (done, stepped) = mpsc::channel::<()>();
+    let server = std::thread::spawn(move || {
+        // Round 1: the server closes the connection (`Close`; the stream stays for the next).
+        let (est, mut control) = listener
+            .accept_pending(Some(LONG))
+            .unwrap()
+            .finish_owned()
+            .unwrap();
+        assert!(control.hangup_probe().is_none(), "accepting side: no probe");
+        step.recv().unwrap();
+        drop(control);
+        listener.manager().release(est);
+        done.send(()).unwrap();
+        // Round 2, on the same stream: the server hangs up without a `Close`.
+        let (est, control) = listener
+            .accept_pending(Some(LONG))
+            .unwrap()
+            .finish_owned()
+            .unwrap();
+        step.recv().unwrap();
+        control_stream_clone(&control)
+            .shutdown(std::net::Shutdown::Write)
+            .unwrap();
+        done.send(()).unwrap();
+        step.recv().unwrap();
+        drop(control);
+        listener.manager().release(est);
+    });
+    let (cli, _) = manager(ConnConfig::default());
+
+    let (est, mut first) = cli
+        .connect_pending(addr, None, LONG)
+        .unwrap()
+        .finish_owned()
+        .unwrap();
+    first.set_nonblocking(true).unwrap();
+    let p1 = first.hangup_probe().expect("connecting side: a probe");
+    assert!(!p1.ended(), "a live connection");
+    go.send(()).unwrap();
+    stepped.recv().unwrap();
+    // The server's `Close` is in the socket; nobody has read it.
+    assert!(wait_ended(&p1), "the probe saw the server's Close");
+    assert!(p1.clone().ended(), "clones answer alike");
+    // Looking took nothing: the owner still reads the Close.
+    assert_eq!(wait_peer(&mut first), ControlEvent::PeerClosed);
+    drop(first); // the stream goes back to the idle set
+    cli.release(est);
+    assert!(p1.ended(), "the connection ended here too");
+
+    // The same stream serves the next connection; the old probe does not look at it.
+    let (est, mut second) = cli
+        .connect_pending(addr, None, LONG)
+        .unwrap()
+        .finish_owned()
+        .unwrap();
+    assert_eq!(cli.stats().stream_reuses, 1, "the kept stream was reused");
+    second.set_nonblocking(true).unwrap();
+    let p2 = second.hangup_probe().expect("a probe");
+    assert!(!p2.ended(), "a live connection");
+    assert!(p1.ended(), "an earlier connection's probe stays ended");
+    go.send(()).unwrap();
+    stepped.recv().unwrap();
+    // A hang-up without `Close` (EOF) ends it as well.
+    assert!(wait_ended(&p2), "the probe saw the hang-up");
+    assert_eq!(wait_peer(&mut second), ControlEvent::Gone);
+    go.send(()).unwrap();
+    drop(second);
+    cli.release(est);
+    server.join().unwrap();
 }
 
 /// A second handle on the stream under `c`, to misbehave through.

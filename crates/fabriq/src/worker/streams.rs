@@ -28,6 +28,7 @@ use parking_lot::Mutex;
 
 use super::shared::{ChannelShared, WorkerShared};
 use super::Command;
+use crate::conn::HangupProbe;
 
 /// The stream the handshake opens on every connection.
 pub(crate) const FIRST_STREAM: u32 = 1;
@@ -69,6 +70,10 @@ pub(crate) struct ConnHandle {
     first: Mutex<Option<Arc<ChannelShared>>>,
     /// Set by the worker when the connection failed: the pool must not hand it out again.
     pub(crate) failed: Arc<AtomicBool>,
+    /// Whether the peer ended the connection, before the worker reads it off the control
+    /// stream (the worker looks at control streams only when its epoll says so, which a busy
+    /// worker asks every 1024th idle pass): `None` where no probe could be made.
+    hangup: Option<HangupProbe>,
 }
 
 impl ConnHandle {
@@ -91,7 +96,14 @@ impl ConnHandle {
             first_taken: AtomicBool::new(false),
             first: Mutex::new(first),
             failed,
+            hangup: None,
         }
+    }
+
+    /// The probe [`ConnHandle::is_failed`] asks whether the peer ended the connection.
+    pub(crate) fn with_hangup_probe(mut self, probe: Option<HangupProbe>) -> ConnHandle {
+        self.hangup = probe;
+        self
     }
 
     /// The handshake's stream, for the channel that drew [`FIRST_STREAM`].
@@ -113,8 +125,20 @@ impl ConnHandle {
         }
     }
 
+    /// True when the connection failed (the worker said so) or its peer ended it (its `Close`
+    /// or hang-up reached this host, read by the worker or not): the pool must not hand it out.
+    /// Costs one non-blocking system call while the connection looks live.
     pub(crate) fn is_failed(&self) -> bool {
-        self.failed.load(Ordering::Acquire)
+        if self.failed.load(Ordering::Acquire) {
+            return true;
+        }
+        let ended = self.hangup.as_ref().is_some_and(HangupProbe::ended);
+        if ended {
+            // The worker fails the connection when it reads the stream; the pool's next look
+            // need not ask the socket again.
+            self.failed.store(true, Ordering::Release);
+        }
+        ended
     }
 }
 

@@ -380,6 +380,17 @@ pub fn decode(bytes: &[u8]) -> Result<Frame<'_>, DecodeError> {
 /// Expand a 32-bit wire sequence number to the 64-bit value nearest to `reference`.
 /// Sequence numbers start at 1; the 64-bit form never wraps in practice.
 pub fn expand_seq(wire: u32, reference: u64) -> u64 {
+    // The value with these low 32 bits within 2^31 below to 2^31 above the reference: serial
+    // number arithmetic, unless that lies below zero (then the search below).
+    let delta = i64::from(wire.wrapping_sub(reference as u32) as i32);
+    if let Some(v) = reference.checked_add_signed(delta) {
+        return v;
+    }
+    expand_seq_slow(wire, reference)
+}
+
+/// [`expand_seq`] by comparing the three candidates around `reference`.
+fn expand_seq_slow(wire: u32, reference: u64) -> u64 {
     let base = reference & !0xFFFF_FFFF;
     let candidates = [
         base.wrapping_sub(1 << 32) | u64::from(wire),
@@ -503,6 +514,15 @@ mod tests {
     }
 
     proptest! {
+        /// The serial-number shortcut picks the same value as the search over the candidates.
+        #[test]
+        fn seq_expansion_matches_the_nearest_candidate(
+            wire in any::<u32>(),
+            reference in prop_oneof![any::<u64>(), 0u64..(1 << 33), (u64::MAX - (1 << 33))..=u64::MAX],
+        ) {
+            prop_assert_eq!(expand_seq(wire, reference), expand_seq_slow(wire, reference));
+        }
+
         #[test]
         fn decode_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..200)) {
             let _ = decode(&bytes);

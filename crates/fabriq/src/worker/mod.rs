@@ -1473,6 +1473,38 @@ fn on_received(
         payload,
     } = msg;
     let flags = trace.flags;
+    let rpc = flags.0 & (TraceFlags::RPC_REQUEST | TraceFlags::RPC_RESPONSE) != 0;
+    if !rpc && !is_stream_control(flags) {
+        // Data, the common case: one look-up of the stream. The slot's connection credit
+        // returns now; the stream's window (reported as the application consumes) is what
+        // holds back a sender this reader does not keep up with.
+        st.driver.core_mut().handle_released(1);
+        let Some(ss) = st.streams.get(&stream) else {
+            tracing::debug!(stream, "message for an unknown stream dropped");
+            return Ok(());
+        };
+        // The peer's window report for this stream rides on any of its messages.
+        if stream_credits > 0 {
+            ss.shared.peer_consumed(u64::from(stream_credits));
+        }
+        if ss.peer_closed {
+            // Its messages were in flight when the stream closed here: dropped.
+            tracing::debug!(stream, "message for a closed stream dropped");
+            return Ok(());
+        }
+        let payload = into_payload(payload);
+        let recycle = match &payload {
+            Payload::Pool(b) if b.is_large() => Some(Arc::clone(pool.returned())),
+            _ => None,
+        };
+        ss.shared.deliver(Message {
+            payload,
+            trace,
+            seq,
+            recycle,
+        });
+        return Ok(());
+    }
     // The peer's window report for this stream rides on any of its messages.
     if stream_credits > 0 {
         if let Some(ss) = st.streams.get(&stream) {
@@ -1565,16 +1597,6 @@ fn on_received(
             }
             Err(e) => tracing::warn!(%e, "malformed RPC response dropped"),
         }
-    } else if let Some(ss) = st.streams.get(&stream) {
-        // The slot's connection credit returns now; the stream's window (reported as the
-        // application consumes) is what holds back a sender this reader does not keep up with.
-        st.driver.core_mut().handle_released(1);
-        ss.shared.deliver(Message {
-            payload,
-            trace,
-            seq,
-            recycle,
-        });
     }
     Ok(())
 }

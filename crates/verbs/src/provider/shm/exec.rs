@@ -18,6 +18,8 @@
 //! ERROR); a target QP that is not connected to us (not yet RTR, or gone) is `NotReady`.
 
 use std::mem::MaybeUninit;
+
+use smallvec::SmallVec;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
@@ -80,37 +82,37 @@ pub(crate) struct Initiator<'a> {
     pub(crate) retry_cnt: u8,
 }
 
-/// Memory pieces (at most [`MAX_SGE`]) with the MR holds that keep them registered.
+/// Memory pieces (at most [`MAX_SGE`]) with the MR holds that keep them registered. Held in
+/// place without initialising the unused entries (an 8-byte SEND uses one of eight).
 struct Pieces<'s> {
-    locs: [(Loc, u64); MAX_SGE],
-    n: usize,
+    locs: SmallVec<[(Loc, u64); MAX_SGE]>,
     total: u64,
-    holds: [Option<Guard<'s>>; MAX_SGE],
+    holds: SmallVec<[Guard<'s>; MAX_SGE]>,
 }
 
 impl<'s> Pieces<'s> {
     fn new() -> Self {
         Pieces {
-            locs: [(Loc::Direct(std::ptr::null_mut()), 0); MAX_SGE],
-            n: 0,
+            locs: SmallVec::new(),
             total: 0,
-            holds: [const { None }; MAX_SGE],
+            holds: SmallVec::new(),
         }
     }
 
     fn push(&mut self, loc: Loc, len: u64, hold: Option<Guard<'s>>) -> bool {
-        if self.n >= MAX_SGE {
+        if self.locs.len() >= MAX_SGE {
             return false;
         }
-        self.locs[self.n] = (loc, len);
-        self.holds[self.n] = hold;
-        self.n += 1;
+        self.locs.push((loc, len));
+        if let Some(h) = hold {
+            self.holds.push(h);
+        }
         self.total += len;
         true
     }
 
     fn list(&self) -> &[(Loc, u64)] {
-        &self.locs[..self.n]
+        &self.locs
     }
 }
 

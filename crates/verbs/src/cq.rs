@@ -50,6 +50,13 @@ impl CompletionQueue {
         self.ops.poll(wc)
     }
 
+    /// False only when [`CompletionQueue::poll`] would certainly find nothing now: a look
+    /// without taking anything (two loads on `shm`), for a busy poller that wants to skip the
+    /// rest of its loop body while idle. Providers that cannot tell answer true.
+    pub fn may_have_completions(&self) -> bool {
+        self.ops.may_have_completions()
+    }
+
     /// Arm the queue: the next completion (or next solicited one) makes the event fd readable.
     pub fn req_notify(&self, solicited_only: bool) -> Result<()> {
         self.ops.req_notify(solicited_only)

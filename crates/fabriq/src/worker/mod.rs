@@ -408,6 +408,7 @@ pub(crate) fn spawn(
     }
     let epoll = rustix::io::dup(&shared.epoll)
         .map_err(|e| ChannelError::Verbs(fabriq_verbs::VerbsError::io("dup epoll", e)))?;
+    let cq_peek = cq.clone();
     let worker = Worker {
         me: Arc::downgrade(&shared),
         epoll,
@@ -428,7 +429,7 @@ pub(crate) fn spawn(
         loops: 0,
         clock: PassClock::default(),
     };
-    shared.install(worker, buffers, cfg.progress, cfg.idle_spin);
+    shared.install(worker, buffers, cq_peek, cfg.progress, cfg.idle_spin);
     let name = format!("fabriq-worker-{}", shared.id);
     std::thread::Builder::new()
         .name(name)

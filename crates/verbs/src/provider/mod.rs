@@ -116,6 +116,12 @@ pub trait CqOps: Send + Sync + 'static {
     fn capacity(&self) -> u32;
     /// Non-blocking poll; `Err(CqOverflow)` once completions were lost.
     fn poll(&self, wc: &mut [WorkCompletion]) -> Result<usize>;
+    /// False only when a poll now would certainly find nothing (and has nothing else to do,
+    /// such as a retry timer the poll runs): a cheap look without taking anything, for busy
+    /// pollers. Providers that cannot tell answer true.
+    fn may_have_completions(&self) -> bool {
+        true
+    }
     /// Arm for the next (solicited) completion.
     fn req_notify(&self, _solicited_only: bool) -> Result<()> {
         Err(VerbsError::unsupported("provider", "CQ events"))

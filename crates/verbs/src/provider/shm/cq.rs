@@ -339,6 +339,13 @@ impl CqOps for ShmCq {
         self.shared.capacity
     }
 
+    fn may_have_completions(&self) -> bool {
+        let sh = &self.shared;
+        sh.ring.ring().may_have_entry()
+            || sh.slot().overflow.load(Ordering::Relaxed) != 0
+            || sh.core.shared.timer_due()
+    }
+
     #[inline]
     fn poll(&self, wc: &mut [WorkCompletion]) -> Result<usize> {
         self.shared.poll(wc)

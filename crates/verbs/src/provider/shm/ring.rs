@@ -223,6 +223,15 @@ impl<'a, T: Copy> Ring<'a, T> {
         })
     }
 
+    /// False only when no entry is published at the head now (two loads, nothing taken): a
+    /// poller that sees false may skip its poll. True may be a moment stale.
+    #[inline]
+    pub(crate) fn may_have_entry(&self) -> bool {
+        let pos = self.head.head.0.load(Ordering::Relaxed);
+        let seq = self.cell(pos).seq.load(Ordering::Acquire);
+        seq.wrapping_sub(pos.wrapping_add(1)) as i64 >= 0
+    }
+
     /// Take the oldest entry, if one is published, reading from it only what `read` reads.
     ///
     /// `read` gets a pointer to the slot's payload, valid for reads of one `T` and owned by

@@ -331,6 +331,32 @@ fn fetch_add_is_atomic_against_the_owner_cpu_and_other_initiators() {
 
 // ---------------------------------------------------------------- two-sided
 
+/// The look a busy poller takes before polling: false on an empty CQ, true once a completion
+/// (from another context, written across the segment) waits, false again once it is polled.
+#[test]
+fn a_cq_tells_without_polling_whether_a_completion_waits() {
+    let (a, b) = pair();
+    let src = mr(&a.pd, 64);
+    let dst = mr(&b.pd, 64);
+    assert!(!a.cq.may_have_completions() && !b.cq.may_have_completions());
+    b.qp.post_recv(&[RecvWr::new(1, &[dst.sge(0, 64).unwrap()])])
+        .unwrap();
+    assert!(
+        !b.cq.may_have_completions(),
+        "a posted receive is no completion"
+    );
+    let sges = [src.sge(0, 8).unwrap()];
+    a.qp.post_send(&[SendWr::new(2, &sges, WrOpcode::Send).with_flags(SendFlags::SIGNALED)])
+        .unwrap();
+    assert!(b.cq.may_have_completions() && a.cq.may_have_completions());
+    let r = wait_one(&b.cq);
+    assert_eq!(r.wr_id, 1);
+    assert!(!b.cq.may_have_completions());
+    assert!(a.cq.may_have_completions());
+    wait_one(&a.cq);
+    assert!(!a.cq.may_have_completions());
+}
+
 #[test]
 fn send_recv_scatters_and_reports_imm_len_and_qps() {
     let (a, b) = pair();

@@ -10,10 +10,12 @@
 #   ITERS   exchanges counted (default 20000); the count of a run with none is subtracted
 #   --keep  keep the callgrind profiles in DIR (callgrind_annotate DIR/channel.out ...)
 #
-# The counting build (target/instructions) maps shm segments of 4 GiB instead of 64 GiB
-# (FABRIQ_SHM_SEGMENT_BITS=32: valgrind maps only a few tens of GiB) and reads the clock
-# through libc (rustix's own vDSO lookup does not run under valgrind); the code path is the
-# release build's. valgrind is installed from Debian's packages when missing (root).
+# The counting build (target/instructions) is the release profile with one codegen unit per
+# crate — with several, where the compiler splits a crate (and so what it inlines) moves with
+# unrelated edits, a few percent either way, which would drown the change being measured —,
+# maps shm segments of 4 GiB instead of 64 GiB (FABRIQ_SHM_SEGMENT_BITS=32: valgrind maps
+# only a few tens of GiB) and reads the clock through libc (rustix's own vDSO lookup does not
+# run under valgrind). valgrind is installed from Debian's packages when missing (root).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -37,7 +39,7 @@ if ! command -v valgrind >/dev/null 2>&1; then
     fi
 fi
 
-export FABRIQ_SHM_SEGMENT_BITS=32
+export FABRIQ_SHM_SEGMENT_BITS=32 CARGO_PROFILE_RELEASE_CODEGEN_UNITS=1
 RUSTFLAGS="--cfg rustix_use_libc" CARGO_TARGET_DIR=target/instructions \
     cargo build --release -p fabriq --example exchange_count >&2
 bin=target/instructions/release/examples/exchange_count

@@ -55,6 +55,7 @@ pub use qp::{
     ack_timeout, rnr_timer, QpAttr, QpCaps, QpEndpoint, QpInfo, QpInitAttr, QpNum, QpState,
     QueuePair,
 };
+pub(crate) use qp::{next_psn, random_psn};
 pub use srq::{SharedReceiveQueue, SrqInitAttr};
 pub use wc::{WcOpcode, WcStatus, WorkCompletion};
 pub use wr::{PostError, RecvWr, RemoteAddr, SendFlags, SendWr, Sge, WrOpcode};

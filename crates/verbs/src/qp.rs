@@ -158,7 +158,10 @@ pub struct QpEndpoint {
     pub address: String,
     /// QP number.
     pub qp_num: QpNum,
-    /// Initial packet sequence number.
+    /// Initial packet sequence number of the QP's next connection (its RTS starts sending
+    /// there, the peer's RTR expects it). Random, and drawn anew at every RESET on providers
+    /// with sequence numbers on the wire (0 on shm, which has none): read the endpoint after
+    /// RESET to reconnect a reused QP.
     pub psn: u32,
     /// InfiniBand LID (0 on Ethernet and software).
     pub lid: u16,
@@ -330,6 +333,22 @@ pub fn ack_timeout(code: u8) -> Option<Duration> {
         return None;
     }
     Some(Duration::from_nanos(4096u64 << u32::from(code.min(31))))
+}
+
+/// A random 24-bit packet sequence number: a new QP's initial PSN.
+pub(crate) fn random_psn() -> u32 {
+    rand::random::<u32>() & 0x00ff_ffff
+}
+
+/// The initial PSN a QP takes at RESET: random, and never the one it had (`old`), so that its
+/// next connection cannot start where the previous one did.
+pub(crate) fn next_psn(old: u32) -> u32 {
+    loop {
+        let psn = random_psn();
+        if psn != old {
+            return psn;
+        }
+    }
 }
 
 /// An RC queue pair. Cheap to clone; clones are the same QP. Thread-safe like `ibv_qp`.

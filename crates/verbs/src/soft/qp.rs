@@ -43,7 +43,8 @@ pub struct QpConfig {
     pub max_payload: usize,
     /// Floor under the ACK timeout a transport with its own reliability applies (0: none).
     pub min_ack_timeout: Duration,
-    /// Our initial PSN (advertised in the endpoint).
+    /// Our initial PSN (advertised in the endpoint) until the first RESET, which draws a new
+    /// one (see [`QpCore::initial_psn`]).
     pub initial_psn: u32,
 }
 
@@ -124,6 +125,13 @@ impl QpCore {
         self.state
     }
 
+    /// The initial send PSN the QP advertises now: the configured one, then a random one
+    /// drawn at every RESET, so that a reset QP's next connection never starts where its
+    /// previous one did (frames of that one still in flight cannot fall into its window).
+    pub fn initial_psn(&self) -> u32 {
+        self.cfg.initial_psn
+    }
+
     /// The connected peer, once RTR.
     pub fn remote(&self) -> Option<&QpEndpoint> {
         self.remote.as_ref()
@@ -187,6 +195,7 @@ impl QpCore {
         let from = self.state;
         match to {
             QpState::Reset => {
+                self.cfg.initial_psn = crate::next_psn(self.cfg.initial_psn);
                 self.requester.reset();
                 self.rq.drain();
                 self.remote = None;

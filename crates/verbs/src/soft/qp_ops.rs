@@ -13,10 +13,13 @@ use crate::{PostError, QpAttr, QpEndpoint, QpInfo, QpNum, QpState, RecvWr, Resul
 pub(crate) trait SoftQpDriver: Send + Sync + 'static {
     /// The endpoint the QP advertises (its number included).
     fn advertised(&self) -> &QpEndpoint;
-    /// The endpoint as a peer should get it now: [`SoftQpDriver::advertised`] unless the
-    /// provider adds what changes over the QP's life (the tcp provider: its incarnation).
+    /// The endpoint as a peer should get it now: [`SoftQpDriver::advertised`] with the core's
+    /// current initial PSN (drawn anew at every RESET), plus what else the provider changes
+    /// over the QP's life (the tcp provider: its incarnation).
     fn current_endpoint(&self) -> QpEndpoint {
-        self.advertised().clone()
+        let mut ep = self.advertised().clone();
+        ep.psn = self.with_core(|core| core.initial_psn());
+        ep
     }
     /// Run `f` on the core under the QP's lock.
     fn with_core<R>(&self, f: impl FnOnce(&mut QpCore) -> R) -> R;

@@ -48,7 +48,7 @@ pub fn new_qp(
     res: QpResources,
     extra: BTreeMap<String, String>,
 ) -> (QpCore, QpEndpoint) {
-    let psn = rand::random::<u32>() & 0x00ff_ffff;
+    let psn = crate::random_psn();
     let mut caps = init.caps;
     caps.max_recv_sge = caps.max_recv_sge.max(1);
     caps.max_send_sge = caps.max_send_sge.max(1);

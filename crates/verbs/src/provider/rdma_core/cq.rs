@@ -13,19 +13,45 @@ pub(super) struct Cq {
     pub(super) overflowed: Arc<AtomicBool>,
     pub(super) poll_fn: PollCqFn,
     pub(super) notify_fn: ReqNotifyFn,
-    /// Completions made by the provider itself: requests posted to a QP already in ERROR, which
-    /// devices differ on flushing.
-    pub(super) flushed: Mutex<std::collections::VecDeque<WorkCompletion>>,
-    pub(super) has_flushed: AtomicBool,
+    /// Completions made by the provider itself (requests posted to a QP already in ERROR, which
+    /// devices differ on flushing), released by the QPs' shadows in queue order.
+    pub(super) made: Arc<MadeCompletions>,
 }
 
-impl Cq {
-    pub(super) fn push_flushed(&self, wc: WorkCompletion) {
-        self.flushed
+/// Flushed completions the provider made for requests posted in ERROR, released to the CQ once
+/// every earlier request of their queue has completed (see [`super::Shadow`]); polled before the
+/// device's completions.
+#[derive(Default)]
+pub(super) struct MadeCompletions {
+    queue: Mutex<std::collections::VecDeque<WorkCompletion>>,
+    any: AtomicBool,
+}
+
+impl MadeCompletions {
+    pub(super) fn push(&self, wc: WorkCompletion) {
+        self.queue
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .push_back(wc);
-        self.has_flushed.store(true, Ordering::Release);
+        self.any.store(true, Ordering::Release);
+    }
+
+    /// Move what was released into `out`; returns how many.
+    fn take_into(&self, out: &mut [WorkCompletion]) -> usize {
+        if out.is_empty() || !self.any.load(Ordering::Acquire) {
+            return 0;
+        }
+        let mut q = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+        let mut done = 0;
+        for slot in out.iter_mut() {
+            let Some(w) = q.pop_front() else { break };
+            *slot = w;
+            done += 1;
+        }
+        if q.is_empty() {
+            self.any.store(false, Ordering::Release);
+        }
+        done
     }
 }
 
@@ -97,18 +123,7 @@ impl CqOps for Cq {
                 capacity: self.capacity,
             });
         }
-        let mut done = 0;
-        if self.has_flushed.load(Ordering::Acquire) {
-            let mut q = self.flushed.lock().unwrap_or_else(|e| e.into_inner());
-            while done < wc.len() {
-                let Some(w) = q.pop_front() else { break };
-                wc[done] = w;
-                done += 1;
-            }
-            if q.is_empty() {
-                self.has_flushed.store(false, Ordering::Release);
-            }
-        }
+        let done = self.made.take_into(wc);
         let wc = &mut wc[done..];
         let mut buf = [IbvWc::default(); 16];
         let want = wc.len().min(buf.len());
@@ -146,7 +161,10 @@ impl CqOps for Cq {
                 }
             }
         }
-        Ok(done + n)
+        drop(shadows);
+        // Made completions the device's just released come right behind them.
+        let released = wc.get_mut(n..).map_or(0, |rest| self.made.take_into(rest));
+        Ok(done + n + released)
     }
 
     fn req_notify(&self, solicited_only: bool) -> Result<()> {

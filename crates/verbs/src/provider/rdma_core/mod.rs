@@ -561,8 +561,7 @@ impl ContextOps for Ctx {
             overflowed,
             poll_fn,
             notify_fn,
-            flushed: Mutex::new(std::collections::VecDeque::new()),
-            has_flushed: AtomicBool::new(false),
+            made: Arc::new(cq::MadeCompletions::default()),
         }))
     }
 

@@ -131,16 +131,15 @@ impl PdOps for Pd {
     fn create_qp(&self, init: &QpInitAttr<'_>) -> Result<Arc<dyn QpOps>> {
         let send_cq = init.send_cq.ops().clone();
         let recv_cq = init.recv_cq.ops().clone();
-        let scq = send_cq
+        let send = send_cq
             .as_any()
             .downcast_ref::<Cq>()
-            .ok_or_else(|| VerbsError::InvalidArgument("send CQ is not an rdma-core CQ".into()))?
-            .raw;
-        let rcq = recv_cq
+            .ok_or_else(|| VerbsError::InvalidArgument("send CQ is not an rdma-core CQ".into()))?;
+        let recv = recv_cq
             .as_any()
             .downcast_ref::<Cq>()
-            .ok_or_else(|| VerbsError::InvalidArgument("recv CQ is not an rdma-core CQ".into()))?
-            .raw;
+            .ok_or_else(|| VerbsError::InvalidArgument("recv CQ is not an rdma-core CQ".into()))?;
+        let (scq, rcq) = (send.raw, recv.raw);
         let srq = init.srq.map(|s| s.ops().clone());
         let (srq_raw, srq_count) = match &srq {
             Some(s) => {
@@ -188,12 +187,7 @@ impl PdOps for Pd {
         }
         // SAFETY: live context; ops filled by the driver.
         let (ps, pr) = unsafe { ((*self.ctx.raw).ops.post_send, (*self.ctx.raw).ops.post_recv) };
-        let shadow = Arc::new(Shadow {
-            sq: Mutex::new(std::collections::VecDeque::new()),
-            rq: Mutex::new(std::collections::VecDeque::new()),
-            send_cq: scq as usize,
-            recv_cq: rcq as usize,
-        });
+        let shadow = Arc::new(Shadow::new(send, recv));
         self.ctx
             .shadows
             .lock()
@@ -213,7 +207,6 @@ impl PdOps for Pd {
             _srq: srq,
             raw,
             qpn,
-            psn: rand::random::<u32>() & 0x00ff_ffff,
             post_send_fn: ps.ok_or_else(|| VerbsError::unsupported(PROVIDER, "post_send"))?,
             post_recv_fn: pr.ok_or_else(|| VerbsError::unsupported(PROVIDER, "post_recv"))?,
             attrs: Mutex::new(QpLocal {
@@ -224,6 +217,7 @@ impl PdOps for Pd {
                 timeout: 14,
                 retry_cnt: 7,
                 remote: None,
+                psn: crate::random_psn(),
             }),
             shadow,
             sq_sig_all: init.sq_sig_all,

@@ -106,6 +106,8 @@ pub(super) struct QpLocal {
     pub(super) timeout: u8,
     pub(super) retry_cnt: u8,
     pub(super) remote: Option<QpEndpoint>,
+    /// The initial send PSN this QP advertises: random, drawn anew at every RESET.
+    pub(super) psn: u32,
 }
 
 pub(super) struct Qp {
@@ -115,7 +117,6 @@ pub(super) struct Qp {
     pub(super) _srq: Option<Arc<dyn SrqOps>>,
     pub(super) raw: *mut IbvQp,
     pub(super) qpn: u32,
-    pub(super) psn: u32,
     pub(super) post_send_fn: PostSendFn,
     pub(super) post_recv_fn: PostRecvFn,
     pub(super) attrs: Mutex<QpLocal>,
@@ -238,6 +239,7 @@ impl QpOps for Qp {
     }
 
     fn endpoint(&self) -> QpEndpoint {
+        let psn = self.lock().psn;
         let ctx = &self.pd.ctx;
         let port = ctx.port().ok();
         let mut extra = std::collections::BTreeMap::new();
@@ -247,7 +249,7 @@ impl QpOps for Qp {
             device: ctx.info.name.clone(),
             address: std::net::Ipv6Addr::from(ctx.gid).to_string(),
             qp_num: QpNum(self.qpn),
-            psn: self.psn,
+            psn,
             lid: port.map(|p| p.lid).unwrap_or(0),
             gid: ctx.gid,
             mtu: port.map(|p| mtu_bytes(p.active_mtu)).unwrap_or(1024),
@@ -309,7 +311,7 @@ impl QpOps for Qp {
                     l.remote = Some(remote.clone());
                 }
                 QpState::Rts if self.cached_state() == QpState::Rtr => {
-                    a.sq_psn = attr.sq_psn.unwrap_or(self.psn) & 0x00ff_ffff;
+                    a.sq_psn = attr.sq_psn.unwrap_or(l.psn) & 0x00ff_ffff;
                     a.timeout = attr.timeout.unwrap_or(l.timeout);
                     a.retry_cnt = attr.retry_cnt.unwrap_or(l.retry_cnt).min(7);
                     a.rnr_retry = attr.rnr_retry.unwrap_or(l.rnr_retry).min(7);
@@ -367,16 +369,11 @@ impl QpOps for Qp {
             // RESET discards every posted request without a completion: the shadow follows, or
             // a reused QP would count the old requests against its depth (and pair completions
             // of new ones with old entries).
-            self.shadow
-                .sq
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .clear();
-            self.shadow
-                .rq
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .clear();
+            self.shadow.clear();
+            // The next connection starts at a new initial PSN, as rdma_cm's do: packets of the
+            // previous one still on the wire (a retransmission, a late ACK or NAK) cannot fall
+            // into its sequence window, even when both QPs are reconnected to each other.
+            l.psn = crate::next_psn(l.psn);
         }
         Ok(())
     }
@@ -392,15 +389,10 @@ impl QpOps for Qp {
                 },
             });
         }
-        if st == QpState::Error {
-            let cq = self._send_cq.as_any().downcast_ref::<Cq>();
-            for wr in wrs {
-                if let Some(cq) = cq {
-                    cq.push_flushed(self.flushed_wc(wr.wr_id, wr.opcode.wc_opcode()));
-                }
-            }
-            return Ok(());
-        }
+        // In ERROR a send still goes to the device, which flushes it behind every request
+        // queued before it; one the device refuses (or that finds the queue full of requests
+        // about to flush) is flushed by the provider, in order behind them (see `Shadow`).
+        let in_error = st == QpState::Error;
         let (max_sge, depth) = {
             let l = self.lock();
             (l.caps.max_send_sge, l.caps.max_send_wr as usize)
@@ -415,6 +407,11 @@ impl QpOps for Qp {
                 .len()
                 >= depth
             {
+                if in_error {
+                    self.shadow
+                        .flush_send(self.flushed_wc(wr.wr_id, wr.opcode.wc_opcode()));
+                    continue;
+                }
                 return Err(fail(VerbsError::QueueFull));
             }
             let mut sges = [IbvSge::default(); MAX_SGE_STACK];
@@ -483,6 +480,14 @@ impl QpOps for Qp {
             // SAFETY: live QP; `w` and `sges` live across the call; libibverbs copies the request
             // (and inline data) into the send queue before returning.
             let rc = unsafe { (self.post_send_fn)(self.raw, &mut w, &mut bad) };
+            if rc != 0 && in_error && rc != libc::ENOMEM {
+                drop(sq);
+                for wr in wrs.get(index..).unwrap_or_default() {
+                    self.shadow
+                        .flush_send(self.flushed_wc(wr.wr_id, wr.opcode.wc_opcode()));
+                }
+                return Ok(());
+            }
             if rc != 0 {
                 return Err(fail(if rc == libc::ENOMEM {
                     VerbsError::QueueFull
@@ -517,10 +522,12 @@ impl QpOps for Qp {
             });
         }
         if st == QpState::Error {
-            if let Some(cq) = self._recv_cq.as_any().downcast_ref::<Cq>() {
-                for wr in wrs {
-                    cq.push_flushed(self.flushed_wc(wr.wr_id, WcOpcode::Recv));
-                }
+            // Not handed to the device: a user-space receive queue may never be looked at again
+            // once the QP is in ERROR (rxe flushes it only on the transition). The provider
+            // flushes it, behind every receive posted before it (see `Shadow`).
+            for wr in wrs {
+                self.shadow
+                    .flush_recv(self.flushed_wc(wr.wr_id, WcOpcode::Recv));
             }
             return Ok(());
         }

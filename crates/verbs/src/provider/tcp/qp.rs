@@ -713,8 +713,12 @@ impl SoftQpDriver for TcpQp {
     }
 
     fn current_endpoint(&self) -> QpEndpoint {
-        let incarnation = self.side.lock().incarnation;
+        let (incarnation, psn) = {
+            let side = self.side.lock();
+            (side.incarnation, side.core.initial_psn())
+        };
         let mut ep = self.endpoint.clone();
+        ep.psn = psn;
         ep.extra
             .insert(INCARNATION_KEY.to_string(), incarnation.to_string());
         ep

@@ -944,10 +944,13 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
         if ack > self.peer_acked {
             self.peer_acked = ack;
             for s in self.inflight.seqs_through(ack) {
-                if let Some(m) = self.inflight.get_mut(s) {
+                let done = self.inflight.get_mut(s).is_some_and(|m| {
                     m.peer_done = true;
+                    m.wc_done
+                });
+                if done {
+                    self.complete(s);
                 }
-                self.maybe_complete(s);
             }
         }
         match frame.body {
@@ -1147,14 +1150,19 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
             .get(seq)
             .is_some_and(|m| m.wc_done && m.peer_done);
         if done {
-            if let Some(m) = self.inflight.remove(seq) {
-                self.events.push_back(Event::SendComplete {
-                    id: MsgId(seq),
-                    stream: m.stream,
-                    flags: m.flags,
-                    payload: m.payload,
-                });
-            }
+            self.complete(seq);
+        }
+    }
+
+    /// Message `seq` is done (sent, and the peer has it): its payload is handed back.
+    fn complete(&mut self, seq: u64) {
+        if let Some(m) = self.inflight.remove(seq) {
+            self.events.push_back(Event::SendComplete {
+                id: MsgId(seq),
+                stream: m.stream,
+                flags: m.flags,
+                payload: m.payload,
+            });
         }
     }
 

@@ -11,6 +11,8 @@
 #   SIZES="8 4096" TESTS="send_lat send_bw" bench/peers.sh   # a subset
 #   MW=0 bench/peers.sh            # skip the middleware-layer rows (fabriq Channel / Rpc)
 #   MW_PROGRESS=thread bench/peers.sh   # middleware worker driven by its thread, not the caller
+#   PROFILE=release-lto bench/peers.sh  # fabriq built as a deployment would (fat LTO, one
+#                                       # codegen unit; Cargo.toml), not the default release
 #
 # Every figure is the median of R runs. Latency is one-way (RTT/2) p50 in microseconds,
 # except fi_pingpong, which only reports the mean one-way time per transfer. Bandwidth is
@@ -29,6 +31,7 @@ read -r -a SIZES <<<"${SIZES:-8 4096 65536 1048576}"
 read -r -a TESTS <<<"${TESTS:-send_lat write_lat send_bw write_bw}"
 MW=${MW:-1}
 MW_PROGRESS=${MW_PROGRESS:-caller}
+PROFILE=${PROFILE:-release}
 PORT=${PORT_BASE:-23000}
 LOG=${LOG:-/tmp/fabriq-peers.log}
 : >"$LOG"
@@ -54,13 +57,13 @@ install_peers() {
 }
 
 build_fabriq() {
-    log "building fabriq (release)"
-    (cd "$ROOT" && cargo build --release -p fabriq-cli >>"$LOG" 2>&1) || {
+    log "building fabriq ($PROFILE)"
+    (cd "$ROOT" && cargo build --profile "$PROFILE" -p fabriq-cli >>"$LOG" 2>&1) || {
         log "cargo build failed (see $LOG)"
         exit 1
     }
     local dir=${CARGO_TARGET_DIR:-$ROOT/target}
-    FABRIQ="$dir/release/fabriq"
+    FABRIQ="$dir/$PROFILE/fabriq"
     [ -x "$FABRIQ" ] || { log "no binary at $FABRIQ"; exit 1; }
 }
 
@@ -369,6 +372,7 @@ write_report() {
         echo "| kernel | $kernel |"
         echo "| UCX | ${ucxv:-not installed} (Debian ucx-utils) |"
         echo "| libfabric | ${fiv:-not installed} (Debian libfabric-bin) |"
+        echo "| fabriq build | cargo profile \`$PROFILE\` |"
         echo "| repetitions | $R per cell, median shown |"
         echo "| pinning | client on CPU $CLIENT_CPU, server on CPU $SERVER_CPU (fabriq pins itself; peers via taskset) |"
         echo

@@ -2,10 +2,11 @@
 //! deadline, and the checks applied to a peer's hello. Protocol encoding lives in
 //! [`super::wire`]; the sequence of messages lives in [`super::manager`].
 
-use std::io::{ErrorKind, Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::io::ErrorKind;
+use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
+use super::stream::Stream;
 use super::wire::{self, DecodeError, Hello, Message, Reject, RejectCode, VERSION};
 use super::ConnError;
 
@@ -83,60 +84,44 @@ impl Step {
     /// Fill `buf` completely. `Ok(false)` if the peer closed before sending anything and
     /// `eof_ok` is set (an idle stream the peer let go of).
     ///
-    /// Hybrid wait: for up to `spin` the socket is polled with non-blocking receives (no
-    /// thread sleeps or wakes when the peer answers within it), then the read blocks with a
-    /// timeout of what is left before the deadline. The deadline bounds both phases.
-    fn read_full(
-        &self,
-        s: &mut TcpStream,
-        buf: &mut [u8],
-        eof_ok: bool,
-    ) -> Result<bool, ConnError> {
+    /// Control streams are non-blocking. Hybrid wait: for up to `spin` the socket is polled
+    /// with non-blocking receives (no thread sleeps or wakes when the peer answers within it),
+    /// then the thread sleeps in `poll` for what is left before the deadline. What has arrived
+    /// already (a frame's body behind its prefix, a reply that came while this side was busy)
+    /// is taken by the first receive: one system call. The deadline bounds both phases.
+    fn read_full(&self, s: &mut Stream, buf: &mut [u8], eof_ok: bool) -> Result<bool, ConnError> {
         let spin_until = (!self.spin.is_zero()).then(|| Instant::now() + self.spin);
         let mut off = 0;
-        let mut first_try = true;
         while off < buf.len() {
             let left = remaining(self.deadline, self.allowed, self.peer, self.phase)?;
             let Some(dst) = buf.get_mut(off..) else { break };
-            // What has arrived already (a frame's body behind its prefix, a reply that came
-            // while this side was busy) is taken without a timeout to set: one system call.
-            let spinning = first_try || spin_until.is_some_and(|t| Instant::now() < t);
-            first_try = false;
-            let got = if spinning {
-                rustix::net::recv(&*s, dst, rustix::net::RecvFlags::DONTWAIT)
-                    .map(|(n, _)| n)
-                    .map_err(std::io::Error::from)
-            } else {
-                s.set_read_timeout(Some(left))
-                    .map_err(|e| ConnError::io("set control stream timeout", e))?;
-                s.read(dst)
-            };
-            match got {
-                Ok(0) if off == 0 && eof_ok => return Ok(false),
-                Ok(0) => {
+            match rustix::net::recv(&*s, dst, rustix::net::RecvFlags::DONTWAIT) {
+                Ok((0, _)) if off == 0 && eof_ok => return Ok(false),
+                Ok((0, _)) => {
                     return Err(ConnError::PeerClosed {
                         peer: self.peer,
                         phase: self.phase,
                     })
                 }
-                Ok(n) => off += n,
-                Err(e) if e.kind() == ErrorKind::Interrupted => {}
-                Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
-                    if spinning && spin_until.is_some() {
+                Ok((n, _)) => off += n,
+                Err(rustix::io::Errno::INTR) => {}
+                Err(rustix::io::Errno::AGAIN) => {
+                    if spin_until.is_some_and(|t| Instant::now() < t) {
                         spin_pause();
+                    } else {
+                        wait_ready(s, rustix::event::PollFlags::IN, left)
+                            .map_err(|e| self.io_error(e))?;
                     }
                 }
-                Err(e) if e.kind() == ErrorKind::ConnectionReset && off == 0 && eof_ok => {
-                    return Ok(false)
-                }
-                Err(e) => return Err(self.io_error(e)),
+                Err(rustix::io::Errno::CONNRESET) if off == 0 && eof_ok => return Ok(false),
+                Err(e) => return Err(self.io_error(e.into())),
             }
         }
         Ok(true)
     }
 
     /// Read one message. `Ok(None)` only when `eof_ok` and the peer closed cleanly first.
-    pub fn read_msg(&self, s: &mut TcpStream, eof_ok: bool) -> Result<Option<Message>, ConnError> {
+    pub fn read_msg(&self, s: &mut Stream, eof_ok: bool) -> Result<Option<Message>, ConnError> {
         let mut prefix = [0u8; 4];
         if !self.read_full(s, &mut prefix, eof_ok)? {
             return Ok(None);
@@ -166,42 +151,64 @@ impl Step {
     ///
     /// A handshake frame fits the socket's send buffer, so it normally leaves in one
     /// non-blocking send; only what does not (a full buffer) waits, bounded by the deadline.
-    pub fn write_msg(&self, s: &mut TcpStream, msg: &Message) -> Result<(), ConnError> {
-        let left = remaining(self.deadline, self.allowed, self.peer, self.phase)?;
-        let frame = wire::encode(msg);
-        let sent = loop {
-            match rustix::net::send(
-                &*s,
-                &frame,
-                rustix::net::SendFlags::DONTWAIT | rustix::net::SendFlags::NOSIGNAL,
-            ) {
-                Ok(n) => break n,
-                Err(rustix::io::Errno::INTR) => {}
-                Err(rustix::io::Errno::AGAIN) => break 0,
-                Err(e) => return Err(self.io_error(e.into())),
-            }
-        };
-        let Some(rest) = frame.get(sent..).filter(|r| !r.is_empty()) else {
-            return Ok(());
-        };
-        s.set_write_timeout(Some(left))
-            .map_err(|e| ConnError::io("set control stream timeout", e))?;
-        s.write_all(rest)
-            .and_then(|()| s.flush())
-            .map_err(|e| self.io_error(e))
+    pub fn write_msg(&self, s: &mut Stream, msg: &Message) -> Result<(), ConnError> {
+        remaining(self.deadline, self.allowed, self.peer, self.phase)?;
+        send_all(s, &wire::encode(msg), self.deadline).map_err(|e| self.io_error(e))
     }
 }
 
+/// Sleep until `s` is ready for `flags` or `left` has passed (then the caller's deadline check
+/// reports the timeout).
+fn wait_ready(s: &Stream, flags: rustix::event::PollFlags, left: Duration) -> std::io::Result<()> {
+    let ts = rustix::event::Timespec {
+        tv_sec: i64::try_from(left.as_secs()).unwrap_or(i64::MAX),
+        tv_nsec: i64::from(left.subsec_nanos()),
+    };
+    let mut fds = [rustix::event::PollFd::new(s, flags)];
+    match rustix::event::poll(&mut fds, Some(&ts)) {
+        Ok(_) | Err(rustix::io::Errno::INTR) => Ok(()),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Write all of `bytes` to the non-blocking stream `s`, waiting for room no later than
+/// `deadline` (`TimedOut` after it).
+pub(crate) fn send_all(s: &Stream, bytes: &[u8], deadline: Instant) -> std::io::Result<()> {
+    let mut off = 0;
+    while let Some(rest) = bytes.get(off..).filter(|r| !r.is_empty()) {
+        match rustix::net::send(
+            s,
+            rest,
+            rustix::net::SendFlags::DONTWAIT | rustix::net::SendFlags::NOSIGNAL,
+        ) {
+            Ok(n) => off += n,
+            Err(rustix::io::Errno::INTR) => {}
+            Err(rustix::io::Errno::AGAIN) => {
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return Err(ErrorKind::TimedOut.into());
+                }
+                wait_ready(s, rustix::event::PollFlags::OUT, left)?;
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(())
+}
+
 /// Send a rejection, best effort (the peer may be gone already), with a short write timeout.
-pub(crate) fn send_reject(s: &mut TcpStream, code: RejectCode, provider: &str, reason: &str) {
+pub(crate) fn send_reject(s: &mut Stream, code: RejectCode, provider: &str, reason: &str) {
     let msg = Message::Reject(Reject {
         code,
         version: VERSION,
         provider: provider.to_string(),
         reason: reason.to_string(),
     });
-    let _ = s.set_write_timeout(Some(Duration::from_millis(200)));
-    let _ = s.write_all(&wire::encode(&msg));
+    let _ = send_all(
+        s,
+        &wire::encode(&msg),
+        Instant::now() + Duration::from_millis(200),
+    );
 }
 
 /// The rejection to send for a local handshake error, if the peer should hear one.

@@ -10,6 +10,10 @@ use super::stream::Stream;
 use super::wire::{self, DecodeError, Hello, Message, Reject, RejectCode, VERSION};
 use super::ConnError;
 
+/// How much [`Step::read_frames`] takes in its first receive: a hello with its strings is
+/// about 200 bytes; a larger frame is completed by exact reads.
+const FIRST_READ: usize = 1024;
+
 /// One pause of a handshake's busy-poll loop: give the core away if another thread wants it.
 /// On a host with fewer free cores than busy threads the thread being waited for (the peer's
 /// side of the handshake, a worker) may need this core; a pure spin would hold it until the
@@ -90,13 +94,25 @@ impl Step {
     /// already (a frame's body behind its prefix, a reply that came while this side was busy)
     /// is taken by the first receive: one system call. The deadline bounds both phases.
     fn read_full(&self, s: &mut Stream, buf: &mut [u8], eof_ok: bool) -> Result<bool, ConnError> {
+        Ok(self.read_some(s, buf, buf.len(), eof_ok)?.is_some())
+    }
+
+    /// [`Step::read_full`] for at least `min` bytes: what has arrived beyond them, up to
+    /// `buf.len()`, is taken by the same receives. The count read, `None` as there.
+    fn read_some(
+        &self,
+        s: &mut Stream,
+        buf: &mut [u8],
+        min: usize,
+        eof_ok: bool,
+    ) -> Result<Option<usize>, ConnError> {
         let spin_until = (!self.spin.is_zero()).then(|| Instant::now() + self.spin);
         let mut off = 0;
-        while off < buf.len() {
+        while off < min {
             let left = remaining(self.deadline, self.allowed, self.peer, self.phase)?;
             let Some(dst) = buf.get_mut(off..) else { break };
             match rustix::net::recv(&*s, dst, rustix::net::RecvFlags::DONTWAIT) {
-                Ok((0, _)) if off == 0 && eof_ok => return Ok(false),
+                Ok((0, _)) if off == 0 && eof_ok => return Ok(None),
                 Ok((0, _)) => {
                     return Err(ConnError::PeerClosed {
                         peer: self.peer,
@@ -113,11 +129,11 @@ impl Step {
                             .map_err(|e| self.io_error(e))?;
                     }
                 }
-                Err(rustix::io::Errno::CONNRESET) if off == 0 && eof_ok => return Ok(false),
+                Err(rustix::io::Errno::CONNRESET) if off == 0 && eof_ok => return Ok(None),
                 Err(e) => return Err(self.io_error(e.into())),
             }
         }
-        Ok(true)
+        Ok(Some(off))
     }
 
     /// Read one message. `Ok(None)` only when `eof_ok` and the peer closed cleanly first.
@@ -132,6 +148,68 @@ impl Step {
         wire::decode_body(&body)
             .map(Some)
             .map_err(|e| self.decode_error(e))
+    }
+
+    /// Read what the peer sent, at least one message, in one receive where it has all arrived
+    /// (a frame's prefix and body, or a stray `Close` and the frame behind it) instead of one
+    /// receive for the prefix and one for the body. Only for a wait after which the peer sends
+    /// nothing more until this side answers — a hello, a hello-ack: bytes behind the awaited
+    /// frame are taken too, and the caller says what they mean. `Ok(None)` as for
+    /// [`Step::read_msg`].
+    pub fn read_frames(
+        &self,
+        s: &mut Stream,
+        eof_ok: bool,
+    ) -> Result<Option<Vec<Message>>, ConnError> {
+        let mut buf = [0u8; FIRST_READ];
+        let Some(got) = self.read_some(s, &mut buf, 1, eof_ok)? else {
+            return Ok(None);
+        };
+        let mut msgs = Vec::with_capacity(1);
+        let mut rest = buf.get(..got).unwrap_or_default();
+        loop {
+            if rest.len() < 4 {
+                // The end of what arrived is the start of a frame: the rest of it, exactly.
+                let mut prefix = [0u8; 4];
+                let (have, missing) = prefix.split_at_mut(rest.len());
+                have.copy_from_slice(rest);
+                self.read_full(s, missing, false)?;
+                msgs.push(self.read_body(s, prefix, &[])?);
+                return Ok(Some(msgs));
+            }
+            let (head, after) = rest.split_at(4);
+            let mut prefix = [0u8; 4];
+            prefix.copy_from_slice(head);
+            let len = wire::frame_len(prefix).map_err(|e| self.decode_error(e))?;
+            match (after.get(..len), after.get(len..)) {
+                (Some(body), Some(next)) => {
+                    msgs.push(wire::decode_body(body).map_err(|e| self.decode_error(e))?);
+                    if next.is_empty() {
+                        return Ok(Some(msgs));
+                    }
+                    rest = next;
+                }
+                _ => {
+                    msgs.push(self.read_body(s, prefix, after)?);
+                    return Ok(Some(msgs));
+                }
+            }
+        }
+    }
+
+    /// The frame announced by `prefix`, of whose body `have` arrived: the rest is read exactly.
+    fn read_body(
+        &self,
+        s: &mut Stream,
+        prefix: [u8; 4],
+        have: &[u8],
+    ) -> Result<Message, ConnError> {
+        let len = wire::frame_len(prefix).map_err(|e| self.decode_error(e))?;
+        let mut body = vec![0u8; len];
+        let (start, missing) = body.split_at_mut(have.len().min(len));
+        start.copy_from_slice(have.get(..start.len()).unwrap_or_default());
+        self.read_full(s, missing, false)?;
+        wire::decode_body(&body).map_err(|e| self.decode_error(e))
     }
 
     fn decode_error(&self, e: DecodeError) -> ConnError {

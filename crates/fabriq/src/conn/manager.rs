@@ -454,14 +454,30 @@ impl ConnManager {
                 allowed: timeout,
                 spin: self.spin_for(local),
             };
-            // A reused stream may still hold the peer's Close of the previous connection.
             let reply = step("hello")
                 .write_msg(&mut stream, &hello)
                 .and_then(|()| loop {
-                    match step("hello-ack").read_msg(&mut stream, from_idle) {
-                        Ok(Some(Message::Close)) => {}
-                        other => break other,
-                    }
+                    let msgs = match step("hello-ack").read_frames(&mut stream, from_idle) {
+                        Ok(Some(msgs)) => msgs,
+                        other => break other.map(|_| None),
+                    };
+                    // A reused stream may still hold the peer's Close of the previous
+                    // connection.
+                    let mut msgs = msgs.into_iter().skip_while(|m| *m == Message::Close);
+                    let Some(reply) = msgs.next() else { continue };
+                    // The server sends nothing more until this side's Ready or Close.
+                    break match msgs.next() {
+                        None => Ok(Some(reply)),
+                        Some(Message::Close) => Err(ConnError::PeerClosed {
+                            peer: addr,
+                            phase: "hello-ack",
+                        }),
+                        Some(other) => Err(ConnError::Unexpected {
+                            peer: addr,
+                            phase: "hello-ack",
+                            got: other.name(),
+                        }),
+                    };
                 });
             match reply {
                 Ok(Some(msg)) => {
@@ -1325,35 +1341,53 @@ impl Listener {
             inner.cfg.handshake_timeout,
             self.mgr.spin_for(stream.is_local()),
         );
-        let result = match step.read_msg(stream, eof_ok) {
+        let msgs = match step.read_frames(stream, eof_ok) {
             Ok(None) => return Ok(HelloRead::Eof),
-            Ok(Some(Message::Close)) if eof_ok => return Ok(HelloRead::Close),
-            // A kept stream may still hold the `Ready` of the connection it carried, when that
-            // connection ended before its worker read it (`PendingConn::finish_accepting`).
-            Ok(Some(Message::Ready)) if eof_ok => return Ok(HelloRead::Close),
-            Ok(Some(Message::Hello(h))) => {
-                let provider = match self.admitted.iter().find(|p| **p == h.provider) {
-                    Some(p) => p.as_str(),
-                    None => inner.provider.as_str(),
-                };
-                check_peer_hello(peer, provider, &inner.cfg.auth_token, &h).map(|()| h)
+            Ok(Some(msgs)) => msgs,
+            Err(e) => {
+                self.refuse(stream, peer, &e);
+                return Err(e);
             }
-            Ok(Some(other)) => Err(ConnError::Unexpected {
-                peer,
-                phase: "hello",
-                got: other.name(),
-            }),
-            Err(e) => Err(e),
+        };
+        // A kept stream may still hold the `Close` of the connection it carried, or its
+        // `Ready`, when that connection ended before its worker read it
+        // (`PendingConn::finish_accepting`).
+        let mut msgs = msgs
+            .into_iter()
+            .skip_while(|m| eof_ok && matches!(m, Message::Close | Message::Ready));
+        let unexpected = |got: &Message| ConnError::Unexpected {
+            peer,
+            phase: "hello",
+            got: got.name(),
+        };
+        let result = match msgs.next() {
+            None => return Ok(HelloRead::Close),
+            // A client sends nothing more until the hello-ack.
+            Some(Message::Hello(h)) => match msgs.next() {
+                Some(other) => Err(unexpected(&other)),
+                None => {
+                    let provider = match self.admitted.iter().find(|p| **p == h.provider) {
+                        Some(p) => p.as_str(),
+                        None => inner.provider.as_str(),
+                    };
+                    check_peer_hello(peer, provider, &inner.cfg.auth_token, &h).map(|()| h)
+                }
+            },
+            Some(other) => Err(unexpected(&other)),
         };
         result
             .map(|h| HelloRead::Hello(Box::new(h)))
-            .inspect_err(|e| {
-                inner.failed.fetch_add(1, Ordering::Relaxed);
-                if let Some(code) = reject_code_for(e) {
-                    send_reject(stream, code, &inner.provider, &e.to_string());
-                }
-                tracing::debug!(%peer, err = %e, "handshake refused");
-            })
+            .inspect_err(|e| self.refuse(stream, peer, e))
+    }
+
+    /// A peer's hello failed: counted, and the peer told why where it should hear it.
+    fn refuse(&self, stream: &mut Stream, peer: SocketAddr, e: &ConnError) {
+        let inner = &self.mgr.inner;
+        inner.failed.fetch_add(1, Ordering::Relaxed);
+        if let Some(code) = reject_code_for(e) {
+            send_reject(stream, code, &inner.provider, &e.to_string());
+        }
+        tracing::debug!(%peer, err = %e, "handshake refused");
     }
 }
 

@@ -1313,3 +1313,68 @@ fn a_ready_left_to_the_owner_is_sent_when_it_says_so() {
     cli.release(est);
     server.join().unwrap();
 }
+
+/// One receive takes what has arrived of a hello or hello-ack, so frames that come together
+/// are told apart: a kept stream's stray `Close` in front of the next hello is skipped and the
+/// hello served; a client that sends anything behind its hello before the hello-ack is
+/// refused; a server whose `Close` follows its hello-ack at once ends that connect with
+/// `PeerClosed`.
+#[test]
+fn frames_that_arrive_together_are_told_apart() {
+    let (srv, _) = manager(ConnConfig::default());
+    let listener = srv.listen("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr();
+    let server = serve(listener, 2);
+    let frame = |m: Message| wire::encode(&m);
+    // A handshake by hand, then the next hello right behind a stray Close, in one write.
+    let mut c = raw_client(addr, &frame(Message::Hello(some_hello("heap"))));
+    assert!(matches!(read_frame(&mut c), Some(Message::HelloAck(_))));
+    c.write_all(&frame(Message::Ready)).unwrap();
+    let mut both = frame(Message::Close);
+    both.extend(frame(Message::Hello(some_hello("heap"))));
+    c.write_all(&both).unwrap();
+    assert!(matches!(read_frame(&mut c), Some(Message::HelloAck(_))));
+    c.write_all(&frame(Message::Ready)).unwrap();
+    assert!(server.join().unwrap().iter().all(Result::is_ok));
+
+    // A hello with a Ready behind it, before any hello-ack: refused.
+    let (srv, _) = manager(ConnConfig::default());
+    let listener = srv.listen("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr();
+    let mut both = frame(Message::Hello(some_hello("heap")));
+    both.extend(frame(Message::Ready));
+    let mut c = raw_client(addr, &both);
+    match listener.accept_pending(Some(LONG)) {
+        Err(ConnError::Unexpected {
+            phase: "hello",
+            got: "ready",
+            ..
+        }) => {}
+        other => panic!("expected the hello to be refused: {other:?}"),
+    }
+    match read_frame(&mut c) {
+        Some(Message::Reject(r)) => assert_eq!(r.code, RejectCode::Malformed),
+        other => panic!("expected a reject: {other:?}"),
+    }
+
+    // A hello-ack with the server's Close behind it.
+    let (addr, h) = raw_server(|mut s| {
+        let Some(Message::Hello(hello)) = read_frame(&mut s) else {
+            panic!("no hello");
+        };
+        let mut both = wire::encode(&Message::HelloAck(server_hello_like(&hello)));
+        both.extend(wire::encode(&Message::Close));
+        s.write_all(&both).unwrap();
+        let mut sink = [0u8; 64];
+        let _ = s.read(&mut sink); // until the client leaves
+    });
+    let (cli, _) = manager(ConnConfig::default());
+    match cli.connect(addr, LONG) {
+        Err(ConnError::PeerClosed {
+            phase: "hello-ack", ..
+        }) => {}
+        other => panic!("expected PeerClosed in hello-ack: {other:?}"),
+    }
+    assert_eq!(cli.stats().qps_cached, 1, "the QP went back to the cache");
+    h.join().unwrap();
+}

@@ -171,6 +171,12 @@ impl ControlStream {
         std::mem::take(&mut self.ready)
     }
 
+    /// True for a stream on a local (Unix) socket: a peer of this host reached after the
+    /// first connect (see `conn::stream`).
+    pub fn is_local(&self) -> bool {
+        self.stream.as_deref().is_some_and(Stream::is_local)
+    }
+
     /// The peer's control address.
     pub fn peer_addr(&self) -> SocketAddr {
         self.peer_addr

@@ -610,7 +610,7 @@ impl ConnManager {
     /// How long a wait on a control stream busy-polls: `handshake_spin`, but never on a local
     /// stream, whose writer wakes the waiting thread in about a microsecond (spinning there
     /// only held a core the peer's thread needed: `docs/arch/conn.md`).
-    pub(super) fn spin_for(&self, local: bool) -> Duration {
+    pub(crate) fn spin_for(&self, local: bool) -> Duration {
         match local {
             true => Duration::ZERO,
             false => self.inner.cfg.handshake_spin,

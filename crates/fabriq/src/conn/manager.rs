@@ -99,9 +99,9 @@ struct Inner {
     qp_cache: QpCache,
     region_cache: RegionCache,
     idle_streams: Mutex<HashMap<SocketAddr, Vec<Stream>>>,
-    /// Peers whose listener named a local socket in its hello-ack (see `conn::stream`): its
-    /// name for a peer of this host, `None` for one elsewhere (not looked at again).
-    local_controls: Mutex<HashMap<SocketAddr, Option<String>>>,
+    /// What this side knows of the local control sockets of the listeners it connected to
+    /// (see `conn::stream`), by their address.
+    local_controls: Mutex<HashMap<SocketAddr, LocalControl>>,
     connects: AtomicU64,
     accepts: AtomicU64,
     failed: AtomicU64,
@@ -109,6 +109,19 @@ struct Inner {
     streams_opened: AtomicU64,
     local_streams_opened: AtomicU64,
     stream_reuses: AtomicU64,
+}
+
+/// A listener's local control socket, as a client knows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum LocalControl {
+    /// A listener of this host that named this socket: later streams open there.
+    At(String),
+    /// A listener elsewhere: its name is not looked at again.
+    NotHere,
+    /// This name refused a connect (no listener under it here: the listener closed, or it is
+    /// in another network namespace behind a forwarded port). Streams go over TCP, and are
+    /// kept, until the listener names another socket.
+    Refused(String),
 }
 
 /// Creates, connects and recycles the QPs of one worker (one PD, one pair of CQs).
@@ -553,13 +566,10 @@ impl ConnManager {
         deadline: Instant,
         allowed: Duration,
     ) -> Result<Stream, ConnError> {
-        let known = self
-            .inner
-            .local_controls
-            .lock()
-            .get(&addr)
-            .cloned()
-            .flatten();
+        let known = match self.inner.local_controls.lock().get(&addr) {
+            Some(LocalControl::At(name)) => Some(name.clone()),
+            _ => None,
+        };
         if let Some(name) = known {
             match stream::connect_local(&name) {
                 Ok(s) => {
@@ -569,11 +579,12 @@ impl ConnManager {
                         .fetch_add(1, Ordering::Relaxed);
                     return Ok(Stream::Local(s));
                 }
-                // That listener is gone (a new one may listen on `addr`: TCP finds it).
+                // Nobody listens under that name here (a new listener on `addr`, found over
+                // TCP, names another).
                 Err(LocalConnect::Gone) => {
                     let mut known = self.inner.local_controls.lock();
-                    if known.get(&addr) == Some(&Some(name)) {
-                        known.remove(&addr);
+                    if known.get(&addr) == Some(&LocalControl::At(name.clone())) {
+                        known.insert(addr, LocalControl::Refused(name));
                     }
                 }
                 Err(LocalConnect::Busy) => {}
@@ -597,12 +608,15 @@ impl ConnManager {
         }
         let mut known = self.inner.local_controls.lock();
         match known.get(&addr) {
-            Some(None) => {} // a peer elsewhere
-            Some(Some(n)) if n == name => {}
+            Some(LocalControl::NotHere) => {}
+            Some(LocalControl::At(n) | LocalControl::Refused(n)) if n == name => {}
             _ => {
                 // Binding a socket to the address tells (once per peer address).
-                let here = crate::endpoint::is_this_host(addr.ip());
-                known.insert(addr, here.then(|| name.clone()));
+                let entry = match crate::endpoint::is_this_host(addr.ip()) {
+                    true => LocalControl::At(name.clone()),
+                    false => LocalControl::NotHere,
+                };
+                known.insert(addr, entry);
             }
         }
     }
@@ -660,7 +674,10 @@ impl ConnManager {
         // A TCP stream to a peer with a local socket is not kept: the next connect opens a
         // local one (the peer's listener sees this one close and drops it).
         if !stream.is_local()
-            && matches!(self.inner.local_controls.lock().get(&addr), Some(Some(_)))
+            && matches!(
+                self.inner.local_controls.lock().get(&addr),
+                Some(LocalControl::At(_))
+            )
         {
             return;
         }

@@ -3,8 +3,8 @@
 //!
 //! A handshake on this host costs a few loopback writes, each of which wakes the reading thread.
 //! A loopback TCP write takes the whole TCP path twice (send and receive, in the writer's
-//! system call) and is 4–12 µs on the 2-vCPU test VM; a Unix stream write is about 1 µs
-//! (`docs/BENCHMARKS.md`, "Connection set-up"). The first connection to a peer always goes
+//! system call): inside a cached connect on the 2-vCPU test VM a hello written over TCP took
+//! 3.9 µs and over a Unix stream 1.2 µs (`docs/BENCHMARKS.md`, fourth round of 2026-12-02). The first connection to a peer always goes
 //! over TCP (its address is all the connecting side knows); the peer's hello-ack names the
 //! abstract socket its listener also takes control streams on (`Hello::local_control`), and
 //! later control streams to that peer — the kept ones a cached connect reuses — are opened
@@ -17,9 +17,6 @@ use std::net::{SocketAddr, TcpStream};
 use std::os::fd::{AsFd, BorrowedFd};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr as UnixAddr, UnixListener, UnixStream};
-
-/// Longest abstract socket name (`sun_path` less its leading NUL).
-pub(crate) const MAX_LOCAL_NAME: usize = 107;
 
 /// A control stream's socket.
 #[derive(Debug)]
@@ -115,7 +112,7 @@ pub(crate) enum LocalConnect {
 /// not at all); the stream stays non-blocking, as every control stream.
 pub(crate) fn connect_local(name: &str) -> Result<UnixStream, LocalConnect> {
     use rustix::net::{AddressFamily, SocketFlags, SocketType};
-    if name.is_empty() || name.len() > MAX_LOCAL_NAME {
+    if name.is_empty() || name.len() > super::wire::MAX_LOCAL_CONTROL_LEN {
         return Err(LocalConnect::Gone);
     }
     let addr = rustix::net::SocketAddrUnix::new_abstract_name(name.as_bytes())

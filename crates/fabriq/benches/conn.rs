@@ -25,9 +25,10 @@
 //!
 //! A third group, `qp_phases`, times the verbs steps of a connect on one in-process QP pair, to
 //! show where the time goes: creating a QP, RESET → INIT, and INIT → RTR → RTS of both QPs. A
-//! fourth, `control_floor`, is one loopback TCP round trip between two threads, with blocking
-//! reads (each hop wakes a sleeping thread) and with busy-polled non-blocking reads: the least
-//! each control-stream exchange of a handshake costs.
+//! fourth, `control_floor`, is one loopback TCP round trip between two threads, and one over a
+//! Unix stream socket pair (a local control stream), with blocking reads (each hop wakes a
+//! sleeping thread) and with busy-polled non-blocking reads: the least each control-stream
+//! exchange of a handshake costs.
 //!
 //! `cargo bench -p fabriq --bench conn` (`-- endpoint_connect` for one group)
 
@@ -405,12 +406,13 @@ fn phases_bench(c: &mut Criterion) {
 /// hello / hello-ack / ready exchange runs on a control stream.
 fn control_floor_bench(c: &mut Criterion) {
     use std::io::{Read, Write};
+    use std::os::unix::net::UnixStream;
     let mut g = c.benchmark_group("control_floor");
     g.measurement_time(Duration::from_secs(2));
 
     // Busy-polled reads and writes of a non-blocking socket (yielding between tries), as the
     // handshake does within its spin budget.
-    fn spin_read(s: &mut std::net::TcpStream, b: &mut [u8]) -> bool {
+    fn spin_read(s: &mut impl Read, b: &mut [u8]) -> bool {
         let mut off = 0;
         while off < b.len() {
             match s.read(&mut b[off..]) {
@@ -422,7 +424,7 @@ fn control_floor_bench(c: &mut Criterion) {
         }
         true
     }
-    fn spin_write(s: &mut std::net::TcpStream, b: &[u8]) -> bool {
+    fn spin_write(s: &mut impl Write, b: &[u8]) -> bool {
         let mut off = 0;
         while off < b.len() {
             match s.write(&b[off..]) {
@@ -433,41 +435,53 @@ fn control_floor_bench(c: &mut Criterion) {
         }
         true
     }
-    fn round(s: &mut std::net::TcpStream, b: &mut [u8; 64], spin: bool) -> bool {
+    fn round(s: &mut (impl Read + Write), b: &mut [u8; 64], spin: bool) -> bool {
         if spin {
             spin_write(s, b) && spin_read(s, b)
         } else {
             s.write_all(b).is_ok() && s.read_exact(b).is_ok()
         }
     }
+    fn echo(mut s: impl Read + Write, spin: bool) {
+        let mut b = [0u8; 64];
+        while if spin {
+            spin_read(&mut s, &mut b) && spin_write(&mut s, &b)
+        } else {
+            s.read_exact(&mut b).is_ok() && s.write_all(&b).is_ok()
+        } {}
+    }
     // A loopback TCP pair with an echoing thread on the far end, both ends blocking or both
     // busy-polling.
-    fn echo_pair(spin: bool) -> Option<(std::net::TcpStream, std::thread::JoinHandle<()>)> {
+    fn tcp_pair(spin: bool) -> Option<(std::net::TcpStream, std::thread::JoinHandle<()>)> {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").ok()?;
         let addr = listener.local_addr().ok()?;
-        let echo = std::thread::spawn(move || {
-            let Ok((mut s, _)) = listener.accept() else {
+        let far = std::thread::spawn(move || {
+            let Ok((s, _)) = listener.accept() else {
                 return;
             };
             let _ = s.set_nodelay(true);
             let _ = s.set_nonblocking(spin);
-            let mut b = [0u8; 64];
-            while if spin {
-                spin_read(&mut s, &mut b) && spin_write(&mut s, &b)
-            } else {
-                s.read_exact(&mut b).is_ok() && s.write_all(&b).is_ok()
-            } {}
+            echo(s, spin);
         });
         let s = std::net::TcpStream::connect(addr).ok()?;
         let _ = s.set_nodelay(true);
         let _ = s.set_nonblocking(spin);
-        Some((s, echo))
+        Some((s, far))
+    }
+    // The same over a Unix stream socket pair: what a local control stream costs
+    // (`conn::stream`).
+    fn unix_pair(spin: bool) -> Option<(UnixStream, std::thread::JoinHandle<()>)> {
+        let (a, b) = UnixStream::pair().ok()?;
+        let _ = a.set_nonblocking(spin);
+        let _ = b.set_nonblocking(spin);
+        let far = std::thread::spawn(move || echo(b, spin));
+        Some((a, far))
     }
     for (name, spin) in [
         ("blocking_tcp_round_trip_64B", false),
         ("spinning_tcp_round_trip_64B", true),
     ] {
-        let Some((mut s, echo)) = echo_pair(spin) else {
+        let Some((mut s, far)) = tcp_pair(spin) else {
             return;
         };
         let mut b = [0u8; 64];
@@ -475,7 +489,21 @@ fn control_floor_bench(c: &mut Criterion) {
             bench.iter(|| assert!(round(&mut s, &mut b, spin), "round trip"))
         });
         drop(s);
-        let _ = echo.join();
+        let _ = far.join();
+    }
+    for (name, spin) in [
+        ("blocking_unix_round_trip_64B", false),
+        ("spinning_unix_round_trip_64B", true),
+    ] {
+        let Some((mut s, far)) = unix_pair(spin) else {
+            return;
+        };
+        let mut b = [0u8; 64];
+        g.bench_function(name, |bench| {
+            bench.iter(|| assert!(round(&mut s, &mut b, spin), "round trip"))
+        });
+        drop(s);
+        let _ = far.join();
     }
     g.finish();
 }

@@ -32,6 +32,8 @@
 //! auth_token = ""            # sent in the connection hello; when set, peers must present it
 //! qp_cache_size = 64         # QPs of closed channels kept (reset) per worker for reuse
 //! reuse_control_streams = true  # keep a closed connection's TCP control stream for the next connect
+//! local_control_streams = true  # with reuse: to a peer on this host, control streams after the
+//!                            # first go over a Unix socket (cheaper than loopback TCP)
 //! share_connections = true   # channels to one peer share one connection per worker (false: a
 //!                            # connection per channel, e.g. to give a flow its own credits)
 //! stream_window = 64         # data messages of one channel the peer may hold unconsumed before
@@ -186,6 +188,11 @@ pub struct Config {
     pub qp_cache_size: usize,
     /// Keep a closed connection's TCP control stream open for the next connect to that peer.
     pub reuse_control_streams: bool,
+    /// With `reuse_control_streams`: a peer on this host is reached over TCP once, and its
+    /// later (kept) control streams go over the Unix socket its listener names in the
+    /// handshake — a loopback write there costs about a quarter of a TCP one
+    /// (`FABRIQ_LOCAL_CONTROL_STREAMS`, default true; `docs/arch/conn.md`).
+    pub local_control_streams: bool,
     /// Channels to one peer share one connection per worker (the connection pool). `false`:
     /// every `connect` sets up a connection of its own (its own receive ring and credits).
     pub share_connections: bool,
@@ -225,6 +232,7 @@ impl Default for Config {
             auth_token: String::new(),
             qp_cache_size: 64,
             reuse_control_streams: true,
+            local_control_streams: true,
             share_connections: true,
             stream_window: crate::channel::wire::STREAM_WINDOW as u32,
             ack_delay_us: 50,
@@ -321,6 +329,11 @@ impl Config {
         var!(
             "FABRIQ_REUSE_CONTROL_STREAMS",
             self.reuse_control_streams,
+            parse_bool
+        );
+        var!(
+            "FABRIQ_LOCAL_CONTROL_STREAMS",
+            self.local_control_streams,
             parse_bool
         );
         var!(

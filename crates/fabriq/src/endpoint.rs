@@ -392,6 +392,7 @@ impl Endpoint {
             sq_sig_all: false,
             qp_cache_capacity: config.qp_cache_size,
             reuse_control_streams: config.reuse_control_streams,
+            local_control_streams: config.local_control_streams,
             worker_id: u32::try_from(worker).unwrap_or(u32::MAX),
             ring: RingGeometry {
                 slots: cfg.rx_slots,
@@ -465,14 +466,16 @@ impl Endpoint {
         // Accepting side: the channel is handed out once the hello-ack is sent; its sends wait
         // in the driver for the peer's Ready (or first message).
         let accepting = accept.is_some();
+        // Connecting side: the `Ready` is written by the thread that adopts the connection.
         let (est, mut control) = if accepting {
             pending.finish_accepting()?
         } else {
-            pending.finish_owned()?
+            pending.finish_connecting()?
         };
         // Connecting side, pooled connections: the pool asks it whether the peer ended the
         // connection before handing the connection out again (the worker reads the control
-        // stream only when it gets round to it). It holds a second descriptor of the stream.
+        // stream only when it gets round to it). It shares the stream's socket while the
+        // connection lives.
         let hangup = if accepting || !self.inner.config.share_connections {
             None
         } else {
@@ -482,6 +485,7 @@ impl Endpoint {
             driver.await_peer();
         }
         let stream_window = crate::conn::wire::negotiated_stream_window(&est.local, &est.peer);
+        let adopt_local = control.is_local();
         let lease = w.conn.lease(est.qp);
         let conn = driver.qp().qp_num().0;
         let peer = control.peer_addr();
@@ -498,10 +502,20 @@ impl Endpoint {
             u64::from(cfg.max_queued),
             stream_window,
         ));
-        // Adopted on this thread when the worker's state is free (no hand-off: on a host with
-        // few cores, waking the worker here costs a context switch on the connect's path),
-        // else queued for the thread that holds it. Either way the adoption precedes anything
-        // the new channel's owner hands to the worker later.
+        // Thread mode, worker awake (progressing, or spinning for its idle budget) and no
+        // thread of the handshake busy-polling (a local control stream, or a zero
+        // `handshake_spin`): the worker adopts the connection — and, connecting side, writes
+        // the `Ready` — on its own core, off the connect's path; it takes its inbox within a
+        // pass, and no wake-up is written. Where the handshake's threads spin (TCP with a
+        // spin budget: the listener goes on spinning after a TCP peer) they hold the cores,
+        // and the queued adoption waited for one: cold shm0 connects took 124–129 µs
+        // instead of 88–94 µs (`docs/BENCHMARKS.md`). Otherwise adopted on this thread when
+        // the worker's state is free (waking a sleeping worker costs a context switch on the
+        // connect's path on a host with few cores), else queued for the thread that holds it.
+        // Either way the adoption precedes anything the new channel's owner hands to the
+        // worker later (the inbox is drained first), and completions of the new QP that the
+        // worker polls before it are kept for it (`Worker::adopt`, orphans).
+        let spinning = !w.conn.spin_for(adopt_local).is_zero();
         let adopt = Box::new(Adopt {
             driver,
             control: Some(control),
@@ -514,7 +528,11 @@ impl Endpoint {
             first_stream: Some(Arc::clone(&first)),
             ready_within: self.inner.config.handshake_timeout(),
         });
-        worker::direct_or_submit(&w.shared, adopt, |g, a| g.adopt(*a), Command::Adopt);
+        if !spinning && !w.shared.is_caller_mode() && w.shared.is_awake() {
+            w.shared.submit(Command::Adopt(adopt));
+        } else {
+            worker::direct_or_submit(&w.shared, adopt, |g, a| g.adopt(*a), Command::Adopt);
+        }
         let first = match accept {
             Some(tx) => {
                 // A listener that is gone drops the `Accepted`, which closes the stream.

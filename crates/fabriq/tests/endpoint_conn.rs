@@ -175,6 +175,7 @@ fn raw_hello(provider: &str) -> Hello {
         worker_id: 0,
         target_worker: None,
         auth_token: Vec::new(),
+        local_control: String::new(),
     }
 }
 
@@ -755,9 +756,10 @@ fn cached_connects_deliver_the_first_messages_with_spinning_on_and_off() {
                 (1, ROUNDS - 1),
                 "{what}"
             );
+            // Loopback: the first connect's TCP stream, then one local stream kept for the rest.
             assert_eq!(
-                (cs.streams_opened, cs.stream_reuses),
-                (1, ROUNDS - 1),
+                (cs.streams_opened, cs.local_streams_opened, cs.stream_reuses),
+                (2, 1, ROUNDS - 2),
                 "{what}"
             );
             assert_eq!(cs.failed + ss.failed, 0, "{what}");

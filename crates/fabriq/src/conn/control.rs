@@ -24,9 +24,10 @@
 //!
 //! Not here: the handshake itself (`manager`), framing (`wire`).
 
-use std::io::{ErrorKind, Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::io::{ErrorKind, Read};
+use std::net::SocketAddr;
 use std::os::fd::{AsFd, BorrowedFd};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -36,7 +37,9 @@ use fabriq_verbs::{
 };
 use parking_lot::Mutex;
 
+use super::handshake::send_all;
 use super::manager::{ConnManager, ListenerHome};
+use super::stream::Stream;
 use super::wire::{self, Message, MAX_FRAME_LEN};
 
 /// What [`ControlStream::poll_peer`] saw.
@@ -68,7 +71,12 @@ pub(super) enum Home {
 /// The control stream of an established connection: its `Close` or hang-up ends the connection,
 /// its drop says `Close` and gives the stream back for reuse.
 pub struct ControlStream {
-    stream: Option<TcpStream>,
+    /// Shared with the connection's hang-up probes (no duplicate descriptor: a probe holds a
+    /// clone only while the connection lives, see `probe`).
+    stream: Option<Arc<Stream>>,
+    /// False while an owner switched the stream to blocking mode (control streams are
+    /// non-blocking otherwise; a stream given back for reuse is non-blocking again).
+    nonblocking: AtomicBool,
     peer_addr: SocketAddr,
     home: Home,
     reuse: bool,
@@ -78,10 +86,12 @@ pub struct ControlStream {
     /// The peer's `Ready` (the last step of its handshake) arrived on this stream and was not
     /// taken yet: accepting side, see [`super::PendingConn::finish_accepting`].
     ready: bool,
-    /// The probes' share of the socket (a duplicate descriptor), withdrawn when the connection
-    /// ends here, so a probe never keeps the socket open nor looks at a later connection's
-    /// handshake on it.
-    probe: Option<Arc<Mutex<Option<TcpStream>>>>,
+    /// This side's `Ready` is still to be written: connecting side, see
+    /// [`super::PendingConn::finish_connecting`].
+    ready_owed: bool,
+    /// The probes' share of the socket, withdrawn when the connection ends here, so a probe
+    /// never keeps the socket open nor looks at a later connection's handshake on it.
+    probe: Option<Arc<Mutex<Option<Arc<Stream>>>>>,
 }
 
 impl std::fmt::Debug for ControlStream {
@@ -95,19 +105,21 @@ impl std::fmt::Debug for ControlStream {
 
 impl ControlStream {
     pub(super) fn new(
-        stream: TcpStream,
+        stream: Stream,
         peer_addr: SocketAddr,
         home: Home,
         reuse: bool,
     ) -> ControlStream {
         ControlStream {
-            stream: Some(stream),
+            stream: Some(Arc::new(stream)),
+            nonblocking: AtomicBool::new(true),
             peer_addr,
             home,
             reuse,
             state: State::Open,
             rx: Vec::new(),
             ready: false,
+            ready_owed: false,
             probe: None,
         }
     }
@@ -115,7 +127,7 @@ impl ControlStream {
     /// A probe that tells from any thread, without reading, whether the peer has ended the
     /// connection on this stream. Connecting side only: `None` on the accepting side (the
     /// peer's `Ready` may still be in the socket there, which a look without reading cannot
-    /// tell from a `Close`), or when the descriptor cannot be duplicated.
+    /// tell from a `Close`).
     pub fn hangup_probe(&mut self) -> Option<HangupProbe> {
         if !matches!(self.home, Home::Client(_)) {
             return None;
@@ -125,16 +137,33 @@ impl ControlStream {
                 stream: Arc::clone(shared),
             });
         }
-        let dup = match self.stream.as_ref()?.try_clone() {
-            Ok(d) => d,
-            Err(e) => {
-                tracing::debug!(peer = %self.peer_addr, %e, "no hang-up probe: cannot duplicate");
-                return None;
-            }
-        };
-        let shared = Arc::new(Mutex::new(Some(dup)));
+        let shared = Arc::new(Mutex::new(Some(Arc::clone(self.stream.as_ref()?))));
         self.probe = Some(Arc::clone(&shared));
         Some(HangupProbe { stream: shared })
+    }
+
+    pub(super) fn owe_ready(&mut self, owed: bool) {
+        self.ready_owed = owed;
+    }
+
+    /// Write this side's `Ready` if it is owed ([`super::PendingConn::finish_connecting`]):
+    /// one non-blocking write. False when it could not be written (the peer is gone: the
+    /// stream is broken and [`ControlStream::poll_peer`] says `Gone`); true otherwise,
+    /// including when nothing was owed.
+    pub fn send_ready(&mut self) -> bool {
+        if !std::mem::take(&mut self.ready_owed) {
+            return true;
+        }
+        let Some(stream) = self.stream.as_deref() else {
+            return false;
+        };
+        let frame = wire::encode(&Message::Ready);
+        let deadline = Instant::now() + Duration::from_millis(200);
+        if send_all(stream, &frame, deadline).is_err() {
+            self.state = State::Broken;
+            return false;
+        }
+        true
     }
 
     /// True once after the peer's `Ready` was read by [`ControlStream::poll_peer`].
@@ -142,17 +171,30 @@ impl ControlStream {
         std::mem::take(&mut self.ready)
     }
 
+    /// True for a stream on a local (Unix) socket: a peer of this host reached after the
+    /// first connect (see `conn::stream`).
+    pub fn is_local(&self) -> bool {
+        self.stream.as_deref().is_some_and(Stream::is_local)
+    }
+
     /// The peer's control address.
     pub fn peer_addr(&self) -> SocketAddr {
         self.peer_addr
     }
 
-    /// Switch the stream to non-blocking mode (for an owner that polls it with epoll).
+    /// Switch the stream to non-blocking mode (for an owner that polls it with epoll), or
+    /// back. Control streams are non-blocking from the start, so switching it on costs
+    /// nothing unless an owner switched it off before.
     pub fn set_nonblocking(&self, on: bool) -> std::io::Result<()> {
-        match &self.stream {
-            Some(s) => s.set_nonblocking(on),
-            None => Ok(()),
+        let Some(s) = &self.stream else {
+            return Ok(());
+        };
+        if self.nonblocking.load(Ordering::Relaxed) == on {
+            return Ok(());
         }
+        s.set_nonblocking(on)?;
+        self.nonblocking.store(on, Ordering::Relaxed);
+        Ok(())
     }
 
     /// Read what the peer sent, without blocking (the stream must be non-blocking), and say
@@ -164,7 +206,7 @@ impl ControlStream {
                 State::Broken => return ControlEvent::Gone,
                 State::Open => {}
             }
-            let Some(stream) = self.stream.as_mut() else {
+            let Some(mut stream) = self.stream.as_deref() else {
                 self.state = State::Broken;
                 continue;
             };
@@ -230,20 +272,20 @@ impl ControlStream {
         if let Some(probe) = self.probe.take() {
             probe.lock().take();
         }
-        let Some(mut stream) = self.stream.take() else {
+        // No probe holds the stream any more: it is this side's alone.
+        let Some(stream) = self.stream.take().and_then(|s| Arc::try_unwrap(s).ok()) else {
             return;
         };
         if !self.reuse || self.state == State::Broken || !self.rx.is_empty() {
             return; // dropped: the peer sees EOF
         }
-        if stream.set_nonblocking(false).is_err() {
+        if !self.nonblocking.load(Ordering::Relaxed) && stream.set_nonblocking(true).is_err() {
             return;
         }
         if self.state == State::Open {
-            let sent = stream
-                .set_write_timeout(Some(Duration::from_millis(200)))
-                .and_then(|()| stream.write_all(&wire::encode(&Message::Close)));
-            if sent.is_err() {
+            let frame = wire::encode(&Message::Close);
+            let deadline = Instant::now() + Duration::from_millis(200);
+            if send_all(&stream, &frame, deadline).is_err() {
                 return;
             }
         }
@@ -256,8 +298,8 @@ impl ControlStream {
 }
 
 /// Tells whether the peer of a connection (connecting side) has ended it, from any thread and
-/// without taking anything from the stream: a non-blocking `recv(MSG_PEEK)` of one byte on a
-/// duplicate of the control stream's descriptor. On the connecting side a live connection's
+/// without taking anything from the stream: a non-blocking `recv(MSG_PEEK)` of one byte on the
+/// control stream's socket (shared with the [`ControlStream`] while the connection lives). On the connecting side a live connection's
 /// stream carries nothing from the peer; a byte (its `Close`, or anything else, which the owner
 /// would take as the peer gone), EOF or an error means the connection is over, even when the
 /// owner ([`ControlStream::poll_peer`]) has not read it yet. Once the [`ControlStream`] is
@@ -267,7 +309,7 @@ impl ControlStream {
 /// the owner, and the connection's users get its error then.
 #[derive(Clone)]
 pub struct HangupProbe {
-    stream: Arc<Mutex<Option<TcpStream>>>,
+    stream: Arc<Mutex<Option<Arc<Stream>>>>,
 }
 
 impl std::fmt::Debug for HangupProbe {

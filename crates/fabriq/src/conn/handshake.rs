@@ -2,12 +2,17 @@
 //! deadline, and the checks applied to a peer's hello. Protocol encoding lives in
 //! [`super::wire`]; the sequence of messages lives in [`super::manager`].
 
-use std::io::{ErrorKind, Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::io::ErrorKind;
+use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
+use super::stream::Stream;
 use super::wire::{self, DecodeError, Hello, Message, Reject, RejectCode, VERSION};
 use super::ConnError;
+
+/// How much [`Step::read_frames`] takes in its first receive: a hello with its strings is
+/// about 200 bytes; a larger frame is completed by exact reads.
+const FIRST_READ: usize = 1024;
 
 /// One pause of a handshake's busy-poll loop: give the core away if another thread wants it.
 /// On a host with fewer free cores than busy threads the thread being waited for (the peer's
@@ -83,60 +88,56 @@ impl Step {
     /// Fill `buf` completely. `Ok(false)` if the peer closed before sending anything and
     /// `eof_ok` is set (an idle stream the peer let go of).
     ///
-    /// Hybrid wait: for up to `spin` the socket is polled with non-blocking receives (no
-    /// thread sleeps or wakes when the peer answers within it), then the read blocks with a
-    /// timeout of what is left before the deadline. The deadline bounds both phases.
-    fn read_full(
+    /// Control streams are non-blocking. Hybrid wait: for up to `spin` the socket is polled
+    /// with non-blocking receives (no thread sleeps or wakes when the peer answers within it),
+    /// then the thread sleeps in `poll` for what is left before the deadline. What has arrived
+    /// already (a frame's body behind its prefix, a reply that came while this side was busy)
+    /// is taken by the first receive: one system call. The deadline bounds both phases.
+    fn read_full(&self, s: &mut Stream, buf: &mut [u8], eof_ok: bool) -> Result<bool, ConnError> {
+        Ok(self.read_some(s, buf, buf.len(), eof_ok)?.is_some())
+    }
+
+    /// [`Step::read_full`] for at least `min` bytes: what has arrived beyond them, up to
+    /// `buf.len()`, is taken by the same receives. The count read, `None` as there.
+    fn read_some(
         &self,
-        s: &mut TcpStream,
+        s: &mut Stream,
         buf: &mut [u8],
+        min: usize,
         eof_ok: bool,
-    ) -> Result<bool, ConnError> {
+    ) -> Result<Option<usize>, ConnError> {
         let spin_until = (!self.spin.is_zero()).then(|| Instant::now() + self.spin);
         let mut off = 0;
-        let mut first_try = true;
-        while off < buf.len() {
+        while off < min {
             let left = remaining(self.deadline, self.allowed, self.peer, self.phase)?;
             let Some(dst) = buf.get_mut(off..) else { break };
-            // What has arrived already (a frame's body behind its prefix, a reply that came
-            // while this side was busy) is taken without a timeout to set: one system call.
-            let spinning = first_try || spin_until.is_some_and(|t| Instant::now() < t);
-            first_try = false;
-            let got = if spinning {
-                rustix::net::recv(&*s, dst, rustix::net::RecvFlags::DONTWAIT)
-                    .map(|(n, _)| n)
-                    .map_err(std::io::Error::from)
-            } else {
-                s.set_read_timeout(Some(left))
-                    .map_err(|e| ConnError::io("set control stream timeout", e))?;
-                s.read(dst)
-            };
-            match got {
-                Ok(0) if off == 0 && eof_ok => return Ok(false),
-                Ok(0) => {
+            match rustix::net::recv(&*s, dst, rustix::net::RecvFlags::DONTWAIT) {
+                Ok((0, _)) if off == 0 && eof_ok => return Ok(None),
+                Ok((0, _)) => {
                     return Err(ConnError::PeerClosed {
                         peer: self.peer,
                         phase: self.phase,
                     })
                 }
-                Ok(n) => off += n,
-                Err(e) if e.kind() == ErrorKind::Interrupted => {}
-                Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
-                    if spinning && spin_until.is_some() {
+                Ok((n, _)) => off += n,
+                Err(rustix::io::Errno::INTR) => {}
+                Err(rustix::io::Errno::AGAIN) => {
+                    if spin_until.is_some_and(|t| Instant::now() < t) {
                         spin_pause();
+                    } else {
+                        wait_ready(s, rustix::event::PollFlags::IN, left)
+                            .map_err(|e| self.io_error(e))?;
                     }
                 }
-                Err(e) if e.kind() == ErrorKind::ConnectionReset && off == 0 && eof_ok => {
-                    return Ok(false)
-                }
-                Err(e) => return Err(self.io_error(e)),
+                Err(rustix::io::Errno::CONNRESET) if off == 0 && eof_ok => return Ok(None),
+                Err(e) => return Err(self.io_error(e.into())),
             }
         }
-        Ok(true)
+        Ok(Some(off))
     }
 
     /// Read one message. `Ok(None)` only when `eof_ok` and the peer closed cleanly first.
-    pub fn read_msg(&self, s: &mut TcpStream, eof_ok: bool) -> Result<Option<Message>, ConnError> {
+    pub fn read_msg(&self, s: &mut Stream, eof_ok: bool) -> Result<Option<Message>, ConnError> {
         let mut prefix = [0u8; 4];
         if !self.read_full(s, &mut prefix, eof_ok)? {
             return Ok(None);
@@ -147,6 +148,68 @@ impl Step {
         wire::decode_body(&body)
             .map(Some)
             .map_err(|e| self.decode_error(e))
+    }
+
+    /// Read what the peer sent, at least one message, in one receive where it has all arrived
+    /// (a frame's prefix and body, or a stray `Close` and the frame behind it) instead of one
+    /// receive for the prefix and one for the body. Only for a wait after which the peer sends
+    /// nothing more until this side answers — a hello, a hello-ack: bytes behind the awaited
+    /// frame are taken too, and the caller says what they mean. `Ok(None)` as for
+    /// [`Step::read_msg`].
+    pub fn read_frames(
+        &self,
+        s: &mut Stream,
+        eof_ok: bool,
+    ) -> Result<Option<Vec<Message>>, ConnError> {
+        let mut buf = [0u8; FIRST_READ];
+        let Some(got) = self.read_some(s, &mut buf, 1, eof_ok)? else {
+            return Ok(None);
+        };
+        let mut msgs = Vec::with_capacity(1);
+        let mut rest = buf.get(..got).unwrap_or_default();
+        loop {
+            if rest.len() < 4 {
+                // The end of what arrived is the start of a frame: the rest of it, exactly.
+                let mut prefix = [0u8; 4];
+                let (have, missing) = prefix.split_at_mut(rest.len());
+                have.copy_from_slice(rest);
+                self.read_full(s, missing, false)?;
+                msgs.push(self.read_body(s, prefix, &[])?);
+                return Ok(Some(msgs));
+            }
+            let (head, after) = rest.split_at(4);
+            let mut prefix = [0u8; 4];
+            prefix.copy_from_slice(head);
+            let len = wire::frame_len(prefix).map_err(|e| self.decode_error(e))?;
+            match (after.get(..len), after.get(len..)) {
+                (Some(body), Some(next)) => {
+                    msgs.push(wire::decode_body(body).map_err(|e| self.decode_error(e))?);
+                    if next.is_empty() {
+                        return Ok(Some(msgs));
+                    }
+                    rest = next;
+                }
+                _ => {
+                    msgs.push(self.read_body(s, prefix, after)?);
+                    return Ok(Some(msgs));
+                }
+            }
+        }
+    }
+
+    /// The frame announced by `prefix`, of whose body `have` arrived: the rest is read exactly.
+    fn read_body(
+        &self,
+        s: &mut Stream,
+        prefix: [u8; 4],
+        have: &[u8],
+    ) -> Result<Message, ConnError> {
+        let len = wire::frame_len(prefix).map_err(|e| self.decode_error(e))?;
+        let mut body = vec![0u8; len];
+        let (start, missing) = body.split_at_mut(have.len().min(len));
+        start.copy_from_slice(have.get(..start.len()).unwrap_or_default());
+        self.read_full(s, missing, false)?;
+        wire::decode_body(&body).map_err(|e| self.decode_error(e))
     }
 
     fn decode_error(&self, e: DecodeError) -> ConnError {
@@ -166,42 +229,64 @@ impl Step {
     ///
     /// A handshake frame fits the socket's send buffer, so it normally leaves in one
     /// non-blocking send; only what does not (a full buffer) waits, bounded by the deadline.
-    pub fn write_msg(&self, s: &mut TcpStream, msg: &Message) -> Result<(), ConnError> {
-        let left = remaining(self.deadline, self.allowed, self.peer, self.phase)?;
-        let frame = wire::encode(msg);
-        let sent = loop {
-            match rustix::net::send(
-                &*s,
-                &frame,
-                rustix::net::SendFlags::DONTWAIT | rustix::net::SendFlags::NOSIGNAL,
-            ) {
-                Ok(n) => break n,
-                Err(rustix::io::Errno::INTR) => {}
-                Err(rustix::io::Errno::AGAIN) => break 0,
-                Err(e) => return Err(self.io_error(e.into())),
-            }
-        };
-        let Some(rest) = frame.get(sent..).filter(|r| !r.is_empty()) else {
-            return Ok(());
-        };
-        s.set_write_timeout(Some(left))
-            .map_err(|e| ConnError::io("set control stream timeout", e))?;
-        s.write_all(rest)
-            .and_then(|()| s.flush())
-            .map_err(|e| self.io_error(e))
+    pub fn write_msg(&self, s: &mut Stream, msg: &Message) -> Result<(), ConnError> {
+        remaining(self.deadline, self.allowed, self.peer, self.phase)?;
+        send_all(s, &wire::encode(msg), self.deadline).map_err(|e| self.io_error(e))
     }
 }
 
+/// Sleep until `s` is ready for `flags` or `left` has passed (then the caller's deadline check
+/// reports the timeout).
+fn wait_ready(s: &Stream, flags: rustix::event::PollFlags, left: Duration) -> std::io::Result<()> {
+    let ts = rustix::event::Timespec {
+        tv_sec: i64::try_from(left.as_secs()).unwrap_or(i64::MAX),
+        tv_nsec: i64::from(left.subsec_nanos()),
+    };
+    let mut fds = [rustix::event::PollFd::new(s, flags)];
+    match rustix::event::poll(&mut fds, Some(&ts)) {
+        Ok(_) | Err(rustix::io::Errno::INTR) => Ok(()),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Write all of `bytes` to the non-blocking stream `s`, waiting for room no later than
+/// `deadline` (`TimedOut` after it).
+pub(crate) fn send_all(s: &Stream, bytes: &[u8], deadline: Instant) -> std::io::Result<()> {
+    let mut off = 0;
+    while let Some(rest) = bytes.get(off..).filter(|r| !r.is_empty()) {
+        match rustix::net::send(
+            s,
+            rest,
+            rustix::net::SendFlags::DONTWAIT | rustix::net::SendFlags::NOSIGNAL,
+        ) {
+            Ok(n) => off += n,
+            Err(rustix::io::Errno::INTR) => {}
+            Err(rustix::io::Errno::AGAIN) => {
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return Err(ErrorKind::TimedOut.into());
+                }
+                wait_ready(s, rustix::event::PollFlags::OUT, left)?;
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(())
+}
+
 /// Send a rejection, best effort (the peer may be gone already), with a short write timeout.
-pub(crate) fn send_reject(s: &mut TcpStream, code: RejectCode, provider: &str, reason: &str) {
+pub(crate) fn send_reject(s: &mut Stream, code: RejectCode, provider: &str, reason: &str) {
     let msg = Message::Reject(Reject {
         code,
         version: VERSION,
         provider: provider.to_string(),
         reason: reason.to_string(),
     });
-    let _ = s.set_write_timeout(Some(Duration::from_millis(200)));
-    let _ = s.write_all(&wire::encode(&msg));
+    let _ = send_all(
+        s,
+        &wire::encode(&msg),
+        Instant::now() + Duration::from_millis(200),
+    );
 }
 
 /// The rejection to send for a local handshake error, if the peer should hear one.

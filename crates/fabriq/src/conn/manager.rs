@@ -8,6 +8,7 @@
 use std::collections::HashMap;
 use std::io::{ErrorKind, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::os::unix::net::UnixListener;
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -23,6 +24,7 @@ use super::control::{ControlStream, Home, QpLease};
 use super::handshake::{check_peer_hello, reject_code_for, rejected, send_reject, Step};
 use super::qp_cache::QpCache;
 use super::region_cache::RegionCache;
+use super::stream::{self, LocalConnect, Stream};
 use super::wire::{Hello, Message, RejectCode, VERSION};
 use super::{ConnConfig, ConnError};
 
@@ -54,8 +56,11 @@ pub struct ConnStats {
     pub qps_cached: u64,
     /// Released QPs destroyed instead of cached (cache full or reset failed).
     pub qps_dropped: u64,
-    /// TCP control streams opened (client side).
+    /// Control streams opened (client side), TCP or local.
     pub streams_opened: u64,
+    /// Of `streams_opened`, those opened on a peer's local socket (a listener of this host
+    /// whose name its hello-ack gave).
+    pub local_streams_opened: u64,
     /// Handshakes that reused an idle control stream (client side).
     pub stream_reuses: u64,
     /// Channel regions (receive rings, send-header slots) taken from the region cache.
@@ -76,6 +81,7 @@ impl std::ops::AddAssign for ConnStats {
         self.qps_cached += o.qps_cached;
         self.qps_dropped += o.qps_dropped;
         self.streams_opened += o.streams_opened;
+        self.local_streams_opened += o.local_streams_opened;
         self.stream_reuses += o.stream_reuses;
         self.region_cache_hits += o.region_cache_hits;
         self.region_cache_misses += o.region_cache_misses;
@@ -92,13 +98,30 @@ struct Inner {
     device: String,
     qp_cache: QpCache,
     region_cache: RegionCache,
-    idle_streams: Mutex<HashMap<SocketAddr, Vec<TcpStream>>>,
+    idle_streams: Mutex<HashMap<SocketAddr, Vec<Stream>>>,
+    /// What this side knows of the local control sockets of the listeners it connected to
+    /// (see `conn::stream`), by their address.
+    local_controls: Mutex<HashMap<SocketAddr, LocalControl>>,
     connects: AtomicU64,
     accepts: AtomicU64,
     failed: AtomicU64,
     qps_created: AtomicU64,
     streams_opened: AtomicU64,
+    local_streams_opened: AtomicU64,
     stream_reuses: AtomicU64,
+}
+
+/// A listener's local control socket, as a client knows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum LocalControl {
+    /// A listener of this host that named this socket: later streams open there.
+    At(String),
+    /// A listener elsewhere: its name is not looked at again.
+    NotHere,
+    /// This name refused a connect (no listener under it here: the listener closed, or it is
+    /// in another network namespace behind a forwarded port). Streams go over TCP, and are
+    /// kept, until the listener names another socket.
+    Refused(String),
 }
 
 /// Creates, connects and recycles the QPs of one worker (one PD, one pair of CQs).
@@ -145,7 +168,7 @@ pub struct Established {
 pub struct PendingConn {
     mgr: ConnManager,
     qp: Option<QueuePair>,
-    stream: Option<TcpStream>,
+    stream: Option<Stream>,
     peer_addr: SocketAddr,
     local: Hello,
     peer: Hello,
@@ -198,11 +221,13 @@ impl ConnManager {
                 region_cache: RegionCache::new(cfg.qp_cache_capacity.saturating_mul(2)),
                 cfg,
                 idle_streams: Mutex::new(HashMap::new()),
+                local_controls: Mutex::new(HashMap::new()),
                 connects: AtomicU64::new(0),
                 accepts: AtomicU64::new(0),
                 failed: AtomicU64::new(0),
                 qps_created: AtomicU64::new(0),
                 streams_opened: AtomicU64::new(0),
+                local_streams_opened: AtomicU64::new(0),
                 stream_reuses: AtomicU64::new(0),
             }),
         })
@@ -255,6 +280,7 @@ impl ConnManager {
             qps_cached: i.qp_cache.len() as u64,
             qps_dropped: i.qp_cache.dropped(),
             streams_opened: i.streams_opened.load(Ordering::Relaxed),
+            local_streams_opened: i.local_streams_opened.load(Ordering::Relaxed),
             stream_reuses: i.stream_reuses.load(Ordering::Relaxed),
             region_cache_hits: i.region_cache.hits(),
             region_cache_misses: i.region_cache.misses(),
@@ -320,6 +346,7 @@ impl ConnManager {
             target_worker,
             stream_window: c.stream_window,
             auth_token: c.auth_token.clone(),
+            local_control: String::new(),
         }
     }
 
@@ -356,18 +383,28 @@ impl ConnManager {
             .set_nonblocking(true)
             .and_then(|()| wake_rx.set_nonblocking(true))
             .map_err(|e| ConnError::io("listener wake-up pair", e))?;
+        // Peers of this host open their later (kept) control streams on a local socket, which
+        // is only worth having where streams are kept.
+        let cfg = &self.inner.cfg;
+        let (unix, local_name) = match cfg.reuse_control_streams && cfg.local_control_streams {
+            true => stream::bind_local().map_or((None, String::new()), |(l, n)| (Some(l), n)),
+            false => (None, String::new()),
+        };
         Ok(Listener {
             mgr: self.clone(),
             tcp,
+            unix,
             local,
             home: Arc::new(ListenerHome {
                 returned: Mutex::new(Vec::new()),
                 wake_tx,
                 wake_rx,
                 closed: AtomicBool::new(false),
+                local_name,
             }),
             idle: Mutex::new(Vec::new()),
             admitted: Vec::new(),
+            last_tcp: AtomicBool::new(true),
         })
     }
 
@@ -420,23 +457,40 @@ impl ConnManager {
         let outcome = (|| loop {
             let (mut stream, from_idle) = match self.take_idle_stream(addr) {
                 Some(s) => (s, true),
-                None => (self.tcp_connect(addr, deadline, timeout)?, false),
+                None => (self.open_stream(addr, deadline, timeout)?, false),
             };
+            let local = stream.is_local();
             let step = |phase| Step {
                 peer: addr,
                 phase,
                 deadline,
                 allowed: timeout,
-                spin: self.inner.cfg.handshake_spin,
+                spin: self.spin_for(local),
             };
-            // A reused stream may still hold the peer's Close of the previous connection.
             let reply = step("hello")
                 .write_msg(&mut stream, &hello)
                 .and_then(|()| loop {
-                    match step("hello-ack").read_msg(&mut stream, from_idle) {
-                        Ok(Some(Message::Close)) => {}
-                        other => break other,
-                    }
+                    let msgs = match step("hello-ack").read_frames(&mut stream, from_idle) {
+                        Ok(Some(msgs)) => msgs,
+                        other => break other.map(|_| None),
+                    };
+                    // A reused stream may still hold the peer's Close of the previous
+                    // connection.
+                    let mut msgs = msgs.into_iter().skip_while(|m| *m == Message::Close);
+                    let Some(reply) = msgs.next() else { continue };
+                    // The server sends nothing more until this side's Ready or Close.
+                    break match msgs.next() {
+                        None => Ok(Some(reply)),
+                        Some(Message::Close) => Err(ConnError::PeerClosed {
+                            peer: addr,
+                            phase: "hello-ack",
+                        }),
+                        Some(other) => Err(ConnError::Unexpected {
+                            peer: addr,
+                            phase: "hello-ack",
+                            got: other.name(),
+                        }),
+                    };
                 });
             match reply {
                 Ok(Some(msg)) => {
@@ -480,17 +534,20 @@ impl ConnManager {
             }),
         };
         match checked {
-            Ok(peer) => Ok(PendingConn {
-                mgr: self.clone(),
-                qp: Some(qp),
-                stream: Some(stream),
-                peer_addr: addr,
-                local,
-                peer,
-                role: Role::Client,
-                reused_qp,
-                home: None,
-            }),
+            Ok(peer) => {
+                self.learn_local_control(addr, &stream, &peer);
+                Ok(PendingConn {
+                    mgr: self.clone(),
+                    qp: Some(qp),
+                    stream: Some(stream),
+                    peer_addr: addr,
+                    local,
+                    peer,
+                    role: Role::Client,
+                    reused_qp,
+                    home: None,
+                })
+            }
             Err(e) => {
                 if let Some(code) = reject_code_for(&e) {
                     send_reject(&mut stream, code, &self.inner.provider, &e.to_string());
@@ -498,6 +555,79 @@ impl ConnManager {
                 self.release_qp(qp);
                 Err(e)
             }
+        }
+    }
+
+    /// A new control stream to the listener at `addr`: on its local socket when it is a
+    /// listener of this host whose name this side learnt, else over TCP.
+    fn open_stream(
+        &self,
+        addr: SocketAddr,
+        deadline: Instant,
+        allowed: Duration,
+    ) -> Result<Stream, ConnError> {
+        let known = match self.inner.local_controls.lock().get(&addr) {
+            Some(LocalControl::At(name)) => Some(name.clone()),
+            _ => None,
+        };
+        if let Some(name) = known {
+            match stream::connect_local(&name) {
+                Ok(s) => {
+                    self.inner.streams_opened.fetch_add(1, Ordering::Relaxed);
+                    self.inner
+                        .local_streams_opened
+                        .fetch_add(1, Ordering::Relaxed);
+                    return Ok(Stream::Local(s));
+                }
+                // Nobody listens under that name here (a new listener on `addr`, found over
+                // TCP, names another).
+                Err(LocalConnect::Gone) => {
+                    let mut known = self.inner.local_controls.lock();
+                    if known.get(&addr) == Some(&LocalControl::At(name.clone())) {
+                        known.insert(addr, LocalControl::Refused(name));
+                    }
+                }
+                Err(LocalConnect::Busy) => {}
+            }
+        }
+        self.tcp_connect(addr, deadline, allowed).map(Stream::Tcp)
+    }
+
+    /// Remember the local control socket a peer of this host named in its hello-ack, for the
+    /// control streams opened to it later. Only where streams are reused, and only for a peer
+    /// reached at one of this host's addresses: an abstract socket name means something only
+    /// in this host's network namespace, and the peer's own (random) name is all that is used.
+    fn learn_local_control(&self, addr: SocketAddr, stream: &Stream, peer: &Hello) {
+        let cfg = &self.inner.cfg;
+        if !cfg.reuse_control_streams || !cfg.local_control_streams || stream.is_local() {
+            return;
+        }
+        let name = &peer.local_control;
+        if name.is_empty() || name.len() > super::wire::MAX_LOCAL_CONTROL_LEN {
+            return;
+        }
+        let mut known = self.inner.local_controls.lock();
+        match known.get(&addr) {
+            Some(LocalControl::NotHere) => {}
+            Some(LocalControl::At(n) | LocalControl::Refused(n)) if n == name => {}
+            _ => {
+                // Binding a socket to the address tells (once per peer address).
+                let entry = match crate::endpoint::is_this_host(addr.ip()) {
+                    true => LocalControl::At(name.clone()),
+                    false => LocalControl::NotHere,
+                };
+                known.insert(addr, entry);
+            }
+        }
+    }
+
+    /// How long a wait on a control stream busy-polls: `handshake_spin`, but never on a local
+    /// stream, whose writer wakes the waiting thread in about a microsecond (spinning there
+    /// only held a core the peer's thread needed: `docs/arch/conn.md`).
+    pub(crate) fn spin_for(&self, local: bool) -> Duration {
+        match local {
+            true => Duration::ZERO,
+            false => self.inner.cfg.handshake_spin,
         }
     }
 
@@ -522,19 +652,33 @@ impl ConnManager {
             _ => ConnError::io(format!("connect to {addr}"), e),
         })?;
         stream.set_nodelay(true).ok();
+        // Control streams are non-blocking: every wait on them polls, bounded by its deadline.
+        stream
+            .set_nonblocking(true)
+            .map_err(|e| ConnError::io("control stream non-blocking", e))?;
         self.inner.streams_opened.fetch_add(1, Ordering::Relaxed);
         Ok(stream)
     }
 
-    fn take_idle_stream(&self, addr: SocketAddr) -> Option<TcpStream> {
+    fn take_idle_stream(&self, addr: SocketAddr) -> Option<Stream> {
         if !self.inner.cfg.reuse_control_streams {
             return None;
         }
         self.inner.idle_streams.lock().get_mut(&addr)?.pop()
     }
 
-    pub(super) fn put_idle_stream(&self, addr: SocketAddr, stream: TcpStream) {
+    pub(super) fn put_idle_stream(&self, addr: SocketAddr, stream: Stream) {
         if !self.inner.cfg.reuse_control_streams {
+            return;
+        }
+        // A TCP stream to a peer with a local socket is not kept: the next connect opens a
+        // local one (the peer's listener sees this one close and drops it).
+        if !stream.is_local()
+            && matches!(
+                self.inner.local_controls.lock().get(&addr),
+                Some(LocalControl::At(_))
+            )
+        {
             return;
         }
         let mut idle = self.inner.idle_streams.lock();
@@ -586,7 +730,10 @@ impl ConnManager {
                 return Err(e);
             }
         };
-        let local = self.local_hello(&qp, None);
+        let mut local = self.local_hello(&qp, None);
+        if let Some(h) = &home {
+            local.local_control.clone_from(&h.local_name);
+        }
         Ok(PendingConn {
             mgr: self.clone(),
             qp: Some(qp),
@@ -668,7 +815,20 @@ impl PendingConn {
     /// peer that still gives up afterwards only closes the control stream. Connecting side:
     /// the same as `finish_owned`.
     pub fn finish_accepting(mut self) -> Result<(Established, ControlStream), ConnError> {
-        self.finish_counted(true, false).and_then(with_stream)
+        let complete = self.role == Role::Client;
+        self.finish_counted(true, complete).and_then(with_stream)
+    }
+
+    /// [`PendingConn::finish_owned`], except that the connecting side does not write its
+    /// `Ready` here: the returned control stream owes it, and [`ControlStream::send_ready`]
+    /// writes it — the thread that adopts the connection, which may be another than this one
+    /// (a worker that is awake anyway), so the write leaves the connect's path. Until it is
+    /// written the peer holds its sends ([`PendingConn::finish_accepting`]); a message this
+    /// side sends first tells the peer as much. The receive ring must be posted before this is
+    /// called, as for every finish. Accepting side: the same as `finish_owned`.
+    pub fn finish_connecting(mut self) -> Result<(Established, ControlStream), ConnError> {
+        let complete = self.role == Role::Server;
+        self.finish_counted(true, complete).and_then(with_stream)
     }
 
     /// Refuse the peer after its hello was read (e.g. its ring geometry does not suit this
@@ -681,13 +841,15 @@ impl PendingConn {
         // Drop returns the QP.
     }
 
+    /// `complete`: the handshake's last step happens here (connecting side: `Ready` written;
+    /// accepting side: `Ready` read), else it is left to the owner of the control stream.
     fn finish_counted(
         &mut self,
         keep_stream: bool,
-        wait_ready: bool,
+        complete: bool,
     ) -> Result<(Established, Option<ControlStream>), ConnError> {
         let mgr = self.mgr.clone();
-        let result = self.finish_inner(keep_stream, wait_ready);
+        let result = self.finish_inner(keep_stream, complete);
         match &result {
             Ok(_) => {
                 let counter = match self.role {
@@ -706,22 +868,16 @@ impl PendingConn {
     fn finish_inner(
         &mut self,
         keep_stream: bool,
-        wait_ready: bool,
+        complete: bool,
     ) -> Result<(Established, Option<ControlStream>), ConnError> {
         let (Some(qp), Some(mut stream)) = (self.qp.take(), self.stream.take()) else {
             unreachable!("PendingConn invariant: finish runs once");
         };
         let mgr = self.mgr.clone();
         let cfg = &mgr.inner.cfg;
-        let step = |phase| {
-            Step::new(
-                self.peer_addr,
-                phase,
-                cfg.handshake_timeout,
-                cfg.handshake_spin,
-            )
-        };
-        let run = |stream: &mut TcpStream| -> Result<(), ConnError> {
+        let spin = mgr.spin_for(stream.is_local());
+        let step = |phase| Step::new(self.peer_addr, phase, cfg.handshake_timeout, spin);
+        let run = |stream: &mut Stream| -> Result<(), ConnError> {
             if qp.state() == QpState::Reset {
                 qp.modify(&QpAttr::init(cfg.access))?;
             }
@@ -733,10 +889,11 @@ impl PendingConn {
             };
             qp.modify(&rts)?;
             match self.role {
-                Role::Client => step("ready").write_msg(stream, &Message::Ready),
+                Role::Client if complete => step("ready").write_msg(stream, &Message::Ready),
+                Role::Client => Ok(()), // owed by the control stream
                 Role::Server => {
                     step("hello-ack").write_msg(stream, &Message::HelloAck(self.local.clone()))?;
-                    if !wait_ready {
+                    if !complete {
                         return Ok(());
                     }
                     match step("ready").read_msg(stream, false)? {
@@ -763,12 +920,14 @@ impl PendingConn {
                 match (self.role, keep_stream) {
                     (Role::Client, false) => mgr.put_idle_stream(self.peer_addr, stream),
                     (Role::Client, true) => {
-                        control = Some(ControlStream::new(
+                        let mut c = ControlStream::new(
                             stream,
                             self.peer_addr,
                             Home::Client(mgr.clone()),
                             cfg.reuse_control_streams,
-                        ))
+                        );
+                        c.owe_ready(!complete);
+                        control = Some(c);
                     }
                     (Role::Server, false) => {
                         if let Some(home) = self.home.take() {
@@ -831,14 +990,16 @@ impl Drop for PendingConn {
 
 /// Where a server-side control stream goes back after a handshake, to be polled for the next.
 pub(super) struct ListenerHome {
-    returned: Mutex<Vec<(TcpStream, SocketAddr)>>,
+    returned: Mutex<Vec<(Stream, SocketAddr)>>,
     wake_tx: UnixStream,
     wake_rx: UnixStream,
     closed: AtomicBool,
+    /// The listener's local control socket (empty: none), named in its hello-acks.
+    local_name: String,
 }
 
 impl ListenerHome {
-    pub(super) fn give_back(&self, stream: TcpStream, peer: SocketAddr) {
+    pub(super) fn give_back(&self, stream: Stream, peer: SocketAddr) {
         if self.closed.load(Ordering::Acquire) {
             return;
         }
@@ -861,7 +1022,7 @@ impl ListenerHome {
 /// asks for ([`Incoming::peer`]`.target_worker`) and call that worker's
 /// [`ConnManager::accept_incoming`].
 pub struct Incoming {
-    stream: TcpStream,
+    stream: Stream,
     peer_addr: SocketAddr,
     hello: Hello,
     home: Option<Arc<ListenerHome>>,
@@ -928,13 +1089,18 @@ enum HelloRead {
 pub struct Listener {
     mgr: ConnManager,
     tcp: TcpListener,
+    /// The local control socket peers of this host open their later control streams on
+    /// (`conn::stream`); none where streams are not reused or none could be bound.
+    unix: Option<UnixListener>,
     local: SocketAddr,
     home: Arc<ListenerHome>,
     /// Streams waiting for their next hello; only touched by the accepting thread.
-    idle: Mutex<Vec<(TcpStream, SocketAddr)>>,
+    idle: Mutex<Vec<(Stream, SocketAddr)>>,
     /// Providers admitted besides the manager's own (an endpoint on several devices routes
     /// each `Incoming` to the manager of its provider).
     admitted: Vec<String>,
+    /// The last peer came over TCP: the next wait starts with a spin.
+    last_tcp: AtomicBool,
 }
 
 impl std::fmt::Debug for Listener {
@@ -1011,9 +1177,15 @@ impl Listener {
         // Hybrid wait: poll without blocking for `handshake_spin` after entry and after each
         // event (a stream given back, a `Close` skipped), then sleep in `poll`. A hello that
         // follows soon after (a reconnect, the next peer of a burst) is read without waking
-        // this thread.
+        // this thread. Only events of TCP streams start the spin: a local stream's writer
+        // wakes this thread in about a microsecond, and a spinning listener holds a core the
+        // peer of the handshake needs (`docs/arch/conn.md`, "Waiting on the control stream").
         let spin = self.mgr.inner.cfg.handshake_spin;
-        let mut spin_until = Instant::now() + spin;
+        let now = Instant::now();
+        let mut spin_until = match self.last_tcp.load(Ordering::Relaxed) {
+            true => now + spin,
+            false => now,
+        };
         let zero = Timespec {
             tv_sec: 0,
             tv_nsec: 0,
@@ -1023,7 +1195,13 @@ impl Listener {
             if self.home.closed.load(Ordering::Acquire) {
                 return Err(ConnError::Closed);
             }
-            idle.append(&mut self.home.returned.lock());
+            {
+                let mut returned = self.home.returned.lock();
+                if returned.iter().any(|(s, _)| !s.is_local()) {
+                    spin_until = Instant::now() + spin;
+                }
+                idle.append(&mut returned);
+            }
             let max_kept = self.mgr.inner.cfg.max_kept_streams;
             if idle.len() > max_kept {
                 // Close the oldest; their clients reconnect transparently on next use.
@@ -1049,10 +1227,16 @@ impl Listener {
             };
             let spinning = Instant::now() < spin_until;
             let wait = if spinning { Some(&zero) } else { left.as_ref() };
+            // Poll set: the TCP listener, the wake-up socket, the local listener if any, then
+            // the kept streams.
+            let base = 2 + usize::from(self.unix.is_some());
             let ready: Vec<bool> = {
-                let mut fds = Vec::with_capacity(2 + idle.len());
+                let mut fds = Vec::with_capacity(base + idle.len());
                 fds.push(PollFd::new(&self.tcp, PollFlags::IN));
                 fds.push(PollFd::new(&self.home.wake_rx, PollFlags::IN));
+                if let Some(u) = &self.unix {
+                    fds.push(PollFd::new(u, PollFlags::IN));
+                }
                 for (s, _) in idle.iter() {
                     fds.push(PollFd::new(s, PollFlags::IN));
                 }
@@ -1069,27 +1253,36 @@ impl Listener {
                 }
                 continue;
             }
+            // A peer of this host opening a control stream on the local socket.
+            if base == 3 && ready.get(2).copied().unwrap_or(false) {
+                if let Some(found) = self.accept_local()? {
+                    return Ok(found);
+                }
+                continue;
+            }
             if ready.get(1).copied().unwrap_or(false) {
+                // The streams given back are taken at the top of the loop.
                 self.home.drain_wake();
-                spin_until = Instant::now() + spin;
             }
             // A kept stream with a new hello (or closed by its peer).
-            if let Some(i) = ready.iter().skip(2).position(|&r| r) {
+            if let Some(i) = ready.iter().skip(base).position(|&r| r) {
                 let (mut stream, peer) = idle.remove(i);
                 match self.read_hello(&mut stream, peer, true) {
                     Ok(HelloRead::Hello(hello)) => return Ok(self.incoming(stream, peer, *hello)),
                     Ok(HelloRead::Eof) => continue, // the peer let the stream go
                     // The peer's Close of the previous connection: wait for its next hello.
                     Ok(HelloRead::Close) => {
+                        if !stream.is_local() {
+                            spin_until = Instant::now() + spin;
+                        }
                         idle.push((stream, peer));
-                        spin_until = Instant::now() + spin;
                         continue;
                     }
                     Err(e) => return Err(e),
                 }
             }
             if ready.first().copied().unwrap_or(false) {
-                let (mut stream, peer) = match self.tcp.accept() {
+                let (stream, peer) = match self.tcp.accept() {
                     Ok(v) => v,
                     Err(e)
                         if matches!(e.kind(), ErrorKind::Interrupted | ErrorKind::WouldBlock) =>
@@ -1098,10 +1291,12 @@ impl Listener {
                     }
                     Err(e) => return Err(ConnError::io("accept", e)),
                 };
+                // Control streams are non-blocking (Linux does not pass the listener's flag on).
                 stream
-                    .set_nonblocking(false)
-                    .map_err(|e| ConnError::io("accepted stream blocking", e))?;
+                    .set_nonblocking(true)
+                    .map_err(|e| ConnError::io("accepted stream non-blocking", e))?;
                 stream.set_nodelay(true).ok();
+                let mut stream = Stream::Tcp(stream);
                 return match self.read_hello(&mut stream, peer, false)? {
                     HelloRead::Hello(hello) => Ok(self.incoming(stream, peer, *hello)),
                     HelloRead::Eof | HelloRead::Close => Err(ConnError::PeerClosed {
@@ -1113,7 +1308,35 @@ impl Listener {
         }
     }
 
-    fn incoming(&self, stream: TcpStream, peer_addr: SocketAddr, hello: Hello) -> Incoming {
+    /// Accept a stream on the local socket and read its hello; `None` when there was none to
+    /// accept after all.
+    fn accept_local(&self) -> Result<Option<Incoming>, ConnError> {
+        let Some(unix) = &self.unix else {
+            return Ok(None);
+        };
+        let stream = match unix.accept() {
+            Ok((s, _)) => s,
+            Err(e) if matches!(e.kind(), ErrorKind::Interrupted | ErrorKind::WouldBlock) => {
+                return Ok(None)
+            }
+            Err(e) => return Err(ConnError::io("accept local", e)),
+        };
+        stream
+            .set_nonblocking(true)
+            .map_err(|e| ConnError::io("accepted stream non-blocking", e))?;
+        let peer = stream::local_peer(self.local);
+        let mut stream = Stream::Local(stream);
+        match self.read_hello(&mut stream, peer, false)? {
+            HelloRead::Hello(hello) => Ok(Some(self.incoming(stream, peer, *hello))),
+            HelloRead::Eof | HelloRead::Close => Err(ConnError::PeerClosed {
+                peer,
+                phase: "hello",
+            }),
+        }
+    }
+
+    fn incoming(&self, stream: Stream, peer_addr: SocketAddr, hello: Hello) -> Incoming {
+        self.last_tcp.store(!stream.is_local(), Ordering::Relaxed);
         Incoming {
             stream,
             peer_addr,
@@ -1124,7 +1347,7 @@ impl Listener {
 
     fn read_hello(
         &self,
-        stream: &mut TcpStream,
+        stream: &mut Stream,
         peer: SocketAddr,
         eof_ok: bool,
     ) -> Result<HelloRead, ConnError> {
@@ -1133,37 +1356,55 @@ impl Listener {
             peer,
             "hello",
             inner.cfg.handshake_timeout,
-            inner.cfg.handshake_spin,
+            self.mgr.spin_for(stream.is_local()),
         );
-        let result = match step.read_msg(stream, eof_ok) {
+        let msgs = match step.read_frames(stream, eof_ok) {
             Ok(None) => return Ok(HelloRead::Eof),
-            Ok(Some(Message::Close)) if eof_ok => return Ok(HelloRead::Close),
-            // A kept stream may still hold the `Ready` of the connection it carried, when that
-            // connection ended before its worker read it (`PendingConn::finish_accepting`).
-            Ok(Some(Message::Ready)) if eof_ok => return Ok(HelloRead::Close),
-            Ok(Some(Message::Hello(h))) => {
-                let provider = match self.admitted.iter().find(|p| **p == h.provider) {
-                    Some(p) => p.as_str(),
-                    None => inner.provider.as_str(),
-                };
-                check_peer_hello(peer, provider, &inner.cfg.auth_token, &h).map(|()| h)
+            Ok(Some(msgs)) => msgs,
+            Err(e) => {
+                self.refuse(stream, peer, &e);
+                return Err(e);
             }
-            Ok(Some(other)) => Err(ConnError::Unexpected {
-                peer,
-                phase: "hello",
-                got: other.name(),
-            }),
-            Err(e) => Err(e),
+        };
+        // A kept stream may still hold the `Close` of the connection it carried, or its
+        // `Ready`, when that connection ended before its worker read it
+        // (`PendingConn::finish_accepting`).
+        let mut msgs = msgs
+            .into_iter()
+            .skip_while(|m| eof_ok && matches!(m, Message::Close | Message::Ready));
+        let unexpected = |got: &Message| ConnError::Unexpected {
+            peer,
+            phase: "hello",
+            got: got.name(),
+        };
+        let result = match msgs.next() {
+            None => return Ok(HelloRead::Close),
+            // A client sends nothing more until the hello-ack.
+            Some(Message::Hello(h)) => match msgs.next() {
+                Some(other) => Err(unexpected(&other)),
+                None => {
+                    let provider = match self.admitted.iter().find(|p| **p == h.provider) {
+                        Some(p) => p.as_str(),
+                        None => inner.provider.as_str(),
+                    };
+                    check_peer_hello(peer, provider, &inner.cfg.auth_token, &h).map(|()| h)
+                }
+            },
+            Some(other) => Err(unexpected(&other)),
         };
         result
             .map(|h| HelloRead::Hello(Box::new(h)))
-            .inspect_err(|e| {
-                inner.failed.fetch_add(1, Ordering::Relaxed);
-                if let Some(code) = reject_code_for(e) {
-                    send_reject(stream, code, &inner.provider, &e.to_string());
-                }
-                tracing::debug!(%peer, err = %e, "handshake refused");
-            })
+            .inspect_err(|e| self.refuse(stream, peer, e))
+    }
+
+    /// A peer's hello failed: counted, and the peer told why where it should hear it.
+    fn refuse(&self, stream: &mut Stream, peer: SocketAddr, e: &ConnError) {
+        let inner = &self.mgr.inner;
+        inner.failed.fetch_add(1, Ordering::Relaxed);
+        if let Some(code) = reject_code_for(e) {
+            send_reject(stream, code, &inner.provider, &e.to_string());
+        }
+        tracing::debug!(%peer, err = %e, "handshake refused");
     }
 }
 

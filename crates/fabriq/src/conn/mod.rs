@@ -38,6 +38,7 @@ mod manager;
 mod pool;
 mod qp_cache;
 mod region_cache;
+mod stream;
 #[cfg(test)]
 mod tests;
 pub mod wire;
@@ -233,6 +234,11 @@ pub struct ConnConfig {
     pub qp_cache_capacity: usize,
     /// Keep control streams open after a handshake and reuse them. Default true.
     pub reuse_control_streams: bool,
+    /// With `reuse_control_streams`: the listener also takes control streams on a Unix socket
+    /// of its own (abstract namespace, random name) and names it in its hello-ack; a client
+    /// that reached a listener of this host over TCP opens its later control streams there
+    /// (see `conn::stream`). Default true.
+    pub local_control_streams: bool,
     /// Most idle control streams kept per peer address (client side). Default 4.
     pub max_idle_streams_per_peer: usize,
     /// Most control streams a [`Listener`] keeps open for further handshakes (server side);
@@ -272,6 +278,7 @@ impl Default for ConnConfig {
             sq_sig_all: false,
             qp_cache_capacity: 64,
             reuse_control_streams: true,
+            local_control_streams: true,
             max_idle_streams_per_peer: 4,
             max_kept_streams: 1024,
             worker_id: 0,

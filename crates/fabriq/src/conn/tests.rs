@@ -118,9 +118,33 @@ fn handshake_exchanges_hellos_and_reaches_rts_after_receives_could_be_posted() {
     assert_eq!(srv.stats().accepts, 1);
 }
 
+/// Control streams on this host: with local streams on (the default), the first connect goes
+/// over TCP and the later ones over the listener's local socket, opened once and then kept;
+/// without, the one TCP stream serves every connect.
+fn stream_cfg(local: bool) -> ConnConfig {
+    ConnConfig {
+        local_control_streams: local,
+        ..ConnConfig::default()
+    }
+}
+
+/// `(streams opened, of them local, reuses)` after `n` connects to one peer of this host.
+fn expected_streams(local: bool, n: u64) -> (u64, u64, u64) {
+    match local {
+        true => (2, 1, n - 2),
+        false => (1, 0, n - 1),
+    }
+}
+
 #[test]
 fn released_qps_and_control_streams_are_reused() {
-    let (srv, srv_counters) = manager(ConnConfig::default());
+    for local in [false, true] {
+        released_qps_and_control_streams_are_reused_with(local);
+    }
+}
+
+fn released_qps_and_control_streams_are_reused_with(local: bool) {
+    let (srv, srv_counters) = manager(stream_cfg(local));
     let listener = srv.listen("127.0.0.1:0").unwrap();
     let addr = listener.local_addr();
     let server = std::thread::spawn(move || {
@@ -133,7 +157,7 @@ fn released_qps_and_control_streams_are_reused() {
             listener.manager().release(est);
         }
     });
-    let (cli, cli_counters) = manager(ConnConfig::default());
+    let (cli, cli_counters) = manager(stream_cfg(local));
     let mut qp_nums = Vec::new();
     for i in 0..5 {
         let est = cli.connect(addr, LONG).unwrap();
@@ -151,7 +175,11 @@ fn released_qps_and_control_streams_are_reused() {
         (s.qps_created, s.qp_cache_hits, s.qp_cache_misses),
         (1, 4, 1)
     );
-    assert_eq!((s.streams_opened, s.stream_reuses), (1, 4));
+    assert_eq!(
+        (s.streams_opened, s.local_streams_opened, s.stream_reuses),
+        expected_streams(local, 5),
+        "local {local}"
+    );
     assert_eq!(s.qps_cached, 1);
     assert_eq!(cli_counters.qps_created.load(Ordering::SeqCst), 1);
     assert_eq!(srv_counters.qps_created.load(Ordering::SeqCst), 1);
@@ -181,29 +209,150 @@ fn qp_cache_is_bounded_and_resets_what_it_keeps() {
     assert_eq!((cache.len(), cache.hits(), cache.dropped()), (1, 2, 1));
 }
 
+/// The listener a client kept a stream to (or learnt the local socket of) goes away and a new
+/// one listens on its address: the next connect reaches the new one, transparently. Without
+/// local streams the kept TCP stream reads EOF and a fresh one replaces it; with them, the old
+/// listener's local socket refuses the connect, its name is forgotten, TCP reaches the new
+/// listener, and the connect after that uses the new listener's local socket.
 #[test]
 fn a_stale_idle_stream_is_replaced_transparently() {
-    let (srv, _) = manager(ConnConfig::default());
-    let listener = srv.listen("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr();
-    let server = serve(listener, 1);
+    for local in [false, true] {
+        let (srv, _) = manager(stream_cfg(local));
+        let listener = srv.listen("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr();
+        let server = serve(listener, 1);
+        let (cli, _) = manager(stream_cfg(local));
+        cli.connect(addr, LONG).unwrap();
+        // The listener is dropped when its thread ends, closing the stream the client kept.
+        server.join().unwrap().pop().unwrap().unwrap();
+        let listener = srv.listen(addr).unwrap();
+        let server = serve(listener, 2);
+        let est = cli.connect(addr, LONG).unwrap();
+        let s = cli.stats();
+        assert_eq!(
+            (s.streams_opened, s.local_streams_opened, s.stream_reuses),
+            (2, 0, 0),
+            "local {local}: a fresh TCP stream replaced it"
+        );
+        drop(est);
+        cli.connect(addr, LONG).unwrap();
+        let mut accepted = server.join().unwrap();
+        let third = accepted.pop().unwrap().unwrap();
+        let second = accepted.pop().unwrap().unwrap();
+        assert_ne!(second.peer_addr.port(), 0, "local {local}: over TCP");
+        let s = cli.stats();
+        match local {
+            true => {
+                assert_eq!(
+                    (s.streams_opened, s.local_streams_opened, s.stream_reuses),
+                    (3, 1, 0),
+                    "the new listener's local socket"
+                );
+                assert_eq!(third.peer_addr, "127.0.0.1:0".parse().unwrap());
+            }
+            false => assert_eq!((s.streams_opened, s.stream_reuses), (2, 1)),
+        }
+        assert_eq!(s.connects, 3);
+        assert_eq!(s.failed, 0);
+    }
+}
+
+/// A listener names its local socket in every hello-ack when streams are kept and local
+/// streams are on, and not otherwise; a client of this host opens its second control stream
+/// there (the accepting side reports such a peer at the listener's host, port 0) and keeps it.
+#[test]
+fn a_peer_on_this_host_gets_its_later_control_streams_on_a_local_socket() {
+    for (reuse, local, named) in [
+        (true, true, true),
+        (true, false, false),
+        (false, true, false),
+    ] {
+        let cfg = ConnConfig {
+            reuse_control_streams: reuse,
+            local_control_streams: local,
+            ..ConnConfig::default()
+        };
+        let (srv, _) = manager(cfg.clone());
+        let listener = srv.listen("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr();
+        let server = serve(listener, 3);
+        let (cli, _) = manager(cfg);
+        let mut names = Vec::new();
+        for _ in 0..3 {
+            let est = cli.connect(addr, LONG).unwrap();
+            names.push(est.peer.local_control.clone());
+            cli.release(est);
+        }
+        let accepted: Vec<Established> = server
+            .join()
+            .unwrap()
+            .into_iter()
+            .map(Result::unwrap)
+            .collect();
+        let what = format!("reuse {reuse}, local {local}");
+        assert!(names.iter().all(|n| *n == names[0]), "{what}: {names:?}");
+        assert_eq!(!names[0].is_empty(), named, "{what}: {names:?}");
+        assert!(accepted.iter().all(|e| e.local.local_control == names[0]));
+        let s = cli.stats();
+        let ports: Vec<u16> = accepted.iter().map(|e| e.peer_addr.port()).collect();
+        if named {
+            assert!(names[0].starts_with("fabriq-ctl/"), "{names:?}");
+            assert_eq!(
+                (s.streams_opened, s.local_streams_opened, s.stream_reuses),
+                (2, 1, 1),
+                "{what}"
+            );
+            assert!(ports[0] != 0 && ports[1] == 0 && ports[2] == 0, "{ports:?}");
+        } else {
+            assert_eq!(s.local_streams_opened, 0, "{what}");
+            assert!(ports.iter().all(|&p| p != 0), "{what}: {ports:?}");
+        }
+    }
+}
+
+/// A peer names a local socket nobody listens on (a listener of another network namespace
+/// behind a forwarded port would look so): the connect after the first tries it, finds
+/// nothing, and goes over TCP; that name is not tried again, and the TCP stream is kept and
+/// serves the third connect. Nothing fails.
+#[test]
+fn a_local_socket_nobody_listens_on_sends_the_connect_back_to_tcp() {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    let server = std::thread::spawn(move || {
+        let mut handshakes = Vec::new();
+        // The first stream serves one handshake, the second two.
+        for n in [1, 2] {
+            let (mut s, _) = l.accept().unwrap();
+            s.set_read_timeout(Some(LONG)).unwrap();
+            for _ in 0..n {
+                let Some(Message::Hello(h)) = read_frame(&mut s) else {
+                    panic!("no hello");
+                };
+                let mut ack = server_hello_like(&h);
+                ack.local_control = "fabriq-ctl/0/0000000000000000".into();
+                s.write_all(&wire::encode(&Message::HelloAck(ack))).unwrap();
+                assert_eq!(read_frame(&mut s), Some(Message::Ready));
+            }
+            handshakes.push(n);
+        }
+        handshakes
+    });
     let (cli, _) = manager(ConnConfig::default());
-    cli.connect(addr, LONG).unwrap();
-    // The listener is dropped when its thread ends, closing the stream the client kept.
-    server.join().unwrap().pop().unwrap().unwrap();
-    let listener = srv.listen(addr).unwrap();
-    let server = serve(listener, 1);
-    let est = cli.connect(addr, LONG).unwrap();
-    server.join().unwrap().pop().unwrap().unwrap();
+    for _ in 0..3 {
+        let est = cli.connect(addr, LONG).unwrap();
+        cli.release(est);
+    }
+    assert_eq!(server.join().unwrap(), vec![1, 2]);
     let s = cli.stats();
     assert_eq!(
-        (s.streams_opened, s.stream_reuses),
-        (2, 0),
-        "a fresh stream replaced it"
+        (
+            s.streams_opened,
+            s.local_streams_opened,
+            s.stream_reuses,
+            s.failed
+        ),
+        (2, 0, 1, 0)
     );
-    assert_eq!(s.connects, 2);
-    assert_eq!(s.failed, 0);
-    drop(est);
 }
 
 #[test]
@@ -339,6 +488,7 @@ fn some_hello(provider: &str) -> Hello {
         target_worker: None,
         stream_window: 64,
         auth_token: Vec::new(),
+        local_control: String::new(),
     }
 }
 
@@ -761,7 +911,13 @@ fn wait_peer(c: &mut ControlStream) -> ControlEvent {
 
 #[test]
 fn an_owned_control_stream_says_close_and_serves_the_next_handshake() {
-    let (srv, _) = manager(ConnConfig::default());
+    for local in [false, true] {
+        an_owned_control_stream_says_close_and_serves_the_next_handshake_with(local);
+    }
+}
+
+fn an_owned_control_stream_says_close_and_serves_the_next_handshake_with(local: bool) {
+    let (srv, _) = manager(stream_cfg(local));
     let listener = srv.listen("127.0.0.1:0").unwrap();
     let addr = listener.local_addr();
     // Each round: the server keeps its stream, then closes first (even rounds) or waits for
@@ -786,7 +942,7 @@ fn an_owned_control_stream_says_close_and_serves_the_next_handshake() {
         }
         seen
     });
-    let (cli, _) = manager(ConnConfig::default());
+    let (cli, _) = manager(stream_cfg(local));
     let mut seen = Vec::new();
     for round in 0..4 {
         let (est, mut control) = cli
@@ -803,9 +959,15 @@ fn an_owned_control_stream_says_close_and_serves_the_next_handshake() {
     }
     assert_eq!(seen, vec![ControlEvent::PeerClosed; 2]);
     assert_eq!(server.join().unwrap(), vec![ControlEvent::PeerClosed; 2]);
-    // One TCP connection served all four handshakes, and nothing failed.
+    // One TCP connection served all four handshakes (with local streams: the first, and one
+    // local stream the other three), and nothing failed.
     let s = cli.stats();
-    assert_eq!((s.streams_opened, s.stream_reuses, s.failed), (1, 3, 0));
+    assert_eq!(
+        (s.streams_opened, s.local_streams_opened, s.stream_reuses),
+        expected_streams(local, 4),
+        "local {local}"
+    );
+    assert_eq!(s.failed, 0);
     assert_eq!(srv.stats().failed, 0);
 }
 
@@ -878,8 +1040,14 @@ fn wait_ended(probe: &HangupProbe) -> bool {
 
 #[test]
 fn a_hangup_probe_sees_the_end_of_a_connection_before_its_owner_reads_it() {
+    for local in [false, true] {
+        a_hangup_probe_sees_the_end_of_a_connection_before_its_owner_reads_it_with(local);
+    }
+}
+
+fn a_hangup_probe_sees_the_end_of_a_connection_before_its_owner_reads_it_with(local: bool) {
     use std::sync::mpsc;
-    let (srv, _) = manager(ConnConfig::default());
+    let (srv, _) = manager(stream_cfg(local));
     let listener = srv.listen("127.0.0.1:0").unwrap();
     let addr = listener.local_addr();
     let (go, step) = mpsc::channel::<()>();
@@ -896,7 +1064,8 @@ fn a_hangup_probe_sees_the_end_of_a_connection_before_its_owner_reads_it() {
         drop(control);
         listener.manager().release(est);
         done.send(()).unwrap();
-        // Round 2, on the same stream: the server hangs up without a `Close`.
+        // Round 2, on the same stream (with local streams: on a local one): the server hangs
+        // up without a `Close`.
         let (est, control) = listener
             .accept_pending(Some(LONG))
             .unwrap()
@@ -911,7 +1080,7 @@ fn a_hangup_probe_sees_the_end_of_a_connection_before_its_owner_reads_it() {
         drop(control);
         listener.manager().release(est);
     });
-    let (cli, _) = manager(ConnConfig::default());
+    let (cli, _) = manager(stream_cfg(local));
 
     let (est, mut first) = cli
         .connect_pending(addr, None, LONG)
@@ -932,13 +1101,19 @@ fn a_hangup_probe_sees_the_end_of_a_connection_before_its_owner_reads_it() {
     cli.release(est);
     assert!(p1.ended(), "the connection ended here too");
 
-    // The same stream serves the next connection; the old probe does not look at it.
+    // The same stream serves the next connection (with local streams: a local stream does);
+    // the old probe does not look at it.
     let (est, mut second) = cli
         .connect_pending(addr, None, LONG)
         .unwrap()
         .finish_owned()
         .unwrap();
-    assert_eq!(cli.stats().stream_reuses, 1, "the kept stream was reused");
+    let s = cli.stats();
+    assert_eq!(
+        (s.stream_reuses, s.local_streams_opened),
+        if local { (0, 1) } else { (1, 0) },
+        "the kept stream was reused, or a local one opened"
+    );
     second.set_nonblocking(true).unwrap();
     let p2 = second.hangup_probe().expect("a probe");
     assert!(!p2.ended(), "a live connection");
@@ -1039,9 +1214,15 @@ fn every_handshake_wait_times_out_with_its_typed_error_while_spinning() {
 
 #[test]
 fn handshakes_complete_and_reuse_with_spinning_off() {
+    for local in [false, true] {
+        handshakes_complete_and_reuse_with_spinning_off_with(local);
+    }
+}
+
+fn handshakes_complete_and_reuse_with_spinning_off_with(local: bool) {
     let cfg = ConnConfig {
         handshake_spin: Duration::ZERO,
-        ..ConnConfig::default()
+        ..stream_cfg(local)
     };
     let (srv, _) = manager(cfg.clone());
     let listener = srv.listen("127.0.0.1:0").unwrap();
@@ -1072,14 +1253,137 @@ fn handshakes_complete_and_reuse_with_spinning_off() {
     let s = cli.stats();
     assert_eq!((s.qps_created, s.qp_cache_hits), (1, 2), "{s:?}");
     assert_eq!(
-        (s.streams_opened, s.stream_reuses, s.failed),
-        (1, 2, 0),
+        (s.streams_opened, s.local_streams_opened, s.stream_reuses),
+        expected_streams(local, 3),
         "{s:?}"
     );
+    assert_eq!(s.failed, 0, "{s:?}");
     let s = srv.stats();
     assert_eq!(
         (s.qps_created, s.qp_cache_hits, s.accepts),
         (1, 2, 3),
         "{s:?}"
     );
+}
+
+/// `finish_connecting` leaves the connecting side's `Ready` to the control stream's owner: a
+/// server waiting for it (`finish`) gets nothing until `send_ready`, then completes; sending
+/// again is a no-op. A connection whose owner drops the stream with the `Ready` still owed
+/// ends with a `Close` instead, and the waiting server fails its finish.
+#[test]
+fn a_ready_left_to_the_owner_is_sent_when_it_says_so() {
+    use std::sync::mpsc;
+    let (srv, _) = manager(ConnConfig::default());
+    let listener = srv.listen("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr();
+    let (tx, rx) = mpsc::channel();
+    let server = std::thread::spawn(move || {
+        for _ in 0..2 {
+            let result = listener.accept_pending(Some(LONG)).unwrap().finish();
+            let ok = result.is_ok();
+            tx.send(result).unwrap();
+            if !ok {
+                break;
+            }
+        }
+    });
+    let (cli, _) = manager(ConnConfig::default());
+    let (est, mut control) = cli
+        .connect_pending(addr, None, LONG)
+        .unwrap()
+        .finish_connecting()
+        .unwrap();
+    assert_eq!(est.qp.state(), QpState::Rts);
+    assert!(
+        rx.recv_timeout(Duration::from_millis(100)).is_err(),
+        "the server finished without the Ready"
+    );
+    assert!(control.send_ready());
+    let srv_est = rx.recv_timeout(LONG).unwrap().unwrap();
+    assert_eq!(srv_est.qp.state(), QpState::Rts);
+    assert!(control.send_ready(), "nothing owed any more");
+    drop(control);
+    cli.release(est);
+    // Second round: the Ready is never sent.
+    let (est, control) = cli
+        .connect_pending(addr, None, LONG)
+        .unwrap()
+        .finish_connecting()
+        .unwrap();
+    drop(control);
+    match rx.recv_timeout(LONG).unwrap() {
+        Err(ConnError::Unexpected {
+            phase: "ready",
+            got: "close",
+            ..
+        }) => {}
+        other => panic!("expected the server to read a Close for its Ready: {other:?}"),
+    }
+    cli.release(est);
+    server.join().unwrap();
+}
+
+/// One receive takes what has arrived of a hello or hello-ack, so frames that come together
+/// are told apart: a kept stream's stray `Close` in front of the next hello is skipped and the
+/// hello served; a client that sends anything behind its hello before the hello-ack is
+/// refused; a server whose `Close` follows its hello-ack at once ends that connect with
+/// `PeerClosed`.
+#[test]
+fn frames_that_arrive_together_are_told_apart() {
+    let (srv, _) = manager(ConnConfig::default());
+    let listener = srv.listen("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr();
+    let server = serve(listener, 2);
+    let frame = |m: Message| wire::encode(&m);
+    // A handshake by hand, then the next hello right behind a stray Close, in one write.
+    let mut c = raw_client(addr, &frame(Message::Hello(some_hello("heap"))));
+    assert!(matches!(read_frame(&mut c), Some(Message::HelloAck(_))));
+    c.write_all(&frame(Message::Ready)).unwrap();
+    let mut both = frame(Message::Close);
+    both.extend(frame(Message::Hello(some_hello("heap"))));
+    c.write_all(&both).unwrap();
+    assert!(matches!(read_frame(&mut c), Some(Message::HelloAck(_))));
+    c.write_all(&frame(Message::Ready)).unwrap();
+    assert!(server.join().unwrap().iter().all(Result::is_ok));
+
+    // A hello with a Ready behind it, before any hello-ack: refused.
+    let (srv, _) = manager(ConnConfig::default());
+    let listener = srv.listen("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr();
+    let mut both = frame(Message::Hello(some_hello("heap")));
+    both.extend(frame(Message::Ready));
+    let mut c = raw_client(addr, &both);
+    match listener.accept_pending(Some(LONG)) {
+        Err(ConnError::Unexpected {
+            phase: "hello",
+            got: "ready",
+            ..
+        }) => {}
+        other => panic!("expected the hello to be refused: {other:?}"),
+    }
+    match read_frame(&mut c) {
+        Some(Message::Reject(r)) => assert_eq!(r.code, RejectCode::Malformed),
+        other => panic!("expected a reject: {other:?}"),
+    }
+
+    // A hello-ack with the server's Close behind it.
+    let (addr, h) = raw_server(|mut s| {
+        let Some(Message::Hello(hello)) = read_frame(&mut s) else {
+            panic!("no hello");
+        };
+        let mut both = wire::encode(&Message::HelloAck(server_hello_like(&hello)));
+        both.extend(wire::encode(&Message::Close));
+        s.write_all(&both).unwrap();
+        let mut sink = [0u8; 64];
+        let _ = s.read(&mut sink); // until the client leaves
+    });
+    let (cli, _) = manager(ConnConfig::default());
+    match cli.connect(addr, LONG) {
+        Err(ConnError::PeerClosed {
+            phase: "hello-ack", ..
+        }) => {}
+        other => panic!("expected PeerClosed in hello-ack: {other:?}"),
+    }
+    assert_eq!(cli.stats().qps_cached, 1, "the QP went back to the cache");
+    h.join().unwrap();
 }

@@ -19,8 +19,9 @@ use fabriq_verbs::{QpEndpoint, QpNum};
 pub const MAGIC: u32 = 0x4642_5251;
 /// The handshake version this build speaks. It names the data-path protocol too: version 2
 /// carries streams (the channel wire format `0xFB02`), so a peer of another version is refused
-/// at the handshake, not at its first message.
-pub const VERSION: u16 = 3;
+/// at the handshake, not at its first message. Version 4: the hello names the sender's local
+/// control socket ([`Hello::local_control`]).
+pub const VERSION: u16 = 4;
 /// Largest frame body accepted from a peer, bytes.
 pub const MAX_FRAME_LEN: usize = 16 * 1024;
 /// Largest string field accepted from a peer, bytes.
@@ -29,6 +30,9 @@ pub const MAX_STR_LEN: usize = 1024;
 pub const MAX_EXTRAS: usize = 64;
 /// Largest auth token accepted from a peer, bytes.
 pub const MAX_TOKEN_LEN: usize = 1024;
+/// Largest local control socket name accepted from a peer, bytes (an abstract Unix socket
+/// name: `sun_path` less its leading NUL).
+pub const MAX_LOCAL_CONTROL_LEN: usize = 107;
 
 const KIND_HELLO: u8 = 1;
 const KIND_HELLO_ACK: u8 = 2;
@@ -117,6 +121,11 @@ pub struct Hello {
     pub stream_window: u32,
     /// Authentication token (empty: none).
     pub auth_token: Vec<u8>,
+    /// Server hello: the abstract Unix socket name under which the sender's listener also takes
+    /// control streams from processes of its host (empty: none). A peer on the same host opens
+    /// its later control streams there (cheaper than loopback TCP; see `conn::stream`). Client
+    /// hello: empty.
+    pub local_control: String,
 }
 
 /// The hello this side sent.
@@ -255,6 +264,14 @@ fn put_hello(out: &mut Vec<u8>, h: &Hello) {
     let n = h.auth_token.len().min(MAX_TOKEN_LEN);
     out.extend_from_slice(&(n as u16).to_be_bytes());
     out.extend_from_slice(h.auth_token.get(..n).unwrap_or_default());
+    // Never clipped mid-name: a name over the limit is not sent at all.
+    let local = if h.local_control.len() <= MAX_LOCAL_CONTROL_LEN {
+        h.local_control.as_bytes()
+    } else {
+        &[]
+    };
+    out.extend_from_slice(&(local.len() as u16).to_be_bytes());
+    out.extend_from_slice(local);
 }
 
 /// Encode `msg` as one frame (length prefix included), speaking `version` in the prefix.
@@ -379,6 +396,9 @@ fn get_hello(r: &mut Reader<'_>) -> Result<Hello, DecodeError> {
     let target = r.u32("target worker")?;
     let stream_window = r.u32("stream window")?;
     let auth_token = r.bytes("auth token", MAX_TOKEN_LEN)?.to_vec();
+    let local_control = std::str::from_utf8(r.bytes("local control", MAX_LOCAL_CONTROL_LEN)?)
+        .map(str::to_owned)
+        .map_err(|_| DecodeError::BadUtf8("local control"))?;
     if slots == 0 || slot_size == 0 {
         return Err(DecodeError::Invalid {
             field: "ring geometry",
@@ -426,6 +446,7 @@ fn get_hello(r: &mut Reader<'_>) -> Result<Hello, DecodeError> {
         target_worker: (target != u32::MAX).then_some(target),
         stream_window,
         auth_token,
+        local_control,
     })
 }
 
@@ -545,6 +566,7 @@ mod tests {
             target_worker: Some(1),
             stream_window: 64,
             auth_token: vec![],
+            local_control: String::new(),
         }
     }
 
@@ -554,6 +576,7 @@ mod tests {
         let mut h2 = h.clone();
         h2.target_worker = None;
         h2.auth_token = b"secret".to_vec();
+        h2.local_control = "fabriq-ctl/4242/00000000deadbeef".into();
         for msg in [
             Message::Hello(h.clone()),
             Message::HelloAck(h2),
@@ -648,6 +671,39 @@ mod tests {
     }
 
     #[test]
+    fn a_local_control_name_is_bounded_both_ways() {
+        // Ours: a name over the limit is not sent at all (never clipped into another name).
+        let mut h = sample_hello();
+        h.local_control = "n".repeat(MAX_LOCAL_CONTROL_LEN + 1);
+        let mut want = h.clone();
+        want.local_control.clear();
+        assert_eq!(
+            decode_frame(&encode(&Message::Hello(h)))
+                .unwrap()
+                .unwrap()
+                .0,
+            Message::Hello(want)
+        );
+        // A peer's: refused before it is read.
+        let mut h = sample_hello();
+        h.local_control = "n".repeat(10);
+        let mut frame = encode(&Message::Hello(h));
+        frame.truncate(frame.len() - 12);
+        frame.extend_from_slice(&((MAX_LOCAL_CONTROL_LEN + 1) as u16).to_be_bytes());
+        frame.extend_from_slice(&[b'n'; MAX_LOCAL_CONTROL_LEN + 1]);
+        let len = (frame.len() - 4) as u32;
+        frame[..4].copy_from_slice(&len.to_be_bytes());
+        assert_eq!(
+            decode_frame(&frame),
+            Err(DecodeError::TooLong {
+                field: "local control",
+                len: MAX_LOCAL_CONTROL_LEN + 1,
+                max: MAX_LOCAL_CONTROL_LEN,
+            })
+        );
+    }
+
+    #[test]
     fn the_smaller_stream_window_wins() {
         let (mut a, mut b) = (sample_hello(), sample_hello());
         a.stream_window = 8;
@@ -684,7 +740,7 @@ mod tests {
         fn hellos_round_trip(
             slots in 1u32..100_000, slot_size in 1u32.., worker in any::<u32>(),
             target in proptest::option::of(0u32..u32::MAX), token in proptest::collection::vec(any::<u8>(), 0..64),
-            address in "[ -~]{0,64}",
+            address in "[ -~]{0,64}", local in "[ -~]{0,107}",
         ) {
             let mut h = sample_hello();
             h.ring = RingGeometry { slots, slot_size };
@@ -693,6 +749,7 @@ mod tests {
             h.target_worker = target;
             h.auth_token = token;
             h.endpoint.address = address;
+            h.local_control = local;
             let msg = Message::Hello(h);
             let frame = encode(&msg);
             prop_assert_eq!(decode_frame(&frame).unwrap().unwrap().0, msg);

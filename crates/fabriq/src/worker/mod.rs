@@ -904,7 +904,7 @@ impl Worker {
     pub(crate) fn adopt(&mut self, a: Adopt) {
         let Adopt {
             driver,
-            control,
+            mut control,
             lease,
             accept,
             failed,
@@ -927,6 +927,9 @@ impl Worker {
             shared.set_window(window);
             streams.insert(streams::FIRST_STREAM, StreamState::new(shared));
         }
+        // Connecting side: the handshake's `Ready`, left to the adopting thread
+        // (`PendingConn::finish_connecting`); a peer gone already fails the connection below.
+        let ready_sent = control.as_mut().map_or(true, |c| c.send_ready());
         if let Some(c) = &control {
             let _ = c.set_nonblocking(true);
             let _ = epoll::add(
@@ -962,6 +965,9 @@ impl Worker {
             }
         }
         self.mark_dirty(id);
+        if !ready_sent {
+            self.fail_conn(id, Failure::PeerGone);
+        }
     }
 
     /// Connecting side: a new stream on `conn`; its `STREAM_OPEN` (if `announce`) goes out in

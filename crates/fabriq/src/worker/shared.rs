@@ -272,6 +272,12 @@ impl WorkerShared {
         }
     }
 
+    /// Nobody sleeps in the worker's epoll: a command submitted now is taken by a thread
+    /// that is progressing the worker or about to (see `submit`).
+    pub(crate) fn is_awake(&self) -> bool {
+        !self.sleeping.load(Ordering::SeqCst)
+    }
+
     /// Write the eventfd.
     pub(crate) fn wake(&self) {
         self.wakeups.fetch_add(1, Ordering::Relaxed);

@@ -40,6 +40,8 @@
 //!                            # its sender waits (4..=65536; a connection uses the smaller side's)
 //! ack_delay_us = 50          # a received message is acknowledged at the latest this long after
 //!                            # delivery when no frame going back carries the ack (1..=10000000)
+//! close_linger_ms = 5000     # a connection whose last channel closed keeps going this long at
+//!                            # most for what it still has to deliver (0: close at once)
 //!
 //! [device_options]           # provider options for a named device (tcp0: progress, …);
 //! # progress = "thread"      # default for a tcp device: progress = "busy" (pollers read the
@@ -52,7 +54,7 @@
 //! `FABRIQ_RX_SLOTS`, `FABRIQ_SQ_DEPTH`, `FABRIQ_SIGNAL_EVERY`, `FABRIQ_MAX_QUEUED`, `FABRIQ_MAX_MESSAGE_LEN`,
 //! `FABRIQ_EAGER_MAX`, `FABRIQ_CHUNK_SIZE`, `FABRIQ_READS_IN_FLIGHT`, `FABRIQ_RNR_RETRY`,
 //! `FABRIQ_AUTH_TOKEN`, `FABRIQ_QP_CACHE_SIZE`, `FABRIQ_REUSE_CONTROL_STREAMS`,
-//! `FABRIQ_SHARE_CONNECTIONS`, `FABRIQ_STREAM_WINDOW`, `FABRIQ_ACK_DELAY_US`, `FABRIQ_DEVICE_OPTIONS` (`key=value,key=value`); `FABRIQ_CONFIG` names a
+//! `FABRIQ_SHARE_CONNECTIONS`, `FABRIQ_STREAM_WINDOW`, `FABRIQ_ACK_DELAY_US`, `FABRIQ_CLOSE_LINGER_MS`, `FABRIQ_DEVICE_OPTIONS` (`key=value,key=value`); `FABRIQ_CONFIG` names a
 //! TOML file read by [`Config::from_env`].
 
 use std::path::Path;
@@ -205,6 +207,12 @@ pub struct Config {
     /// carries it (a lone ack goes then), microseconds (1 ..= 10 000 000, default 50). Acks also
     /// go at once every quarter ring of deliveries.
     pub ack_delay_us: u64,
+    /// When the connecting side's last channel on a connection closes, what was sent on it
+    /// still arrives: the connection waits until every message is acknowledged (a rendezvous
+    /// one pulled by the peer) and every one-sided operation is done, at most this long,
+    /// milliseconds (`FABRIQ_CLOSE_LINGER_MS`, 0 ..= 3 600 000, default 5000; 0 closes at
+    /// once and drops what is still on its way). Dropping the `Endpoint` does not wait.
+    pub close_linger_ms: u64,
 }
 
 impl Default for Config {
@@ -236,6 +244,7 @@ impl Default for Config {
             share_connections: true,
             stream_window: crate::channel::wire::STREAM_WINDOW as u32,
             ack_delay_us: 50,
+            close_linger_ms: 5000,
         }
     }
 }
@@ -343,6 +352,7 @@ impl Config {
         );
         var!("FABRIQ_STREAM_WINDOW", self.stream_window, parse);
         var!("FABRIQ_ACK_DELAY_US", self.ack_delay_us, parse);
+        var!("FABRIQ_CLOSE_LINGER_MS", self.close_linger_ms, parse);
         if let Some(v) = get("FABRIQ_AUTH_TOKEN") {
             self.auth_token = v;
         }
@@ -392,6 +402,9 @@ impl Config {
         }
         if !(1..=10_000_000).contains(&self.ack_delay_us) {
             return bad("ack_delay_us must be in 1..=10000000");
+        }
+        if self.close_linger_ms > 3_600_000 {
+            return bad("close_linger_ms must be in 0..=3600000");
         }
         self.channel_config(0)
             .validate()
@@ -574,6 +587,25 @@ mod tests {
         );
         let err = Config::default().with_env_vars(|k| (k == "FABRIQ_WORKERS").then(|| "0".into()));
         assert!(matches!(err, Err(ConfigError::Invalid(_))));
+    }
+
+    #[test]
+    fn the_close_linger_is_set_by_file_or_env_and_bounded() {
+        assert_eq!(Config::default().close_linger_ms, 5000);
+        let c = Config::from_toml_str("close_linger_ms = 0\n").expect("valid");
+        assert_eq!(c.close_linger_ms, 0);
+        let c = Config::default()
+            .with_env_vars(|k| (k == "FABRIQ_CLOSE_LINGER_MS").then(|| "250".into()))
+            .expect("valid");
+        assert_eq!(c.close_linger_ms, 250);
+        for bad in ["3600001", "-1", "soon"] {
+            let err = Config::default()
+                .with_env_vars(|k| (k == "FABRIQ_CLOSE_LINGER_MS").then(|| bad.into()));
+            assert!(
+                matches!(err, Err(ConfigError::Invalid(_) | ConfigError::Env { .. })),
+                "close linger {bad}"
+            );
+        }
     }
 
     #[test]

@@ -243,6 +243,7 @@ impl Endpoint {
                 pin_cpu: config.pin_workers.then_some(i),
                 pool: crate::mempool::PoolConfig::default().with_chunk_size(chunk),
                 progress: config.progress,
+                close_linger: Duration::from_millis(config.close_linger_ms),
             };
             let t = worker::spawn(
                 Arc::clone(&shared),

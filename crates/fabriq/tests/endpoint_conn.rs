@@ -923,3 +923,108 @@ fn an_accepted_channel_fails_when_its_peer_never_finishes_the_handshake() {
         }
     }
 }
+
+/// An accepted connection whose peer never sends its `Ready` fails at the handshake's deadline
+/// even when no application thread calls in: the worker thread, asleep, wakes for it. The
+/// channel is only looked at (`is_closed`, no progress pass) until then.
+#[test]
+fn a_sleeping_worker_fails_an_accepted_connection_whose_peer_stays_silent() {
+    use fabriq::conn::{ConnConfig, ConnManager};
+    for device in devices() {
+        let cfg = Config {
+            device: device.clone(),
+            handshake_timeout_ms: 300,
+            ..Config::default()
+        };
+        let Some((_server, _client, listener)) = server_client_listener(cfg) else {
+            continue;
+        };
+        let addr = listener.local_addr();
+        let ctx = fabriq_verbs::Context::open(&device).expect("device");
+        let pd = ctx.alloc_pd().expect("pd");
+        let cq = ctx.create_cq(256).expect("cq");
+        let raw = ConnManager::new(&pd, &cq, ConnConfig::default()).expect("manager");
+        let pending = raw
+            .connect_pending(addr, None, HANG)
+            .expect("hello and hello-ack");
+        let early = listener
+            .accept_timeout(HANG)
+            .expect("accepted before the peer's Ready");
+        let started = Instant::now();
+        while !early.is_closed() {
+            assert!(
+                started.elapsed() < Duration::from_secs(10),
+                "{device}: the silent peer's connection never failed"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        match early.try_recv() {
+            Err(ChannelError::Failed(why)) => assert!(why.contains("handshake"), "{device}: {why}"),
+            other => panic!("{device}: {other:?}"),
+        }
+        drop(pending);
+    }
+}
+
+/// Messages sent just before the connecting side closes its last channel on a connection all
+/// arrive, in order: eager ones still waiting for credit or acknowledgement and a rendezvous
+/// one the peer has yet to pull (its buffer must outlive the close), like a TCP close that
+/// delivers what was written before it. Then the reader sees `PeerGone`, and the closed
+/// connection's QP still goes back to the cache.
+#[test]
+fn what_was_sent_before_a_close_is_delivered() {
+    const EAGER: u32 = 48;
+    const BIG: usize = 1 << 20;
+    for device in devices() {
+        let cfg = Config {
+            device: device.clone(),
+            handshake_timeout_ms: 10_000,
+            ..Config::default()
+        };
+        let Some((server, client, listener)) = server_client_listener(cfg) else {
+            continue;
+        };
+        let addr = listener.local_addr();
+        for round in 0..3u64 {
+            let ch = client.connect(addr).expect("connect");
+            let s = listener.accept_timeout(HANG).expect("accept");
+            let big: Vec<u8> = (0..BIG).map(|i| (i as u64 * 7 + round) as u8).collect();
+            for i in 0..EAGER {
+                ch.send(&[&i.to_le_bytes()[..], &[round as u8; 60][..]].concat())
+                    .expect("send");
+            }
+            ch.send(&big).expect("send the large one");
+            ch.send(b"last").expect("send the last one");
+            drop(ch);
+            for i in 0..EAGER {
+                let m = s
+                    .recv_timeout(HANG)
+                    .unwrap_or_else(|e| panic!("{device} round {round}: message {i} lost: {e}"));
+                assert_eq!(&m[..4], &i.to_le_bytes(), "{device} round {round}");
+                assert_eq!(m.len(), 64, "{device} round {round}");
+            }
+            let m = s
+                .recv_timeout(HANG)
+                .unwrap_or_else(|e| panic!("{device} round {round}: the large message lost: {e}"));
+            assert!(
+                m[..] == big[..],
+                "{device} round {round}: large message corrupted"
+            );
+            let m = s
+                .recv_timeout(HANG)
+                .unwrap_or_else(|e| panic!("{device} round {round}: the last message lost: {e}"));
+            assert_eq!(&m[..], b"last", "{device} round {round}");
+            match s.recv_timeout(HANG) {
+                Err(ChannelError::PeerGone) => {}
+                other => panic!("{device} round {round}: expected PeerGone, got {other:?}"),
+            }
+            drop(s);
+            wait_stats(&client, "client QP back in the cache", |st| {
+                st.qps_cached >= 1 && st.connects > round
+            });
+            wait_stats(&server, "server QP back in the cache", |st| {
+                st.qps_cached >= 1 && st.accepts > round
+            });
+        }
+    }
+}

@@ -179,6 +179,12 @@ const RETIRE_DRAIN_LIMIT: Duration = Duration::from_millis(100);
 enum Timer {
     Channel(u32),
     Call(StreamKey, u64),
+    /// A closing connection's linger ends (`ConnState::closing`).
+    Linger(u32),
+    /// An accepted connection's time for the peer's `Ready` ends: the pass it wakes checks
+    /// `Worker::awaiting` (a sleeping worker would otherwise not look until something else
+    /// woke it).
+    ReadyDue,
 }
 
 struct OneSidedPending {
@@ -231,6 +237,10 @@ struct ConnState {
     stream_window: u32,
     timer_at: Option<Instant>,
     failed: Option<Failure>,
+    /// The connecting side's last user let go while messages or one-sided operations were
+    /// still on their way: the connection stays until they are acknowledged (or fail), at the
+    /// latest until this instant, then closes.
+    closing: Option<Instant>,
 }
 
 /// What became of a message offered to a connection's core.
@@ -316,7 +326,18 @@ impl ConnState {
     /// The accepting side closes a failed connection once every stream on it was dropped; the
     /// connecting side when its last [`streams::ConnHandle`] goes.
     fn retire_now(&self) -> bool {
-        self.is_failed() && self.accept.is_some() && self.streams.is_empty()
+        self.is_failed()
+            && (self.closing.is_some() || (self.accept.is_some() && self.streams.is_empty()))
+    }
+
+    /// Nothing this side sent or asked for is still owed by the peer: every message handed to
+    /// the connection was acknowledged (a rendezvous one pulled and finished) and no one-sided
+    /// operation waits.
+    fn flushed(&self) -> bool {
+        self.backlog.is_empty()
+            && self.driver.core().outstanding_sends() == 0
+            && self.one_sided.is_empty()
+            && self.one_sided_queue.is_empty()
     }
 
     /// Queue an empty stream-control message (`STREAM_OPEN` / `STREAM_CLOSE`) for `stream`.
@@ -350,6 +371,8 @@ pub(crate) struct WorkerConfig {
     pub(crate) pin_cpu: Option<usize>,
     pub(crate) pool: crate::mempool::PoolConfig,
     pub(crate) progress: Progress,
+    /// Longest a closing connection waits for what it still has to send (`Config::close_linger_ms`).
+    pub(crate) close_linger: Duration,
 }
 
 /// The worker state: locked by whoever runs a progress pass.
@@ -380,6 +403,8 @@ pub(crate) struct Worker {
     /// (`Worker::post_deferred` posts the latter's at the end of a pass).
     deferred_now: Vec<u32>,
     deferred_before: Vec<u32>,
+    /// Longest a connection whose last user let go keeps going for what it still has to send.
+    close_linger: Duration,
 }
 
 /// Start a worker: install its state in `shared` and start its thread (the poller in thread
@@ -424,6 +449,7 @@ pub(crate) fn spawn(
         deferred_now: Vec::new(),
         deferred_before: Vec::new(),
         next_one_sided: 1,
+        close_linger: cfg.close_linger,
         has_cq_events,
         wcs: vec![WorkCompletion::EMPTY; 64],
         loops: 0,
@@ -560,6 +586,8 @@ pub(crate) fn direct_or_submit_settled<V>(
             // clock.
             g.pump_dirty();
             g.pass(w);
+        } else {
+            g.nudge_sleeper(w);
         }
         drop(g);
         w.notify_parked();
@@ -658,7 +686,25 @@ impl Worker {
             let keys = epoll_wait(&shared.epoll, Some(Duration::ZERO));
             self.handle_epoll(&keys);
         }
+        self.nudge_sleeper(shared);
         work
+    }
+
+    /// A thread sleeps in the worker's epoll (the worker thread, or a caller-mode back-stop)
+    /// until a time this thread's work just moved earlier (a timer armed for a connection it
+    /// adopted, an ack due after its send): wake it, so the timer fires on time.
+    pub(crate) fn nudge_sleeper(&self, shared: &WorkerShared) {
+        let until = shared.sleep_until_ns.load(Ordering::Relaxed);
+        if until == 0 {
+            return;
+        }
+        if self
+            .timers
+            .next_deadline()
+            .is_some_and(|t| t.as_nanos() < until)
+        {
+            shared.wake();
+        }
     }
 
     /// Handle queued commands (before a direct operation, so a thread's earlier commands keep
@@ -890,12 +936,7 @@ impl Worker {
                 }
             }
             Command::Close { chan } => self.close_stream(chan),
-            Command::CloseConn { conn } => {
-                self.fail_conn(conn, Failure::Closed);
-                if let Some(st) = self.conns.remove(&conn) {
-                    self.retire(st);
-                }
-            }
+            Command::CloseConn { conn } => self.close_conn(conn),
             Command::Shutdown => return false,
         }
         true
@@ -919,7 +960,9 @@ impl Worker {
         // connection (not yet swept) must not time the new one out.
         self.awaiting.retain(|&(other, _)| other != id);
         if driver.awaiting_peer() {
-            self.awaiting.push((id, now().saturating_add(ready_within)));
+            let due = now().saturating_add(ready_within);
+            self.awaiting.push((id, due));
+            self.timers.insert(due, (due, Timer::ReadyDue));
         }
         let window = u64::from(driver.core().config().max_queued);
         let mut streams = FxHashMap::default();
@@ -956,6 +999,7 @@ impl Worker {
                 stream_window,
                 timer_at: None,
                 failed: None,
+                closing: None,
             },
         );
         if let Some(list) = self.orphans.remove(&id) {
@@ -987,6 +1031,33 @@ impl Worker {
         }
         st.streams.insert(stream, StreamState::new(shared));
         self.mark_dirty(conn);
+    }
+
+    /// The connecting side's last channel on a connection went. What it sent before still
+    /// arrives: the connection stays, unused, until every message is acknowledged and every
+    /// one-sided operation done (or the connection fails), at the latest `close_linger`; then
+    /// it closes (control `Close`, the QP back to the cache). Like a TCP close, which delivers
+    /// what was written before it.
+    fn close_conn(&mut self, id: u32) {
+        let linger = self.close_linger;
+        let now = self.clock();
+        let Some(st) = self.conns.get_mut(&id) else {
+            return;
+        };
+        if st.closing.is_some() {
+            return;
+        }
+        if !linger.is_zero() && !st.is_failed() && !st.flushed() {
+            let until = now.saturating_add(linger);
+            st.closing = Some(until);
+            self.timers.insert(until, (until, Timer::Linger(id)));
+            self.mark_dirty(id);
+            return;
+        }
+        self.fail_conn(id, Failure::Closed);
+        if let Some(st) = self.conns.remove(&id) {
+            self.retire(st);
+        }
     }
 
     /// The application dropped a stream: its calls end, the credits of messages it never read
@@ -1160,6 +1231,17 @@ impl Worker {
                         self.mark_dirty(id);
                     }
                 }
+                Timer::ReadyDue => {}
+                Timer::Linger(id) => {
+                    if self.conns.get(&id).is_some_and(|st| st.closing == Some(t)) {
+                        tracing::debug!(
+                            conn = id,
+                            "closing connection: linger over, closed with messages unacknowledged"
+                        );
+                        // `closing` set: failing it retires it.
+                        self.fail_conn(id, Failure::Closed);
+                    }
+                }
                 Timer::Call(chan, call) => {
                     let reply = self
                         .conns
@@ -1317,8 +1399,13 @@ impl Worker {
         }
         st.arm_timer(id, timers);
         let left = st.driver.reposts_pending() > 0;
+        let closed = st.closing.is_some() && st.flushed();
         if let Some(why) = newly_failed {
             self.fail_conn(id, why);
+        } else if closed {
+            // A closing connection delivered the last of what it had: it closes now
+            // (`closing` set: failing it retires it).
+            self.fail_conn(id, Failure::Closed);
         } else if left && !self.deferred_now.contains(&id) {
             self.deferred_now.push(id);
         }

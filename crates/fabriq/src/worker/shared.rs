@@ -121,6 +121,10 @@ pub(crate) struct WorkerShared {
     inbox: SegQueue<Command>,
     /// True while someone is (about to be) asleep in the worker's epoll.
     sleeping: AtomicBool,
+    /// While a thread sleeps in the worker's epoll: until when, on the worker's clock
+    /// (nanoseconds; `u64::MAX`: no timeout); 0 otherwise. A thread that arms an earlier timer
+    /// meanwhile wakes it (`Worker::nudge_sleeper`).
+    pub(crate) sleep_until_ns: AtomicU64,
     wake_fd: OwnedFd,
     /// Wake-ups written (for tests and stats).
     pub(crate) wakeups: AtomicU64,
@@ -167,6 +171,7 @@ impl WorkerShared {
             id,
             inbox: SegQueue::new(),
             sleeping: AtomicBool::new(false),
+            sleep_until_ns: AtomicU64::new(0),
             wake_fd,
             wakeups: AtomicU64::new(0),
             epoll: ep,
@@ -427,9 +432,18 @@ impl WorkerShared {
                     t.min(Duration::from_millis(1))
                 }));
             }
+            // Set under the lock: whoever takes it next and arms an earlier timer sees it.
+            let until = timeout.map_or(u64::MAX, |d| {
+                super::now()
+                    .as_nanos()
+                    .saturating_add(u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
+                    .max(1)
+            });
+            self.sleep_until_ns.store(until, Ordering::Relaxed);
             (armed, timeout)
         };
         let keys = super::epoll_wait(&self.epoll, timeout);
+        self.sleep_until_ns.store(0, Ordering::Relaxed);
         if let Some(mut g) = self.lock_state() {
             self.woke();
             g.handle_epoll(&keys);

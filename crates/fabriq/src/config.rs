@@ -211,7 +211,8 @@ pub struct Config {
     /// still arrives: the connection waits until every message is acknowledged (a rendezvous
     /// one pulled by the peer) and every one-sided operation is done, at most this long,
     /// milliseconds (`FABRIQ_CLOSE_LINGER_MS`, 0 ..= 3 600 000, default 5000; 0 closes at
-    /// once and drops what is still on its way). Dropping the `Endpoint` does not wait.
+    /// once and drops what is still on its way). The endpoint's last handle going waits for
+    /// these deliveries before its workers stop.
     pub close_linger_ms: u64,
 }
 

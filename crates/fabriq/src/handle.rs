@@ -24,12 +24,15 @@ use crate::worker::{alloc_filled, direct_or_submit_settled, Command};
 
 struct Inner {
     shared: Arc<ChannelShared>,
-    endpoint: Endpoint,
     peer: SocketAddr,
     eager_max: u32,
     /// Connecting side: this channel's share of the pooled connection (dropped after the
     /// stream's `Close`, so a last channel closes the connection behind its stream).
     _conn: Option<Arc<ConnHandle>>,
+    /// Dropped last (fields drop in order): when this is the endpoint's last handle, its
+    /// workers are told to stop only after the connection's close, so they deliver what the
+    /// channel sent before stopping.
+    endpoint: Endpoint,
 }
 
 impl Drop for Inner {

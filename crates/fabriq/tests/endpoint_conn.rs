@@ -1028,3 +1028,68 @@ fn what_was_sent_before_a_close_is_delivered() {
         }
     }
 }
+
+/// The same when the connecting side drops its endpoint right after the channel, or before it
+/// (the channel then holds the last handle: the workers stop with it): they deliver what was
+/// sent before stopping, in both progress modes, and the drop returns once they have.
+#[test]
+fn what_was_sent_before_the_endpoint_is_dropped_is_delivered() {
+    const EAGER: u32 = 48;
+    const BIG: usize = 1 << 20;
+    let modes = [fabriq::Progress::Thread, fabriq::Progress::Caller];
+    for device in devices() {
+        for (progress, endpoint_first) in modes.into_iter().flat_map(|p| [(p, false), (p, true)]) {
+            let cfg = Config {
+                device: device.clone(),
+                handshake_timeout_ms: 10_000,
+                progress,
+                ..Config::default()
+            };
+            let Some((_server, client, listener)) = server_client_listener(cfg) else {
+                continue;
+            };
+            let what = format!("{device} {progress:?} endpoint first: {endpoint_first}");
+            let addr = listener.local_addr();
+            let ch = client.connect(addr).expect("connect");
+            let s = listener.accept_timeout(HANG).expect("accept");
+            let big: Vec<u8> = (0..BIG).map(|i| (i as u64 * 13) as u8).collect();
+            for i in 0..EAGER {
+                ch.send(&[&i.to_le_bytes()[..], &[7u8; 60][..]].concat())
+                    .expect("send");
+            }
+            ch.send(&big).expect("send the large one");
+            ch.send(b"last").expect("send the last one");
+            // The reader runs meanwhile: the endpoint's drop waits for the deliveries.
+            let reader = std::thread::spawn(move || {
+                let mut got = Vec::new();
+                loop {
+                    match s.recv_timeout(HANG) {
+                        Ok(m) => got.push(m.to_vec()),
+                        Err(e) => return (got, e),
+                    }
+                }
+            });
+            if endpoint_first {
+                drop(client);
+                drop(ch);
+            } else {
+                drop(ch);
+                drop(client);
+            }
+            let (got, end) = reader.join().expect("reader");
+            assert_eq!(got.len() as u32, EAGER + 2, "{what}: messages lost ({end})");
+            for (i, m) in got.iter().take(EAGER as usize).enumerate() {
+                assert_eq!(&m[..4], &(i as u32).to_le_bytes(), "{what}");
+            }
+            assert!(
+                got[EAGER as usize] == big,
+                "{what}: large message corrupted"
+            );
+            assert_eq!(&got[EAGER as usize + 1][..], b"last", "{what}");
+            assert!(
+                matches!(end, ChannelError::PeerGone),
+                "{what}: ended with {end}"
+            );
+        }
+    }
+}

@@ -405,6 +405,9 @@ pub(crate) struct Worker {
     deferred_before: Vec<u32>,
     /// Longest a connection whose last user let go keeps going for what it still has to send.
     close_linger: Duration,
+    /// The endpoint is gone (`Command::Shutdown`): connections still delivering what was sent
+    /// before their close finish first (at most their linger), then the worker stops.
+    stopping: bool,
 }
 
 /// Start a worker: install its state in `shared` and start its thread (the poller in thread
@@ -450,6 +453,7 @@ pub(crate) fn spawn(
         deferred_before: Vec::new(),
         next_one_sided: 1,
         close_linger: cfg.close_linger,
+        stopping: false,
         has_cq_events,
         wcs: vec![WorkCompletion::EMPTY; 64],
         loops: 0,
@@ -686,6 +690,9 @@ impl Worker {
             let keys = epoll_wait(&shared.epoll, Some(Duration::ZERO));
             self.handle_epoll(&keys);
         }
+        if self.stopping {
+            self.stop_when_delivered(shared);
+        }
         self.nudge_sleeper(shared);
         work
     }
@@ -714,12 +721,23 @@ impl Worker {
         while let Some(cmd) = shared.pop() {
             work += 1;
             if !self.command(cmd) {
-                self.shutdown();
-                shared.stopped.store(true, Ordering::Release);
-                return work;
+                self.stopping = true;
+                self.end_all_but_closing();
             }
         }
+        if self.stopping {
+            self.stop_when_delivered(shared);
+        }
         work
+    }
+
+    /// Stopping: once no connection is still delivering what was sent before its close, end
+    /// the rest and stop the worker.
+    fn stop_when_delivered(&mut self, shared: &WorkerShared) {
+        if self.conns.values().all(|st| st.closing.is_none()) {
+            self.shutdown();
+            shared.stopped.store(true, Ordering::Release);
+        }
     }
 
     /// Direct send from an application thread (the inbox drained first). When nothing waits
@@ -1165,6 +1183,21 @@ impl Worker {
             self.fail_conn(id, Failure::Closed);
         }
         self.conns.clear();
+    }
+
+    /// The endpoint is gone: every connection ends now except those still delivering what was
+    /// sent before their close (`ConnState::closing`), which end when done or at their linger.
+    fn end_all_but_closing(&mut self) {
+        let ids: Vec<u32> = self
+            .conns
+            .iter()
+            .filter(|(_, st)| st.closing.is_none())
+            .map(|(&id, _)| id)
+            .collect();
+        for id in ids {
+            self.fail_conn(id, Failure::Closed);
+            self.conns.remove(&id);
+        }
     }
 
     /// A connection failed (or closes): every stream on it, its calls and one-sided operations

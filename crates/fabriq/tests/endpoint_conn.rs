@@ -97,6 +97,15 @@ fn close_and_wait_cached(
     });
 }
 
+/// A raw peer with a QP of `device`'s provider, driven through the connection manager (which
+/// keeps the PD and CQ it is given).
+fn raw_peer(device: &str) -> fabriq::conn::ConnManager {
+    let ctx = fabriq_verbs::Context::open(device).expect("device");
+    let pd = ctx.alloc_pd().expect("pd");
+    let cq = ctx.create_cq(256).expect("cq");
+    fabriq::conn::ConnManager::new(&pd, &cq, fabriq::conn::ConnConfig::default()).expect("manager")
+}
+
 fn is_auth_error(e: &ConnError) -> bool {
     matches!(
         e,
@@ -875,7 +884,6 @@ fn the_stream_window_is_negotiated_to_the_smaller_side() {
 /// throughout.
 #[test]
 fn an_accepted_channel_fails_when_its_peer_never_finishes_the_handshake() {
-    use fabriq::conn::{ConnConfig, ConnManager};
     for device in devices() {
         let cfg = Config {
             device: device.clone(),
@@ -889,11 +897,7 @@ fn an_accepted_channel_fails_when_its_peer_never_finishes_the_handshake() {
         let c = client.connect(addr).expect("connect");
         let s = listener.accept_timeout(HANG).expect("accept");
         ping(&c, &s, b"before");
-        // A raw peer with a QP of the same provider, driven through the connection manager.
-        let ctx = fabriq_verbs::Context::open(&device).expect("device");
-        let pd = ctx.alloc_pd().expect("pd");
-        let cq = ctx.create_cq(256).expect("cq");
-        let raw = ConnManager::new(&pd, &cq, ConnConfig::default()).expect("manager");
+        let raw = raw_peer(&device);
         for abandon in [false, true] {
             let mut pending = Some(
                 raw.connect_pending(addr, None, HANG)
@@ -929,7 +933,6 @@ fn an_accepted_channel_fails_when_its_peer_never_finishes_the_handshake() {
 /// channel is only looked at (`is_closed`, no progress pass) until then.
 #[test]
 fn a_sleeping_worker_fails_an_accepted_connection_whose_peer_stays_silent() {
-    use fabriq::conn::{ConnConfig, ConnManager};
     for device in devices() {
         let cfg = Config {
             device: device.clone(),
@@ -940,10 +943,7 @@ fn a_sleeping_worker_fails_an_accepted_connection_whose_peer_stays_silent() {
             continue;
         };
         let addr = listener.local_addr();
-        let ctx = fabriq_verbs::Context::open(&device).expect("device");
-        let pd = ctx.alloc_pd().expect("pd");
-        let cq = ctx.create_cq(256).expect("cq");
-        let raw = ConnManager::new(&pd, &cq, ConnConfig::default()).expect("manager");
+        let raw = raw_peer(&device);
         let pending = raw
             .connect_pending(addr, None, HANG)
             .expect("hello and hello-ack");

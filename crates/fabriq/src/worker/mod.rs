@@ -39,6 +39,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
+use crossbeam_queue::SegQueue;
 use fabriq_verbs::{
     CompletionQueue, RemoteAddr, SendFlags, SendWr, WcOpcode, WorkCompletion, WrOpcode,
 };
@@ -1558,12 +1559,18 @@ pub(crate) fn alloc_registered(
     Ok(buf)
 }
 
-fn into_payload(payload: Received<PoolBuf>) -> Payload {
+/// A received payload as the application's, with where a large pooled buffer goes back to
+/// once read (other threads return those to this worker).
+fn into_payload(
+    payload: Received<PoolBuf>,
+    pool: &Buffers,
+) -> (Payload, Option<Arc<SegQueue<PoolBuf>>>) {
     match payload {
-        Received::Eager(v) => Payload::Eager(v),
+        Received::Eager(v) => (Payload::Eager(v), None),
         Received::Rendezvous { mut buf, len } => {
             buf.set_len(usize::try_from(len).unwrap_or(0).min(buf.capacity()));
-            Payload::Pool(buf)
+            let recycle = buf.is_large().then(|| Arc::clone(pool.returned()));
+            (Payload::Pool(buf), recycle)
         }
     }
 }
@@ -1619,11 +1626,7 @@ fn on_received(
             tracing::debug!(stream, "message for a closed stream dropped");
             return Ok(());
         }
-        let payload = into_payload(payload);
-        let recycle = match &payload {
-            Payload::Pool(b) if b.is_large() => Some(Arc::clone(pool.returned())),
-            _ => None,
-        };
+        let (payload, recycle) = into_payload(payload, pool);
         ss.shared.deliver(Message {
             payload,
             trace,
@@ -1650,11 +1653,7 @@ fn on_received(
         tracing::debug!(stream, "message for a closed stream dropped");
         return Ok(());
     }
-    let payload = into_payload(payload);
-    let recycle = match &payload {
-        Payload::Pool(b) if b.is_large() => Some(Arc::clone(pool.returned())),
-        _ => None,
-    };
+    let (payload, recycle) = into_payload(payload, pool);
     let bytes: &[u8] = match &payload {
         Payload::Eager(v) => v,
         Payload::Pool(b) => b,

@@ -46,6 +46,31 @@ impl Lab {
         init.caps = caps;
         self.pd.create_qp(&init)
     }
+
+    /// Two QPs connected with unlimited RNR retries (a SEND to `b`, which has no receive
+    /// posted, waits in RNR rather than fails), `a` with four 256-byte receives posted (ids
+    /// 100 ..= 103, at 1024 in `mr`).
+    fn pair_with_four_receives(
+        &self,
+    ) -> Result<(QueuePair, QueuePair), Box<dyn std::error::Error>> {
+        let a = self.qp(QpCaps::default())?;
+        let b = self.qp(QpCaps::default())?;
+        let forever = ConnectOpts {
+            rnr_retry: 7,
+            ..ConnectOpts::default()
+        };
+        connect_pair(&a, &b, &forever, &forever)?;
+        let r: Vec<[fabriq_verbs::Sge; 1]> = (0..4)
+            .map(|i| self.mr.sge(1024 + i * 256, 256).map(|s| [s]))
+            .collect::<Result<_, _>>()?;
+        let recvs: Vec<RecvWr<'_>> = r
+            .iter()
+            .enumerate()
+            .map(|(i, s)| RecvWr::new(100 + i as u64, s))
+            .collect();
+        a.post_recv(&recvs)?;
+        Ok((a, b))
+    }
 }
 
 /// Drive `b` to RTS towards `toward` on another thread (a provider may block in RTR until the
@@ -277,23 +302,8 @@ pub fn qp_posting_in_wrong_state_is_wrong_state_error<P: TestProvider>(env: &Env
 /// with WrFlushed: sends in post order, receives with opcode Recv.
 pub fn qp_error_flushes_outstanding_send_and_recv<P: TestProvider>(env: &Env<P>) -> TestResult {
     let lab = Lab::new(env)?;
-    let a = lab.qp(QpCaps::default())?;
-    let b = lab.qp(QpCaps::default())?;
-    let forever = ConnectOpts {
-        rnr_retry: 7,
-        ..ConnectOpts::default()
-    };
-    connect_pair(&a, &b, &forever, &forever)?;
+    let (a, _b) = lab.pair_with_four_receives()?;
     let s = [lab.mr.sge(0, 64)?];
-    let r: Vec<[fabriq_verbs::Sge; 1]> = (0..4)
-        .map(|i| lab.mr.sge(1024 + i * 256, 256).map(|s| [s]))
-        .collect::<Result<_, _>>()?;
-    let recvs: Vec<RecvWr<'_>> = r
-        .iter()
-        .enumerate()
-        .map(|(i, s)| RecvWr::new(100 + i as u64, s))
-        .collect();
-    a.post_recv(&recvs)?;
     let behind = if env.attr.capabilities.contains(Capabilities::WRITE) {
         WrOpcode::Write {
             remote: lab.mr.remote(512),
@@ -378,23 +388,8 @@ pub fn qp_request_posted_in_error_completes_after_the_ones_before_it<P: TestProv
     env: &Env<P>,
 ) -> TestResult {
     let lab = Lab::new(env)?;
-    let a = lab.qp(QpCaps::default())?;
-    let b = lab.qp(QpCaps::default())?;
-    let forever = ConnectOpts {
-        rnr_retry: 7,
-        ..ConnectOpts::default()
-    };
-    connect_pair(&a, &b, &forever, &forever)?;
+    let (a, _b) = lab.pair_with_four_receives()?;
     let s = [lab.mr.sge(0, 64)?];
-    let r: Vec<[fabriq_verbs::Sge; 1]> = (0..4)
-        .map(|i| lab.mr.sge(1024 + i * 256, 256).map(|s| [s]))
-        .collect::<Result<_, _>>()?;
-    let recvs: Vec<RecvWr<'_>> = r
-        .iter()
-        .enumerate()
-        .map(|(i, s)| RecvWr::new(100 + i as u64, s))
-        .collect();
-    a.post_recv(&recvs)?;
     let mut sends = Vec::new();
     if env.attr.capabilities.contains(Capabilities::WRITE) {
         let write = WrOpcode::Write {

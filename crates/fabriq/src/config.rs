@@ -211,8 +211,9 @@ pub struct Config {
     /// still arrives: the connection waits until every message is acknowledged (a rendezvous
     /// one pulled by the peer) and every one-sided operation is done, at most this long,
     /// milliseconds (`FABRIQ_CLOSE_LINGER_MS`, 0 ..= 3 600 000, default 5000; 0 closes at
-    /// once and drops what is still on its way). The endpoint's last handle going waits for
-    /// these deliveries before its workers stop.
+    /// once and drops what is still on its way). When the endpoint's last handle goes, every
+    /// connection (accepted ones too) delivers what is on its way the same way before the
+    /// workers stop.
     pub close_linger_ms: u64,
 }
 

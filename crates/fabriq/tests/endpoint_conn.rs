@@ -966,6 +966,48 @@ fn a_sleeping_worker_fails_an_accepted_connection_whose_peer_stays_silent() {
     }
 }
 
+/// What the close tests send, in order: 48 eager messages (more than the receive ring's
+/// credits), one of 1 MiB (rendezvous: the peer pulls it from the sender's memory) and a last
+/// small one. Returns what was sent.
+fn send_close_batch(ch: &Channel, tag: u8) -> Vec<Vec<u8>> {
+    let mut sent: Vec<Vec<u8>> = (0..48u32)
+        .map(|i| [&i.to_le_bytes()[..], &[tag; 60][..]].concat())
+        .collect();
+    sent.push((0..1usize << 20).map(|i| (i as u8) ^ tag).collect());
+    sent.push(b"last".to_vec());
+    for m in &sent {
+        ch.send(m).expect("send");
+    }
+    sent
+}
+
+/// Read `ch` until it ends: what arrived and how it ended.
+fn read_until_end(ch: &Channel) -> (Vec<Vec<u8>>, ChannelError) {
+    let mut got = Vec::new();
+    loop {
+        match ch.recv_timeout(HANG) {
+            Ok(m) => got.push(m.to_vec()),
+            Err(e) => return (got, e),
+        }
+    }
+}
+
+/// `got` is `sent`, in order, and the channel then ended with `PeerGone`.
+fn assert_all_delivered(sent: &[Vec<u8>], (got, end): (Vec<Vec<u8>>, ChannelError), what: &str) {
+    assert_eq!(
+        got.len(),
+        sent.len(),
+        "{what}: messages lost (ended with {end})"
+    );
+    for (i, (g, s)) in got.iter().zip(sent).enumerate() {
+        assert!(g == s, "{what}: message {i} differs");
+    }
+    assert!(
+        matches!(end, ChannelError::PeerGone),
+        "{what}: ended with {end}"
+    );
+}
+
 /// Messages sent just before the connecting side closes its last channel on a connection all
 /// arrive, in order: eager ones still waiting for credit or acknowledgement and a rendezvous
 /// one the peer has yet to pull (its buffer must outlive the close), like a TCP close that
@@ -973,8 +1015,6 @@ fn a_sleeping_worker_fails_an_accepted_connection_whose_peer_stays_silent() {
 /// connection's QP still goes back to the cache.
 #[test]
 fn what_was_sent_before_a_close_is_delivered() {
-    const EAGER: u32 = 48;
-    const BIG: usize = 1 << 20;
     for device in devices() {
         let cfg = Config {
             device: device.clone(),
@@ -988,36 +1028,10 @@ fn what_was_sent_before_a_close_is_delivered() {
         for round in 0..3u64 {
             let ch = client.connect(addr).expect("connect");
             let s = listener.accept_timeout(HANG).expect("accept");
-            let big: Vec<u8> = (0..BIG).map(|i| (i as u64 * 7 + round) as u8).collect();
-            for i in 0..EAGER {
-                ch.send(&[&i.to_le_bytes()[..], &[round as u8; 60][..]].concat())
-                    .expect("send");
-            }
-            ch.send(&big).expect("send the large one");
-            ch.send(b"last").expect("send the last one");
+            let sent = send_close_batch(&ch, round as u8);
             drop(ch);
-            for i in 0..EAGER {
-                let m = s
-                    .recv_timeout(HANG)
-                    .unwrap_or_else(|e| panic!("{device} round {round}: message {i} lost: {e}"));
-                assert_eq!(&m[..4], &i.to_le_bytes(), "{device} round {round}");
-                assert_eq!(m.len(), 64, "{device} round {round}");
-            }
-            let m = s
-                .recv_timeout(HANG)
-                .unwrap_or_else(|e| panic!("{device} round {round}: the large message lost: {e}"));
-            assert!(
-                m[..] == big[..],
-                "{device} round {round}: large message corrupted"
-            );
-            let m = s
-                .recv_timeout(HANG)
-                .unwrap_or_else(|e| panic!("{device} round {round}: the last message lost: {e}"));
-            assert_eq!(&m[..], b"last", "{device} round {round}");
-            match s.recv_timeout(HANG) {
-                Err(ChannelError::PeerGone) => {}
-                other => panic!("{device} round {round}: expected PeerGone, got {other:?}"),
-            }
+            let what = format!("{device} round {round}");
+            assert_all_delivered(&sent, read_until_end(&s), &what);
             drop(s);
             wait_stats(&client, "client QP back in the cache", |st| {
                 st.qps_cached >= 1 && st.connects > round
@@ -1029,67 +1043,51 @@ fn what_was_sent_before_a_close_is_delivered() {
     }
 }
 
-/// The same when the connecting side drops its endpoint right after the channel, or before it
+/// The same when the sending side drops its endpoint right after the channel, or before it
 /// (the channel then holds the last handle: the workers stop with it): they deliver what was
-/// sent before stopping, in both progress modes, and the drop returns once they have.
+/// sent before stopping, in both progress modes, whether the sender connected or accepted.
 #[test]
 fn what_was_sent_before_the_endpoint_is_dropped_is_delivered() {
-    const EAGER: u32 = 48;
-    const BIG: usize = 1 << 20;
     let modes = [fabriq::Progress::Thread, fabriq::Progress::Caller];
     for device in devices() {
-        for (progress, endpoint_first) in modes.into_iter().flat_map(|p| [(p, false), (p, true)]) {
-            let cfg = Config {
-                device: device.clone(),
-                handshake_timeout_ms: 10_000,
-                progress,
-                ..Config::default()
-            };
-            let Some((_server, client, listener)) = server_client_listener(cfg) else {
-                continue;
-            };
-            let what = format!("{device} {progress:?} endpoint first: {endpoint_first}");
-            let addr = listener.local_addr();
-            let ch = client.connect(addr).expect("connect");
-            let s = listener.accept_timeout(HANG).expect("accept");
-            let big: Vec<u8> = (0..BIG).map(|i| (i as u64 * 13) as u8).collect();
-            for i in 0..EAGER {
-                ch.send(&[&i.to_le_bytes()[..], &[7u8; 60][..]].concat())
-                    .expect("send");
-            }
-            ch.send(&big).expect("send the large one");
-            ch.send(b"last").expect("send the last one");
-            // The reader runs meanwhile: the endpoint's drop waits for the deliveries.
-            let reader = std::thread::spawn(move || {
-                let mut got = Vec::new();
-                loop {
-                    match s.recv_timeout(HANG) {
-                        Ok(m) => got.push(m.to_vec()),
-                        Err(e) => return (got, e),
-                    }
+        for progress in modes {
+            for (accepted_sends, endpoint_first) in
+                [(false, false), (false, true), (true, false), (true, true)]
+            {
+                let cfg = Config {
+                    device: device.clone(),
+                    handshake_timeout_ms: 10_000,
+                    progress,
+                    ..Config::default()
+                };
+                let Some((server, client, listener)) = server_client_listener(cfg) else {
+                    continue;
+                };
+                let what = format!(
+                    "{device} {progress:?} accepted side sends: {accepted_sends}, \
+                     endpoint first: {endpoint_first}"
+                );
+                let c = client.connect(listener.local_addr()).expect("connect");
+                let s = listener.accept_timeout(HANG).expect("accept");
+                drop(listener);
+                let (sender, sender_ep, reader, reader_ep) = if accepted_sends {
+                    (s, server, c, client)
+                } else {
+                    (c, client, s, server)
+                };
+                let sent = send_close_batch(&sender, 9);
+                // The reader runs meanwhile: the endpoint's drop waits for the deliveries.
+                let reading = std::thread::spawn(move || read_until_end(&reader));
+                if endpoint_first {
+                    drop(sender_ep);
+                    drop(sender);
+                } else {
+                    drop(sender);
+                    drop(sender_ep);
                 }
-            });
-            if endpoint_first {
-                drop(client);
-                drop(ch);
-            } else {
-                drop(ch);
-                drop(client);
+                assert_all_delivered(&sent, reading.join().expect("reader"), &what);
+                drop(reader_ep);
             }
-            let (got, end) = reader.join().expect("reader");
-            assert_eq!(got.len() as u32, EAGER + 2, "{what}: messages lost ({end})");
-            for (i, m) in got.iter().take(EAGER as usize).enumerate() {
-                assert_eq!(&m[..4], &(i as u32).to_le_bytes(), "{what}");
-            }
-            assert!(
-                got[EAGER as usize] == big,
-                "{what}: large message corrupted"
-            );
-            assert_eq!(&got[EAGER as usize + 1][..], b"last", "{what}");
-            assert!(
-                matches!(end, ChannelError::PeerGone),
-                "{what}: ended with {end}"
-            );
         }
     }
 }

@@ -1186,18 +1186,23 @@ impl Worker {
         self.conns.clear();
     }
 
-    /// The endpoint is gone: every connection ends now except those still delivering what was
-    /// sent before their close (`ConnState::closing`), which end when done or at their linger.
+    /// The endpoint is gone: a connection with messages or one-sided operations still on their
+    /// way (either side's: an accepted one too) closes like one whose last channel went,
+    /// delivering them first, at most `close_linger`; every other connection ends now.
     fn end_all_but_closing(&mut self) {
-        let ids: Vec<u32> = self
-            .conns
-            .iter()
-            .filter(|(_, st)| st.closing.is_none())
-            .map(|(&id, _)| id)
-            .collect();
+        let ids: Vec<u32> = self.conns.keys().copied().collect();
         for id in ids {
-            self.fail_conn(id, Failure::Closed);
-            self.conns.remove(&id);
+            let linger = !self.close_linger.is_zero()
+                && self
+                    .conns
+                    .get(&id)
+                    .is_some_and(|st| st.closing.is_some() || (!st.is_failed() && !st.flushed()));
+            if linger {
+                self.close_conn(id);
+            } else {
+                self.fail_conn(id, Failure::Closed);
+                self.conns.remove(&id);
+            }
         }
     }
 

@@ -664,6 +664,14 @@ impl Worker {
         self.pass(shared)
     }
 
+    /// The pass right after a sleep in the worker's epoll: the timers that ended the sleep fire
+    /// in it (an idle pass looks at them only every 64th round).
+    pub(crate) fn progress_after_sleep(&mut self, shared: &WorkerShared) -> usize {
+        self.clock.begin_at(None);
+        let fired = self.fire_timers();
+        fired + self.pass(shared)
+    }
+
     /// A progress pass on the clock already read (right after a direct operation).
     fn pass(&mut self, shared: &WorkerShared) -> usize {
         if shared.stopped.load(Ordering::Acquire) {

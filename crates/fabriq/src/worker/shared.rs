@@ -450,7 +450,7 @@ impl WorkerShared {
             if armed {
                 g.ack_cq_events();
             }
-            g.progress(self);
+            g.progress_after_sleep(self);
         } else {
             self.woke();
         }

@@ -60,16 +60,29 @@ impl Lab {
             ..ConnectOpts::default()
         };
         connect_pair(&a, &b, &forever, &forever)?;
-        let r: Vec<[fabriq_verbs::Sge; 1]> = (0..4)
-            .map(|i| self.mr.sge(1024 + i * 256, 256).map(|s| [s]))
+        self.post_recvs(&a, 4, 256, 100)?;
+        Ok((a, b))
+    }
+
+    /// Post `n` receives of `len` bytes each on `qp`, back to back in `mr` from offset 1024,
+    /// with ids `first_id`, `first_id + 1`, …
+    fn post_recvs(
+        &self,
+        qp: &QueuePair,
+        n: usize,
+        len: u32,
+        first_id: u64,
+    ) -> Result<(), Box<dyn std::error::Error>> {
+        let r: Vec<[fabriq_verbs::Sge; 1]> = (0..n)
+            .map(|i| self.mr.sge(1024 + i * len as usize, len).map(|s| [s]))
             .collect::<Result<_, _>>()?;
         let recvs: Vec<RecvWr<'_>> = r
             .iter()
             .enumerate()
-            .map(|(i, s)| RecvWr::new(100 + i as u64, s))
+            .map(|(i, s)| RecvWr::new(first_id + i as u64, s))
             .collect();
-        a.post_recv(&recvs)?;
-        Ok((a, b))
+        qp.post_recv(&recvs)?;
+        Ok(())
     }
 }
 
@@ -529,15 +542,7 @@ pub fn qp_full_send_queue_is_back_pressure<P: TestProvider>(env: &Env<P>) -> Tes
             )))
         }
     };
-    let r: Vec<[fabriq_verbs::Sge; 1]> = (0..posted)
-        .map(|i| lab.mr.sge(1024 + i * 32, 32).map(|s| [s]))
-        .collect::<Result<_, _>>()?;
-    let recvs: Vec<RecvWr<'_>> = r
-        .iter()
-        .enumerate()
-        .map(|(i, s)| RecvWr::new(1000 + i as u64, s))
-        .collect();
-    b.post_recv(&recvs)?;
+    lab.post_recvs(&b, posted, 32, 1000)?;
     // Both QPs share the lab CQ: the senders' completions and the receiver's arrive there.
     let wcs = lab.cq.wait(2 * posted)?;
     let sends: Vec<u64> = wcs
@@ -553,7 +558,7 @@ pub fn qp_full_send_queue_is_back_pressure<P: TestProvider>(env: &Env<P>) -> Tes
     if let Some(bad) = wcs.iter().find(|w| w.status != WcStatus::Success) {
         return Err(fail(format!("completion after back-pressure: {bad:?}")));
     }
-    b.post_recv(&[RecvWr::new(2000, &r[0])])?;
+    lab.post_recvs(&b, 1, 32, 2000)?;
     a.post_send(&[SendWr::new(500, &s, WrOpcode::Send)])?;
     let wcs = lab.cq.wait(2)?;
     if !wcs

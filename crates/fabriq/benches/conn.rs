@@ -477,11 +477,14 @@ fn control_floor_bench(c: &mut Criterion) {
         let far = std::thread::spawn(move || echo(b, spin));
         Some((a, far))
     }
-    for (name, spin) in [
-        ("blocking_tcp_round_trip_64B", false),
-        ("spinning_tcp_round_trip_64B", true),
-    ] {
-        let Some((mut s, far)) = tcp_pair(spin) else {
+    // One benchmark per transport and mode: 64-byte round trips to the echoing far end.
+    fn bench_pair<S: Read + Write>(
+        g: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>,
+        name: &str,
+        spin: bool,
+        pair: Option<(S, std::thread::JoinHandle<()>)>,
+    ) {
+        let Some((mut s, far)) = pair else {
             return;
         };
         let mut b = [0u8; 64];
@@ -491,19 +494,19 @@ fn control_floor_bench(c: &mut Criterion) {
         drop(s);
         let _ = far.join();
     }
-    for (name, spin) in [
-        ("blocking_unix_round_trip_64B", false),
-        ("spinning_unix_round_trip_64B", true),
-    ] {
-        let Some((mut s, far)) = unix_pair(spin) else {
-            return;
-        };
-        let mut b = [0u8; 64];
-        g.bench_function(name, |bench| {
-            bench.iter(|| assert!(round(&mut s, &mut b, spin), "round trip"))
-        });
-        drop(s);
-        let _ = far.join();
+    for (mode, spin) in [("blocking", false), ("spinning", true)] {
+        bench_pair(
+            &mut g,
+            &format!("{mode}_tcp_round_trip_64B"),
+            spin,
+            tcp_pair(spin),
+        );
+        bench_pair(
+            &mut g,
+            &format!("{mode}_unix_round_trip_64B"),
+            spin,
+            unix_pair(spin),
+        );
     }
     g.finish();
 }

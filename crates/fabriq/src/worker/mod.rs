@@ -238,9 +238,9 @@ struct ConnState {
     stream_window: u32,
     timer_at: Option<Instant>,
     failed: Option<Failure>,
-    /// The connecting side's last user let go while messages or one-sided operations were
-    /// still on their way: the connection stays until they are acknowledged (or fail), at the
-    /// latest until this instant, then closes.
+    /// The connecting side's last user let go (or the endpoint went) while messages or
+    /// one-sided operations were still on their way: the connection stays until they are
+    /// acknowledged (or fail), at the latest until this instant, then closes.
     closing: Option<Instant>,
 }
 
@@ -1066,25 +1066,35 @@ impl Worker {
     /// it closes (control `Close`, the QP back to the cache). Like a TCP close, which delivers
     /// what was written before it.
     fn close_conn(&mut self, id: u32) {
-        let linger = self.close_linger;
-        let now = self.clock();
-        let Some(st) = self.conns.get_mut(&id) else {
-            return;
-        };
-        if st.closing.is_some() {
-            return;
-        }
-        if !linger.is_zero() && !st.is_failed() && !st.flushed() {
-            let until = now.saturating_add(linger);
-            st.closing = Some(until);
-            self.timers.insert(until, (until, Timer::Linger(id)));
-            self.mark_dirty(id);
+        if self.linger(id) {
             return;
         }
         self.fail_conn(id, Failure::Closed);
         if let Some(st) = self.conns.remove(&id) {
             self.retire(st);
         }
+    }
+
+    /// True when connection `id` closes later (`ConnState::closing`): it was closing already,
+    /// or it still has something on its way and a linger is configured (then it starts now:
+    /// the linger's timer is armed and its pump delivers the rest).
+    fn linger(&mut self, id: u32) -> bool {
+        let linger = self.close_linger;
+        let now = self.clock();
+        let Some(st) = self.conns.get_mut(&id) else {
+            return false;
+        };
+        if st.closing.is_some() {
+            return true;
+        }
+        if linger.is_zero() || st.is_failed() || st.flushed() {
+            return false;
+        }
+        let until = now.saturating_add(linger);
+        st.closing = Some(until);
+        self.timers.insert(until, (until, Timer::Linger(id)));
+        self.mark_dirty(id);
+        true
     }
 
     /// The application dropped a stream: its calls end, the credits of messages it never read
@@ -1200,14 +1210,7 @@ impl Worker {
     fn end_all_but_closing(&mut self) {
         let ids: Vec<u32> = self.conns.keys().copied().collect();
         for id in ids {
-            let linger = !self.close_linger.is_zero()
-                && self
-                    .conns
-                    .get(&id)
-                    .is_some_and(|st| st.closing.is_some() || (!st.is_failed() && !st.flushed()));
-            if linger {
-                self.close_conn(id);
-            } else {
+            if !self.linger(id) {
                 self.fail_conn(id, Failure::Closed);
                 self.conns.remove(&id);
             }

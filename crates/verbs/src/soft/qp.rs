@@ -649,8 +649,8 @@ impl QpCore {
                 }
                 None
             }
-            Frame::Hello { .. } => {
-                self.fail("unexpected HELLO inside a connection");
+            Frame::Hello { .. } | Frame::Bye { .. } => {
+                self.fail("unexpected HELLO or BYE inside a connection");
                 None
             }
         }
@@ -684,7 +684,7 @@ impl QpCore {
                 self.emit_send_completions();
                 return p;
             }
-            Frame::Hello { .. } => return None,
+            Frame::Hello { .. } | Frame::Bye { .. } => return None,
         };
         if req.qpn != self.cfg.qp_num.0
             || !matches!(

@@ -28,7 +28,7 @@ pub const HEADER_LEN: usize = 16;
 pub const DEFAULT_MAX_PAYLOAD: usize = 64 << 20;
 
 /// Wire protocol version carried in [`Frame::Hello`].
-pub const PROTOCOL_VERSION: u16 = 2;
+pub const PROTOCOL_VERSION: u16 = 3;
 
 /// Frame flag: the receiver should raise a solicited event for the receive completion.
 pub const FLAG_SOLICITED: u8 = 1 << 0;
@@ -62,6 +62,10 @@ pub enum Opcode {
     /// Connection greeting: the connection carries QP `qpn` (the receiver's) to QP `src_qpn`
     /// (the sender's). Body: src_qpn u32, version u16, reserved u16.
     Hello = 0x20,
+    /// End of a QP pair's use of a stream connection: the sender's QP (`src_qpn`) sends nothing
+    /// more on it, so everything after the frame belongs to the connection's next use. Body:
+    /// src_qpn u32, src_incarnation u32.
+    Bye = 0x21,
 }
 
 impl Opcode {
@@ -79,6 +83,7 @@ impl Opcode {
             0x12 => Opcode::ReadResp,
             0x13 => Opcode::AtomicResp,
             0x20 => Opcode::Hello,
+            0x21 => Opcode::Bye,
             _ => return None,
         })
     }
@@ -133,6 +138,15 @@ pub enum Frame<'a> {
         /// The incarnation of the receiver's QP the sender was connected to (from the endpoint
         /// it got at RTR); 0 when that endpoint named none.
         dst_incarnation: u32,
+    },
+    /// End of the sender's use of a stream connection (see [`Opcode::Bye`]).
+    Bye {
+        /// The receiver's QP the connection carried.
+        dst_qpn: u32,
+        /// The sender's QP.
+        src_qpn: u32,
+        /// The incarnation of the sender's QP.
+        src_incarnation: u32,
     },
 }
 
@@ -534,6 +548,16 @@ fn decode_frame<'a>(bytes: &'a [u8], max_payload: usize) -> Result<Frame<'a>, Wi
                 dst_incarnation,
             }
         }
+        Opcode::Bye => {
+            let src_qpn = r.u32().ok_or(short(op))?;
+            let src_incarnation = r.u32().ok_or(short(op))?;
+            exact(&r, 8)?;
+            Frame::Bye {
+                dst_qpn: qpn,
+                src_qpn,
+                src_incarnation,
+            }
+        }
     })
 }
 
@@ -677,6 +701,15 @@ pub fn encode(frame: &Frame<'_>, out: &mut Vec<u8>) -> usize {
                 .u32(*dst_incarnation);
             w.finish()
         }
+        Frame::Bye {
+            dst_qpn,
+            src_qpn,
+            src_incarnation,
+        } => {
+            let mut w = FrameWriter::begin(out, Opcode::Bye, 0, *dst_qpn, 0);
+            w.u32(*src_qpn).u32(*src_incarnation);
+            w.finish()
+        }
     }
 }
 
@@ -791,6 +824,11 @@ mod tests {
             version: PROTOCOL_VERSION,
             src_incarnation: 3,
             dst_incarnation: 4,
+        });
+        roundtrip(Frame::Bye {
+            dst_qpn: 5,
+            src_qpn: 6,
+            src_incarnation: 7,
         });
     }
 

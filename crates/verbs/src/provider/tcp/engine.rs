@@ -6,8 +6,7 @@
 //! handle of a context stops it.
 
 use std::collections::HashMap;
-use std::io::Read;
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
@@ -15,12 +14,12 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 use rustix::event::epoll;
 
-use super::qp::{HelloIds, Lock, TcpQp};
+use super::held::{Held, Owner, Step};
+use super::qp::{Lock, TcpQp};
 use super::{Options, DEVICE};
 use crate::soft::cq::ProgressHook;
 use crate::soft::poller::{self, Poller, SleepTimer};
 use crate::soft::qp_table::{QpTable, TimedQp};
-use crate::soft::wire::{self, Frame};
 use crate::{DeviceInfo, Result, VerbsError};
 
 /// Who drives progress.
@@ -44,15 +43,33 @@ const MAX_SLEEP: Duration = Duration::from_secs(1);
 pub(crate) const BUSY_GRACE: Duration = Duration::from_millis(1);
 /// Accepted connections that have not sent their HELLO yet, at most.
 const MAX_PENDING: usize = 1024;
-/// An accepted connection must send its HELLO within this time.
-const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
-const HELLO_LEN: usize = wire::HEADER_LEN + 16;
+/// Used connections kept for reuse, at most (each end counts its own).
+const MAX_KEPT: usize = 1024;
 
-struct PendingConn {
-    accepted_at: Instant,
-    stream: TcpStream,
-    buf: [u8; HELLO_LEN],
-    got: usize,
+/// The connections no QP owns (see [`super::held`]), by token id.
+#[derive(Default)]
+struct HeldConns {
+    by_id: HashMap<u64, Held>,
+    /// How many of them are accepted connections not used yet.
+    fresh: usize,
+}
+
+impl HeldConns {
+    fn insert(&mut self, id: u64, held: Held) {
+        self.fresh += usize::from(held.is_fresh());
+        self.by_id.insert(id, held);
+    }
+
+    fn remove(&mut self, id: u64) -> Option<Held> {
+        let held = self.by_id.remove(&id)?;
+        self.fresh -= usize::from(held.is_fresh());
+        Some(held)
+    }
+
+    /// Used connections kept.
+    fn kept(&self) -> usize {
+        self.by_id.len() - self.fresh
+    }
 }
 
 /// The context of device `tcp0` (it is the provider's `ContextOps`).
@@ -65,8 +82,12 @@ pub(crate) struct Engine {
     listener: TcpListener,
     poller: Arc<Poller>,
     pub qps: QpTable<TcpQp>,
-    pending: Mutex<HashMap<u64, PendingConn>>,
-    next_pending: AtomicU64,
+    held: Mutex<HeldConns>,
+    next_held: AtomicU64,
+    /// Data connections opened to a peer's listener, and those of them that were used
+    /// connections sent a new HELLO instead.
+    pub conns_opened: AtomicU64,
+    pub conns_reused: AtomicU64,
     /// Busy mode: microseconds since the poller epoch of the last `drive` (0: never).
     last_drive_us: AtomicU64,
     /// Busy mode: QPs whose readiness the thread left to an active poller; their one-shot
@@ -99,8 +120,10 @@ impl Engine {
             listener,
             poller: poller.clone(),
             qps: QpTable::new(first_qpn),
-            pending: Mutex::new(HashMap::new()),
-            next_pending: AtomicU64::new(0),
+            held: Mutex::new(HeldConns::default()),
+            next_held: AtomicU64::new(0),
+            conns_opened: AtomicU64::new(0),
+            conns_reused: AtomicU64::new(0),
             last_drive_us: AtomicU64::new(0),
             deferred: Mutex::new(Vec::new()),
         });
@@ -195,30 +218,36 @@ impl Engine {
         self.poller.note_deadline(deadline);
     }
 
-    fn prune_pending(&self, now: Instant) {
-        let mut pending = self.pending.lock();
-        if pending.is_empty() {
+    fn prune_held(&self, now: Instant) {
+        let mut held = self.held.lock();
+        if held.by_id.is_empty() {
             return;
         }
-        pending.retain(|_, p| {
-            let keep = now.saturating_duration_since(p.accepted_at) < HELLO_TIMEOUT;
-            if !keep {
-                tracing::warn!(peer = ?p.stream.peer_addr().ok(), "tcp0: no HELLO in time; closed");
-                self.poller.delete(&p.stream);
+        let expired: Vec<u64> = held
+            .by_id
+            .iter()
+            .filter(|(_, h)| h.deadline() <= now)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in expired {
+            if let Some(h) = held.remove(id) {
+                if h.is_fresh() {
+                    tracing::warn!(peer = ?h.stream.peer_addr().ok(), "tcp0: no HELLO in time; closed");
+                }
+                self.poller.delete(&*h.stream);
             }
-            keep
-        });
+        }
     }
 
     fn run_timers(&self, now: Instant) {
-        self.prune_pending(now);
+        self.prune_held(now);
         self.qps.run_timers(now);
     }
 
     fn handle_event(&self, token: u64, flags: epoll::EventFlags) {
         match token {
             TOKEN_LISTENER => self.accept_all(),
-            t if t & TOKEN_PENDING != 0 => self.read_hello(t),
+            t if t & TOKEN_PENDING != 0 => self.read_held(t & 0xffff_ffff),
             t if t & TOKEN_QP != 0 => {
                 let qpn = (t & 0xffff_ffff) as u32;
                 if let Some(qp) = self.qps.get(qpn) {
@@ -251,8 +280,7 @@ impl Engine {
         loop {
             match self.listener.accept() {
                 Ok((stream, peer)) => {
-                    let mut pending = self.pending.lock();
-                    if pending.len() >= MAX_PENDING {
+                    if self.held.lock().fresh >= MAX_PENDING {
                         tracing::warn!(%peer, "tcp0: too many connections without HELLO; refused");
                         continue;
                     }
@@ -260,24 +288,7 @@ impl Engine {
                         continue;
                     }
                     let _ = stream.set_nodelay(true);
-                    let id = self.next_pending.fetch_add(1, Ordering::Relaxed) & 0xffff_ffff;
-                    if let Err(e) = self.poller.add(
-                        &stream,
-                        TOKEN_PENDING | id,
-                        epoll::EventFlags::IN | epoll::EventFlags::RDHUP,
-                    ) {
-                        tracing::warn!(%peer, %e, "tcp0: cannot watch accepted connection");
-                        continue;
-                    }
-                    pending.insert(
-                        id,
-                        PendingConn {
-                            accepted_at: Instant::now(),
-                            stream,
-                            buf: [0; HELLO_LEN],
-                            got: 0,
-                        },
-                    );
+                    self.hold(Held::accepted(Arc::new(stream), Instant::now()));
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
@@ -292,68 +303,94 @@ impl Engine {
         }
     }
 
-    fn read_hello(&self, token: u64) {
-        let id = token & 0xffff_ffff;
-        let mut pending = self.pending.lock();
-        let Some(p) = pending.get_mut(&id) else {
+    /// Watch a connection no QP owns: register it under a token of its own (it may be
+    /// registered under its QP's token until now) and keep it.
+    fn hold(&self, held: Held) {
+        let mut conns = self.held.lock();
+        if !held.is_fresh() && conns.kept() >= MAX_KEPT {
+            let _ = held.stream.shutdown(Shutdown::Both);
+            return;
+        }
+        let id = self.next_held.fetch_add(1, Ordering::Relaxed) & 0xffff_ffff;
+        let token = TOKEN_PENDING | id;
+        let flags = epoll::EventFlags::IN | epoll::EventFlags::RDHUP;
+        let watched = if held.is_fresh() {
+            self.poller.add(&*held.stream, token, flags)
+        } else {
+            self.poller
+                .modify(&*held.stream, token, flags)
+                .or_else(|_| self.poller.add(&*held.stream, token, flags))
+        };
+        if let Err(e) = watched {
+            tracing::warn!(%e, "tcp0: cannot watch a connection; closed");
+            let _ = held.stream.shutdown(Shutdown::Both);
+            return;
+        }
+        conns.insert(id, held);
+    }
+
+    /// A QP lets go of its connection after sending a BYE on it (see [`super::held`]).
+    pub fn keep_released(&self, stream: Arc<TcpStream>, owner: Owner, bye_read: bool) {
+        self.hold(Held::released(stream, owner, bye_read, Instant::now()));
+    }
+
+    /// The clean connection QP `qpn` opened to the listener at `peer` before, if there is
+    /// one, to carry its next HELLO; its other kept connections are closed (all of them with
+    /// `peer` `None`).
+    pub fn take_opened(&self, peer: Option<SocketAddr>, qpn: u32) -> Option<Arc<TcpStream>> {
+        let mut conns = self.held.lock();
+        let ids: Vec<u64> = conns
+            .by_id
+            .iter()
+            .filter(|(_, h)| matches!(h.owner, Owner::Opened { qpn: q, .. } if q == qpn))
+            .map(|(id, _)| *id)
+            .collect();
+        let mut chosen = None;
+        for id in ids {
+            let Some(mut h) = conns.remove(id) else {
+                continue;
+            };
+            self.poller.delete(&*h.stream);
+            // The peer's BYE may be waiting unread: the progress thread has not run yet.
+            let usable = chosen.is_none()
+                && peer.is_some_and(|peer| h.owner == (Owner::Opened { peer, qpn }))
+                && matches!(h.read(), Step::Wait)
+                && h.is_clean();
+            if usable {
+                chosen = Some(h.stream);
+            } else {
+                let _ = h.stream.shutdown(Shutdown::Both);
+            }
+        }
+        chosen
+    }
+
+    fn read_held(&self, id: u64) {
+        let mut conns = self.held.lock();
+        let Some(h) = conns.by_id.get_mut(&id) else {
             return;
         };
-        let hello = loop {
-            let Some(dst) = p.buf.get_mut(p.got..) else {
-                break None;
-            };
-            match (&p.stream).read(dst) {
-                Ok(0) => break None,
-                Ok(n) => {
-                    p.got += n;
-                    let announced = p.buf.get(..p.got).and_then(wire::peek_len);
-                    if announced.is_some_and(|len| len != HELLO_LEN) {
-                        // Another protocol version, or not a HELLO at all.
-                        break Some(Err(format!("first frame of {announced:?} bytes")));
-                    }
-                    if p.got == HELLO_LEN {
-                        break Some(match wire::decode(&p.buf, 0) {
-                            Ok(Some((
-                                Frame::Hello {
-                                    dst_qpn,
-                                    src_qpn,
-                                    version,
-                                    src_incarnation,
-                                    dst_incarnation,
-                                },
-                                _,
-                            ))) if version == wire::PROTOCOL_VERSION => Ok((
-                                dst_qpn,
-                                HelloIds {
-                                    src_qpn,
-                                    src_incarnation,
-                                    dst_incarnation,
-                                },
-                            )),
-                            other => Err(format!("{other:?}")),
-                        });
-                    }
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return,
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-                Err(_) => break None,
-            }
-        };
-        let Some(p) = pending.remove(&id) else { return };
-        drop(pending);
-        self.poller.delete(&p.stream);
-        let peer = p.stream.peer_addr().ok();
-        match hello {
-            Some(Ok((dst_qpn, hello))) => match self.qps.get(dst_qpn) {
-                Some(qp) => qp.accept_incoming(hello, p.stream),
-                None => {
-                    tracing::warn!(?peer, dst_qpn, "tcp0: HELLO for an unknown QP; closed")
-                }
+        let step = h.read();
+        if matches!(step, Step::Wait) {
+            return;
+        }
+        let Some(h) = conns.remove(id) else { return };
+        drop(conns);
+        self.poller.delete(&*h.stream);
+        match step {
+            Step::Wait => {}
+            Step::Hello { dst_qpn, ids } => match self.qps.get(dst_qpn) {
+                Some(qp) => qp.accept_incoming(ids, h.stream),
+                None => tracing::warn!(
+                    peer = ?h.stream.peer_addr().ok(),
+                    dst_qpn,
+                    "tcp0: HELLO for an unknown QP; closed"
+                ),
             },
-            Some(Err(what)) => {
-                tracing::warn!(?peer, %what, "tcp0: bad HELLO on a new connection; closed")
+            Step::Close(Some(what)) => {
+                tracing::warn!(peer = ?h.stream.peer_addr().ok(), %what, "tcp0: connection closed")
             }
-            None => {}
+            Step::Close(None) => {}
         }
     }
 }

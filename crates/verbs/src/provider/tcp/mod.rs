@@ -26,7 +26,10 @@
 //! See `docs/arch/tcp.md`.
 
 mod engine;
+mod held;
 mod qp;
+#[cfg(test)]
+mod reuse_tests;
 #[cfg(test)]
 mod tests;
 

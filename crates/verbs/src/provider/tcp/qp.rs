@@ -30,6 +30,7 @@ use std::time::{Duration, Instant};
 use parking_lot::{Mutex, MutexGuard};
 
 use super::engine::{Engine, ProgressMode, BUSY_GRACE};
+use super::held::Owner;
 use super::PROVIDER;
 use crate::soft::qp::{QpCore, Transition};
 use crate::soft::qp_ops::SoftQpDriver;
@@ -68,7 +69,7 @@ const MAX_PARKED: usize = 4;
 struct Parked {
     src_qpn: u32,
     src_incarnation: u32,
-    stream: TcpStream,
+    stream: Arc<TcpStream>,
 }
 
 /// What the HELLO of an accepted connection says about both ends.
@@ -119,6 +120,8 @@ pub(crate) enum Lock {
 struct Side {
     core: QpCore,
     conn: Option<Arc<TcpStream>>,
+    /// The listener `conn` was opened to, when this QP opened it (else it was accepted).
+    opened_to: Option<SocketAddr>,
     /// Accepted connections for this incarnation that arrived before it knew its peer.
     parked: Vec<Parked>,
     /// This QP's incarnation.
@@ -226,6 +229,7 @@ impl TcpQp {
             side: Mutex::new(Side {
                 core,
                 conn: None,
+                opened_to: None,
                 parked: Vec::new(),
                 incarnation: next_incarnation(rand::random::<u32>()),
                 remote_incarnation: None,
@@ -450,6 +454,7 @@ impl TcpQp {
         }
         let now = Instant::now();
         let mut bad = None;
+        let mut bye = false;
         let tx_before = side.tx.len();
         {
             let Rx {
@@ -493,9 +498,18 @@ impl TcpQp {
                     }
                     Ok(Some((frame, n))) => {
                         *peek_next = false;
-                        if let Frame::Hello { .. } = frame {
-                            bad = Some("HELLO inside an established connection".to_string());
-                            break;
+                        match frame {
+                            Frame::Hello { .. } => {
+                                bad = Some("HELLO inside an established connection".to_string());
+                                break;
+                            }
+                            Frame::Bye { .. } => {
+                                // The peer's QP left the connection (reset, or in ERROR).
+                                *start += n;
+                                bye = true;
+                                break;
+                            }
+                            _ => {}
                         }
                         let Side { core, tx, .. } = &mut *side;
                         core.handle_frame_tx(now, &frame, tx);
@@ -510,6 +524,15 @@ impl TcpQp {
                     }
                 }
             }
+        }
+        if bye {
+            side.core.fail("the peer's QP left the connection");
+            // What the frames before the BYE made the core answer goes nowhere now.
+            side.tx.clear();
+            self.release(rx, side, true);
+            rx.reset(&mut side.core);
+            self.transmit(side, now);
+            return false;
         }
         let answered = side.tx.len() > tx_before;
         if let Some(reason) = bad {
@@ -545,7 +568,7 @@ impl TcpQp {
     }
 
     /// The listener accepted a connection whose HELLO names this QP.
-    pub fn accept_incoming(&self, hello: HelloIds, stream: TcpStream) {
+    pub fn accept_incoming(&self, hello: HelloIds, stream: Arc<TcpStream>) {
         let mut rx = self.rx.lock();
         let mut side = self.side.lock();
         let src_qpn = hello.src_qpn;
@@ -575,7 +598,7 @@ impl TcpQp {
                 if remote == src_qpn
                     && incarnation_matches(side.remote_incarnation, hello.src_incarnation) =>
             {
-                self.attach(&mut rx, &mut side, stream);
+                self.attach(&mut rx, &mut side, stream, None);
             }
             Some(remote) => tracing::warn!(
                 qp = self.qp_num.0,
@@ -598,7 +621,14 @@ impl TcpQp {
         }
     }
 
-    fn attach(&self, rx: &mut Rx, side: &mut Side, stream: TcpStream) {
+    /// Make `stream` the QP's connection; `opened_to`: the listener this QP opened it to.
+    fn attach(
+        &self,
+        rx: &mut Rx,
+        side: &mut Side,
+        stream: Arc<TcpStream>,
+        opened_to: Option<SocketAddr>,
+    ) {
         let opts = &self.engine.opts;
         // Best effort: a refused size leaves the kernel's autotuning in place.
         if opts.sndbuf > 0 {
@@ -607,7 +637,6 @@ impl TcpQp {
         if opts.rcvbuf > 0 {
             let _ = rustix::net::sockopt::set_socket_recv_buffer_size(&stream, opts.rcvbuf);
         }
-        let stream = Arc::new(stream);
         if let Err(e) = self.engine.register_conn(self.qp_num.0, &stream) {
             side.core.fail(format!("cannot watch the connection: {e}"));
             return;
@@ -615,9 +644,58 @@ impl TcpQp {
         rx.conn = Some(stream.clone());
         rx.reset(&mut side.core);
         side.conn = Some(stream);
+        side.opened_to = opened_to;
         side.tx.clear();
         side.out_armed = false;
         self.transmit(side, Instant::now());
+    }
+}
+
+impl TcpQp {
+    /// Let go of the connection (RESET, ERROR by a modify, or the peer's BYE, `bye_read`):
+    /// when nothing is half-read or half-written on it, send a BYE and hand it to the engine,
+    /// which keeps it for a next connection between the two contexts (see
+    /// [`super::held`]); otherwise shut it down.
+    fn release(&self, rx: &mut Rx, side: &mut Side, bye_read: bool) {
+        let Some(conn) = side.conn.take() else {
+            close_side(side);
+            return;
+        };
+        rx.conn = None;
+        // Nothing half-read, nothing of `tx` sent (empty, or only an ACK held back whole), and
+        // the socket's read threshold back at its default for the next use.
+        let idle = rx.placing.is_none()
+            && rx.start == rx.end
+            && (side.tx.is_empty() || side.held_at.is_some())
+            && (rx.lowat == 1 || crate::soft::poller::set_rcvlowat(conn.as_fd(), 1).is_ok());
+        let opened_to = side.opened_to.take();
+        let kept = idle && {
+            let mut bye = Vec::with_capacity(wire::HEADER_LEN + 8);
+            wire::encode(
+                &Frame::Bye {
+                    dst_qpn: side.core.remote().map_or(0, |r| r.qp_num.0),
+                    src_qpn: self.qp_num.0,
+                    src_incarnation: side.incarnation,
+                },
+                &mut bye,
+            );
+            // Nothing waits for socket room: a frame this short is taken whole in practice;
+            // anything else gives the connection up.
+            matches!((&*conn).write(&bye), Ok(n) if n == bye.len())
+        };
+        if kept {
+            let owner = match opened_to {
+                Some(peer) => Owner::Opened {
+                    peer,
+                    qpn: self.qp_num.0,
+                },
+                None => Owner::Accepted,
+            };
+            self.engine.keep_released(conn, owner, bye_read);
+        } else {
+            let _ = conn.shutdown(Shutdown::Both);
+        }
+        close_side(side);
     }
 }
 
@@ -627,6 +705,34 @@ fn connect(addr: SocketAddr, dst: (u32, u32), src: (u32, u32)) -> Result<TcpStre
         .map_err(|e| VerbsError::Connect(format!("tcp connect to {addr}: {e}")))?;
     s.set_nodelay(true)
         .map_err(|e| VerbsError::io("set TCP_NODELAY", e))?;
+    s.write_all(&hello_frame(dst, src))
+        .map_err(|e| VerbsError::Connect(format!("HELLO to {addr}: {e}")))?;
+    s.set_nonblocking(true)
+        .map_err(|e| VerbsError::io("set non-blocking", e))?;
+    Ok(s)
+}
+
+/// Send the HELLO of a next use on a clean kept connection (non-blocking; its buffers are
+/// empty, so the frame goes whole or the connection is not used).
+fn introduce(
+    s: Arc<TcpStream>,
+    dst: (u32, u32),
+    src: (u32, u32),
+) -> std::io::Result<Arc<TcpStream>> {
+    let hello = hello_frame(dst, src);
+    match (&*s).write(&hello) {
+        Ok(n) if n == hello.len() => Ok(s),
+        Ok(_) => {
+            let _ = s.shutdown(Shutdown::Both);
+            Err(std::io::ErrorKind::WriteZero.into())
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// The HELLO a connecting QP sends: `dst`/`src` are (QP number, incarnation) of the target
+/// and of the sender.
+fn hello_frame(dst: (u32, u32), src: (u32, u32)) -> Vec<u8> {
     let mut hello = Vec::with_capacity(32);
     wire::encode(
         &Frame::Hello {
@@ -638,11 +744,7 @@ fn connect(addr: SocketAddr, dst: (u32, u32), src: (u32, u32)) -> Result<TcpStre
         },
         &mut hello,
     );
-    s.write_all(&hello)
-        .map_err(|e| VerbsError::Connect(format!("HELLO to {addr}: {e}")))?;
-    s.set_nonblocking(true)
-        .map_err(|e| VerbsError::io("set non-blocking", e))?;
-    Ok(s)
+    hello
 }
 
 fn close_side(side: &mut Side) {
@@ -685,6 +787,7 @@ fn make_room(rx: &mut Rx) {
 impl Drop for TcpQp {
     fn drop(&mut self) {
         self.engine.qps.remove(self.qp_num.0);
+        self.engine.take_opened(None, self.qp_num.0);
         if let Some(p) = self.rx.get_mut().placing.take() {
             // A receive taken from an SRQ for a SEND still arriving goes back to the SRQ.
             self.side.get_mut().core.abandon_placement(p);
@@ -753,12 +856,24 @@ impl SoftQpDriver for TcpQp {
                 "a tcp QP cannot be connected to itself".into(),
             ));
         }
+        // A connection this QP opened before: reused towards the same peer context only.
+        let kept = self
+            .engine
+            .take_opened((me < peer).then_some(raddr), self.qp_num.0);
         let stream = if me < peer {
-            Some(connect(
-                raddr,
-                (remote.qp_num.0, remote_inc.unwrap_or(0)),
-                (self.qp_num.0, incarnation),
-            )?)
+            let dst = (remote.qp_num.0, remote_inc.unwrap_or(0));
+            let src = (self.qp_num.0, incarnation);
+            match kept.and_then(|s| introduce(s, dst, src).ok()) {
+                Some(s) => {
+                    self.engine.conns_reused.fetch_add(1, Ordering::Relaxed);
+                    Some(s)
+                }
+                None => {
+                    let s = connect(raddr, dst, src)?;
+                    self.engine.conns_opened.fetch_add(1, Ordering::Relaxed);
+                    Some(Arc::new(s))
+                }
+            }
         } else {
             None
         };
@@ -776,7 +891,7 @@ impl SoftQpDriver for TcpQp {
             if side.conn.is_some() {
                 return Err(VerbsError::Connect("QP is already connected".into()));
             }
-            self.attach(&mut rx, &mut side, s);
+            self.attach(&mut rx, &mut side, s, Some(raddr));
         } else {
             // The latest connection from the peer's incarnation; the others are closed.
             let mut chosen = None;
@@ -795,7 +910,7 @@ impl SoftQpDriver for TcpQp {
                 }
             }
             if let Some(s) = chosen {
-                self.attach(&mut rx, &mut side, s);
+                self.attach(&mut rx, &mut side, s, None);
             }
         }
         Ok(())
@@ -806,15 +921,13 @@ impl SoftQpDriver for TcpQp {
         let mut side = self.side.lock();
         match side.core.modify(attr)? {
             Transition::Reset => {
-                close_side(&mut side);
+                self.release(&mut rx, &mut side, false);
                 side.incarnation = next_incarnation(side.incarnation);
                 side.remote_incarnation = None;
-                rx.conn = None;
                 rx.reset(&mut side.core);
             }
             Transition::Error => {
-                close_side(&mut side);
-                rx.conn = None;
+                self.release(&mut rx, &mut side, false);
                 rx.reset(&mut side.core);
             }
             Transition::Rts | Transition::None | Transition::Rtr(_) => {

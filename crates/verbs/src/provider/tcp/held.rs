@@ -1,0 +1,267 @@
+//! Data connections that no QP owns at the moment: accepted ones that have not yet said which
+//! QP they are for, and used ones kept for the next connection between the same two contexts.
+//!
+//! Owns: each such connection's reading state (what it still has to skip, a HELLO being
+//! assembled), its deadline, and the rule of when a used connection is clean. Does not own:
+//! the epoll registration and the table of them ([`super::engine`]), nor how a QP lets go of
+//! a connection ([`super::qp`]).
+//!
+//! A connection outlives the QP pair that used it when both ends leave it cleanly. A QP that
+//! lets go of a healthy connection (RESET, ERROR by a modify, or the peer's BYE) with nothing
+//! half-read or half-written sends a BYE frame and writes nothing more; the connection is
+//! **clean** at one end once that end has sent its BYE and read the peer's: every byte after
+//! belongs to the connection's next use. Until then its reader skips the old frames.
+//!
+//! - The end that opened the connection keeps it for the QP that opened it ([`Owner::Opened`]):
+//!   when that QP (from a cache) connects again to a QP of the same context, it sends a new
+//!   HELLO on the clean connection instead of opening one — no TCP handshake, no accept and
+//!   fewer system calls on both sides. A new QP always opens its own connection.
+//! - The accepting end watches the clean connection for that HELLO exactly as it watches a
+//!   newly accepted one; the HELLO may name any of its QPs.
+//! - Bytes where none may be (anything on an opened connection once clean, a frame longer
+//!   than the limit), the peer closing, a read error or the deadline close the connection;
+//!   the next connect then opens a new one.
+
+use std::io::Read;
+use std::net::{SocketAddr, TcpStream};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::qp::HelloIds;
+use crate::soft::wire::{self, Frame, Opcode};
+
+/// An accepted connection must send its HELLO within this time.
+pub(super) const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
+/// The opening end keeps a used connection this long for its QP's next connection.
+pub(super) const OPENED_IDLE: Duration = Duration::from_secs(30);
+/// The accepting end keeps a used connection this long for its next HELLO: longer than the
+/// opening end keeps it, so that the end which decides to reuse it closes it first.
+pub(super) const ACCEPTED_IDLE: Duration = Duration::from_secs(60);
+/// Length of a HELLO frame.
+pub(super) const HELLO_LEN: usize = wire::HEADER_LEN + 16;
+/// Largest frame a draining reader skips (longer: the connection is closed).
+const MAX_SKIPPED_FRAME: usize = wire::DEFAULT_MAX_PAYLOAD + wire::HEADER_LEN + 32;
+
+/// Who keeps a connection and for what.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Owner {
+    /// The listener accepted it: it waits for a HELLO naming one of the context's QPs.
+    Accepted,
+    /// QP `qpn` opened it to the listener at `peer`: it waits for that QP's next connection to
+    /// a QP there.
+    Opened { peer: SocketAddr, qpn: u32 },
+}
+
+#[derive(Debug)]
+enum Reading {
+    /// Skipping the previous use's frames up to and including the peer's BYE.
+    ToBye {
+        head: [u8; wire::HEADER_LEN],
+        got: usize,
+        /// Bytes of the current frame's body still to skip.
+        skip: usize,
+        /// The current frame is the BYE.
+        bye: bool,
+    },
+    /// Clean: the accepting end assembles the next HELLO; on the opening end nothing may
+    /// arrive.
+    Clean { buf: [u8; HELLO_LEN], got: usize },
+}
+
+/// What reading a held connection came to.
+#[derive(Debug)]
+pub(super) enum Step {
+    /// Nothing more to read for now.
+    Wait,
+    /// A complete HELLO for QP `dst_qpn` (accepting end).
+    Hello { dst_qpn: u32, ids: HelloIds },
+    /// Close the connection; the reason is logged when there is one (a peer closing an idle
+    /// connection is not worth a line).
+    Close(Option<String>),
+}
+
+/// A connection held by the context.
+#[derive(Debug)]
+pub(super) struct Held {
+    /// Shared only for a moment: a QP that read the peer's BYE lets go of the connection while
+    /// its reader still holds a handle.
+    pub stream: Arc<TcpStream>,
+    pub owner: Owner,
+    reading: Reading,
+    deadline: Instant,
+    /// Accepted and not used yet (it counts against another limit than used ones).
+    fresh: bool,
+}
+
+impl Held {
+    /// A connection the listener just accepted.
+    pub fn accepted(stream: Arc<TcpStream>, now: Instant) -> Held {
+        Held {
+            stream,
+            owner: Owner::Accepted,
+            reading: Reading::Clean {
+                buf: [0; HELLO_LEN],
+                got: 0,
+            },
+            deadline: now + HELLO_TIMEOUT,
+            fresh: true,
+        }
+    }
+
+    /// A connection a QP let go of after sending its BYE; `bye_read`: the peer's BYE was read
+    /// already (it was the last frame the QP read), so the connection is clean.
+    pub fn released(stream: Arc<TcpStream>, owner: Owner, bye_read: bool, now: Instant) -> Held {
+        let reading = if bye_read {
+            Reading::Clean {
+                buf: [0; HELLO_LEN],
+                got: 0,
+            }
+        } else {
+            Reading::ToBye {
+                head: [0; wire::HEADER_LEN],
+                got: 0,
+                skip: 0,
+                bye: false,
+            }
+        };
+        let idle = match owner {
+            Owner::Accepted => ACCEPTED_IDLE,
+            Owner::Opened { .. } => OPENED_IDLE,
+        };
+        Held {
+            stream,
+            owner,
+            reading,
+            deadline: now + idle,
+            fresh: false,
+        }
+    }
+
+    /// Accepted and not used yet.
+    pub fn is_fresh(&self) -> bool {
+        self.fresh
+    }
+
+    /// When the context closes it if nothing used it.
+    pub fn deadline(&self) -> Instant {
+        self.deadline
+    }
+
+    /// Clean, and nothing of a next use read yet: an opened connection can carry a HELLO.
+    pub fn is_clean(&self) -> bool {
+        matches!(self.reading, Reading::Clean { got: 0, .. })
+    }
+
+    /// Read what the connection has (non-blocking).
+    pub fn read(&mut self) -> Step {
+        let mut scratch = [0u8; 16 * 1024];
+        loop {
+            let dst: &mut [u8] = match &mut self.reading {
+                Reading::ToBye { skip, .. } if *skip > 0 => {
+                    let n = (*skip).min(scratch.len());
+                    scratch.get_mut(..n).unwrap_or_default()
+                }
+                Reading::ToBye { head, got, .. } => head.get_mut(*got..).unwrap_or_default(),
+                Reading::Clean { buf, got } => buf.get_mut(*got..).unwrap_or_default(),
+            };
+            if dst.is_empty() {
+                // Unreachable: every state asks for at least one byte.
+                return Step::Close(Some("reader state asked for no bytes".into()));
+            }
+            match (&*self.stream).read(dst) {
+                Ok(0) => return Step::Close(None),
+                Ok(n) => {
+                    if let Some(step) = self.consumed(n) {
+                        return step;
+                    }
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Step::Wait,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Step::Close(Some(format!("read failed: {e}"))),
+            }
+        }
+    }
+
+    /// `n` bytes were read into what [`Held::read`] asked for.
+    fn consumed(&mut self, n: usize) -> Option<Step> {
+        match &mut self.reading {
+            Reading::ToBye { skip, bye, .. } if *skip > 0 => {
+                *skip -= n;
+                if *skip == 0 && *bye {
+                    self.clean();
+                }
+                None
+            }
+            Reading::ToBye {
+                head,
+                got,
+                skip,
+                bye,
+            } => {
+                *got += n;
+                if *got < wire::HEADER_LEN {
+                    return None;
+                }
+                let len = wire::peek_len(head).unwrap_or(0);
+                if !(wire::HEADER_LEN..=MAX_SKIPPED_FRAME).contains(&len) {
+                    return Some(Step::Close(Some(format!(
+                        "frame of {len} bytes while draining"
+                    ))));
+                }
+                *bye = head.get(4) == Some(&(Opcode::Bye as u8));
+                *skip = len - wire::HEADER_LEN;
+                *got = 0;
+                if *skip == 0 {
+                    // A body-less frame; a BYE has a body, so this one is skipped whole.
+                    *bye = false;
+                }
+                None
+            }
+            Reading::Clean { buf, got } => {
+                if matches!(self.owner, Owner::Opened { .. }) {
+                    return Some(Step::Close(Some(
+                        "bytes on an idle connection that no HELLO opened".into(),
+                    )));
+                }
+                *got += n;
+                let announced = buf.get(..*got).and_then(wire::peek_len);
+                if announced.is_some_and(|len| len != HELLO_LEN) {
+                    // Another protocol version, or not a HELLO at all.
+                    return Some(Step::Close(Some(format!(
+                        "first frame of {announced:?} bytes instead of a HELLO"
+                    ))));
+                }
+                if *got < HELLO_LEN {
+                    return None;
+                }
+                Some(match wire::decode(buf, 0) {
+                    Ok(Some((
+                        Frame::Hello {
+                            dst_qpn,
+                            src_qpn,
+                            version,
+                            src_incarnation,
+                            dst_incarnation,
+                        },
+                        _,
+                    ))) if version == wire::PROTOCOL_VERSION => Step::Hello {
+                        dst_qpn,
+                        ids: HelloIds {
+                            src_qpn,
+                            src_incarnation,
+                            dst_incarnation,
+                        },
+                    },
+                    other => Step::Close(Some(format!("bad HELLO: {other:?}"))),
+                })
+            }
+        }
+    }
+
+    fn clean(&mut self) {
+        self.reading = Reading::Clean {
+            buf: [0; HELLO_LEN],
+            got: 0,
+        };
+    }
+}

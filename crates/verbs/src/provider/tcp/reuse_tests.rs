@@ -1,0 +1,408 @@
+//! The reuse of data connections (see `held.rs`): a QP from a cache that connects again to a
+//! QP of the same context sends its HELLO on the connection it opened before; what the old use
+//! left in flight never reaches the new one; bad bytes on a kept connection close it alone.
+//! Wire-level tests play one end themselves.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::Ordering;
+
+use super::engine::Engine;
+use crate::soft::testing::{self as fixture, connect_with, wait, wait_state, Side, WAIT};
+use crate::soft::wire::{self, Frame};
+use crate::*;
+
+fn open() -> Context {
+    fixture::open("tcp0", &[("progress", "thread")])
+}
+
+fn side(ctx: &Context) -> Side {
+    fixture::side(ctx, 256, QpCaps::default(), AccessFlags::ALL)
+}
+
+fn addr(ctx: &Context) -> SocketAddr {
+    ctx.query_port(1).unwrap().address.parse().unwrap()
+}
+
+/// (connections opened, kept connections used again) by the QPs of `ctx`.
+fn counts(ctx: &Context) -> (u64, u64) {
+    let e = ctx
+        .ops()
+        .as_any()
+        .downcast_ref::<Engine>()
+        .expect("a tcp0 context is its engine");
+    (
+        e.conns_opened.load(Ordering::Relaxed),
+        e.conns_reused.load(Ordering::Relaxed),
+    )
+}
+
+/// Two contexts; the QPs of the first open the connections (its address is the lower).
+fn contexts() -> (Context, Context) {
+    let (x, y) = (open(), open());
+    if addr(&x) < addr(&y) {
+        (x, y)
+    } else {
+        (y, x)
+    }
+}
+
+/// What a QP cache does before a QP serves another connection: ERROR, then RESET.
+fn retire(s: &Side) {
+    if s.qp.state() == QpState::Reset {
+        return;
+    }
+    if s.qp.state() != QpState::Error {
+        s.qp.modify(&QpAttr::error()).unwrap();
+    }
+    s.qp.modify(&QpAttr::reset()).unwrap();
+}
+
+/// 8 bytes each way, checked byte for byte.
+fn exchange(a: &Side, b: &Side, tag: u64) {
+    for (from, to, id) in [(a, b, tag * 2), (b, a, tag * 2 + 1)] {
+        let bytes = id.to_le_bytes();
+        from.mr.write_at(0, &bytes).unwrap();
+        to.qp
+            .post_recv(&[RecvWr::new(id, &[to.mr.sge(1024, 8).unwrap()])])
+            .unwrap();
+        from.qp
+            .post_send(&[SendWr::new(
+                id,
+                &[from.mr.sge(0, 8).unwrap()],
+                WrOpcode::Send,
+            )])
+            .unwrap();
+        let (sent, got) = (wait(&from.cq, 1)[0], wait(&to.cq, 1)[0]);
+        assert_eq!(
+            (sent.wr_id, sent.status, got.wr_id, got.status, got.byte_len),
+            (id, WcStatus::Success, id, WcStatus::Success, 8)
+        );
+        let mut back = [0u8; 8];
+        to.mr.read_at(1024, &mut back).unwrap();
+        assert_eq!(back, bytes, "message {id}");
+    }
+}
+
+#[test]
+fn a_cached_qp_reconnects_over_the_connection_it_opened_to_any_qp_of_that_context() {
+    let (lo, hi) = contexts();
+    let a = side(&lo);
+    let (b1, b2) = (side(&hi), side(&hi));
+    connect_with(&a, &b1, QpAttr::rts);
+    exchange(&a, &b1, 0);
+    assert_eq!(counts(&lo), (1, 0));
+    const ROUNDS: u64 = 20;
+    for round in 1..=ROUNDS {
+        for s in [&a, &b1, &b2] {
+            retire(s);
+        }
+        // The peer QP changes every round; its context stays.
+        let b = if round % 2 == 0 { &b1 } else { &b2 };
+        // Either end reaches RTR first.
+        if round % 4 < 2 {
+            connect_with(&a, b, QpAttr::rts);
+        } else {
+            connect_with(b, &a, QpAttr::rts);
+        }
+        exchange(&a, b, round);
+    }
+    assert_eq!(
+        counts(&lo),
+        (1, ROUNDS),
+        "one connection, used again every round"
+    );
+    assert_eq!(counts(&hi), (0, 0), "the higher context opens none");
+    // A new QP opens its own connection.
+    let c = side(&lo);
+    retire(&b1);
+    connect_with(&c, &b1, QpAttr::rts);
+    exchange(&c, &b1, 99);
+    assert_eq!(counts(&lo), (2, ROUNDS));
+}
+
+/// Rounds that leave with requests in flight (large SENDs and WRITEs) alternate with
+/// rounds that leave once everything completed; after each, the pair connects again and an
+/// exchange must see exactly its own bytes. A connection left with something half-read or
+/// half-written is closed (the next round opens one); one left idle is used again.
+#[test]
+fn what_a_leaving_qp_left_in_flight_never_reaches_the_next_use() {
+    let (lo, hi) = contexts();
+    let (a, b) = (side(&lo), side(&hi));
+    const N: usize = 8;
+    const LEN: usize = 1 << 20;
+    let big_a = a.pd.alloc_mr(N * LEN, AccessFlags::ALL).unwrap();
+    let big_b = b.pd.alloc_mr(N * LEN, AccessFlags::ALL).unwrap();
+    big_a.write_at(0, &vec![0x5a; N * LEN]).unwrap();
+    const ROUNDS: u64 = 60;
+    let mut idle_leaves = 0;
+    for round in 0..ROUNDS {
+        connect_with(&a, &b, QpAttr::rts);
+        exchange(&a, &b, round);
+        // SENDs of 1 MiB into posted receives and WRITEs of 1 MiB: more than the sockets
+        // hold, so a QP that leaves at once leaves something half-written or half-read.
+        for i in 0..N {
+            let off = i * LEN;
+            let local = [big_a.sge(off, LEN as u32).unwrap()];
+            if i % 2 == 0 {
+                b.qp.post_recv(&[RecvWr::new(
+                    i as u64,
+                    &[big_b.sge(off, LEN as u32).unwrap()],
+                )])
+                .unwrap();
+                a.qp.post_send(&[SendWr::new(i as u64, &local, WrOpcode::Send)])
+                    .unwrap();
+            } else {
+                let op = WrOpcode::Write {
+                    remote: big_b.remote(off),
+                };
+                a.qp.post_send(&[SendWr::new(i as u64, &local, op)])
+                    .unwrap();
+            }
+        }
+        let idle = round % 3 == 0;
+        if idle {
+            // Everything completes before the QPs leave.
+            assert!(wait(&a.cq, N)
+                .iter()
+                .all(|wc| wc.status == WcStatus::Success));
+            assert!(wait(&b.cq, N / 2)
+                .iter()
+                .all(|wc| wc.status == WcStatus::Success));
+            idle_leaves += 1;
+        }
+        // Either end leaves first.
+        let (first, second) = if round % 2 == 0 { (&a, &b) } else { (&b, &a) };
+        retire(first);
+        retire(second);
+        if !idle {
+            // Every request and receive completes, successfully or flushed.
+            wait(&a.cq, N);
+            wait(&b.cq, N / 2);
+        }
+        for s in [&a, &b] {
+            let mut rest = [WorkCompletion::EMPTY; 4];
+            assert_eq!(s.cq.poll(&mut rest).unwrap(), 0, "stray {:?}", &rest[..1]);
+        }
+    }
+    connect_with(&a, &b, QpAttr::rts);
+    exchange(&a, &b, ROUNDS);
+    let (opened, reused) = counts(&lo);
+    assert_eq!(opened + reused, ROUNDS + 1);
+    assert!(
+        reused >= idle_leaves,
+        "a connection left idle is used again: {reused} reused, {idle_leaves} idle leaves"
+    );
+}
+
+/// A BYE frame from a peer QP `src_qpn` to `dst_qpn`.
+fn bye(dst_qpn: u32, src_qpn: u32) -> Vec<u8> {
+    let mut out = Vec::new();
+    wire::encode(
+        &Frame::Bye {
+            dst_qpn,
+            src_qpn,
+            src_incarnation: 1,
+        },
+        &mut out,
+    );
+    out
+}
+
+fn read_frame(s: &mut TcpStream, len: usize) -> Frame<'static> {
+    let mut buf = vec![0u8; len];
+    s.read_exact(&mut buf).unwrap();
+    let buf: &'static [u8] = Box::leak(buf.into_boxed_slice());
+    wire::decode(buf, 0).unwrap().unwrap().0
+}
+
+/// Take `qp` (RESET) to RTS towards a peer QP 77 at `peer`.
+fn connect_to(qp: &QueuePair, peer: SocketAddr) {
+    let fake = QpEndpoint {
+        address: peer.to_string(),
+        qp_num: QpNum(77),
+        ..qp.endpoint()
+    };
+    qp.modify(&QpAttr::init(AccessFlags::ALL)).unwrap();
+    qp.modify(&QpAttr::rtr(fake)).unwrap();
+    qp.modify(&QpAttr::rts()).unwrap();
+}
+
+fn expect_hello(s: &mut TcpStream, qp: &QueuePair) {
+    match read_frame(s, wire::HEADER_LEN + 16) {
+        Frame::Hello {
+            dst_qpn, src_qpn, ..
+        } => assert_eq!((dst_qpn, src_qpn), (77, qp.qp_num().0)),
+        f => panic!("expected HELLO, got {f:?}"),
+    }
+}
+
+/// The peer leaves with a BYE: the QP fails (flushing a receive) and answers with its own.
+fn peer_leaves(s: &mut TcpStream, victim: &Side, wr_id: u64) {
+    victim.qp.post_recv(&[RecvWr::new(wr_id, &[])]).unwrap();
+    s.write_all(&bye(victim.qp.qp_num().0, 77)).unwrap();
+    let wc = wait(&victim.cq, 1)[0];
+    assert_eq!((wc.wr_id, wc.status), (wr_id, WcStatus::WrFlushed));
+    wait_state(&victim.qp, QpState::Error);
+    match read_frame(s, wire::HEADER_LEN + 8) {
+        Frame::Bye {
+            dst_qpn, src_qpn, ..
+        } => assert_eq!((dst_qpn, src_qpn), (77, victim.qp.qp_num().0)),
+        f => panic!("expected BYE, got {f:?}"),
+    }
+}
+
+/// The test is the accepting end (a listener at 127.0.0.2, above the context's 127.0.0.1).
+#[test]
+fn the_opening_end_sends_its_next_hello_on_the_clean_connection_and_closes_it_on_stray_bytes() {
+    let ctx = open();
+    let victim = side(&ctx);
+    let listener = TcpListener::bind("127.0.0.2:0").unwrap();
+    let peer = listener.local_addr().unwrap();
+    connect_to(&victim.qp, peer);
+    let (mut s, _) = listener.accept().unwrap();
+    s.set_read_timeout(Some(WAIT)).unwrap();
+    expect_hello(&mut s, &victim.qp);
+    peer_leaves(&mut s, &victim, 1);
+    victim.qp.modify(&QpAttr::reset()).unwrap();
+    connect_to(&victim.qp, peer);
+    expect_hello(&mut s, &victim.qp);
+    listener.set_nonblocking(true).unwrap();
+    assert!(listener.accept().is_err(), "no new connection");
+    assert_eq!(counts(&ctx), (1, 1));
+    // Left again, then bytes no HELLO opened: the context closes the connection.
+    peer_leaves(&mut s, &victim, 2);
+    s.write_all(&[0xff; 8]).unwrap();
+    assert_eq!(
+        s.read(&mut [0u8; 1]).unwrap_or(0),
+        0,
+        "closed by the context"
+    );
+    // The next connect opens a new one.
+    victim.qp.modify(&QpAttr::reset()).unwrap();
+    listener.set_nonblocking(false).unwrap();
+    connect_to(&victim.qp, peer);
+    let (mut s2, _) = listener.accept().unwrap();
+    s2.set_read_timeout(Some(WAIT)).unwrap();
+    expect_hello(&mut s2, &victim.qp);
+    assert_eq!(counts(&ctx), (2, 1));
+}
+
+/// The test is the opening end (its QP "lives" at 127.0.0.1:1, below the context).
+#[test]
+fn the_accepting_end_skips_what_preceded_the_bye_and_takes_the_next_hello() {
+    const PEER_QPN: u32 = 0x00ff_fff1;
+    let ctx = open();
+    let b = side(&ctx);
+    let incarnation = || b.qp.endpoint().extra["incarnation"].parse::<u32>().unwrap();
+    let hello = |src_incarnation: u32, dst_incarnation: u32| {
+        let mut out = Vec::new();
+        wire::encode(
+            &Frame::Hello {
+                dst_qpn: b.qp.qp_num().0,
+                src_qpn: PEER_QPN,
+                version: wire::PROTOCOL_VERSION,
+                src_incarnation,
+                dst_incarnation,
+            },
+            &mut out,
+        );
+        out
+    };
+    let rtr = |peer_incarnation: u32| {
+        let mut peer = QpEndpoint {
+            address: "127.0.0.1:1".into(),
+            qp_num: QpNum(PEER_QPN),
+            ..b.qp.endpoint()
+        };
+        peer.extra
+            .insert("incarnation".into(), peer_incarnation.to_string());
+        b.qp.modify(&QpAttr::init(AccessFlags::ALL)).unwrap();
+        b.qp.modify(&QpAttr::rtr(peer)).unwrap();
+    };
+    rtr(7);
+    let mut s = TcpStream::connect(addr(&ctx)).unwrap();
+    s.set_read_timeout(Some(WAIT)).unwrap();
+    s.write_all(&hello(7, incarnation())).unwrap();
+    // A SEND over it arrives, and the ACK comes back.
+    b.qp.post_recv(&[RecvWr::new(1, &[])]).unwrap();
+    let psn = b.qp.endpoint().psn;
+    let mut send = Vec::new();
+    wire::encode(
+        &Frame::Request(wire::Request {
+            qpn: b.qp.qp_num().0,
+            psn,
+            solicited: false,
+            op: wire::RequestOp::Send {
+                imm: None,
+                payload: &[],
+            },
+        }),
+        &mut send,
+    );
+    s.write_all(&send).unwrap();
+    assert_eq!(wait(&b.cq, 1)[0].status, WcStatus::Success);
+    assert!(matches!(
+        read_frame(&mut s, wire::HEADER_LEN),
+        Frame::Response(wire::Response {
+            kind: wire::ResponseKind::Ack,
+            ..
+        })
+    ));
+    // The QP leaves first: its BYE comes, and the context skips what the test still sends of
+    // the old use — a request, a large one split across writes — up to the test's BYE.
+    b.qp.modify(&QpAttr::error()).unwrap();
+    match read_frame(&mut s, wire::HEADER_LEN + 8) {
+        Frame::Bye { src_qpn, .. } => assert_eq!(src_qpn, b.qp.qp_num().0),
+        f => panic!("expected BYE, got {f:?}"),
+    }
+    let mut old = Vec::new();
+    for len in [8, 100_000] {
+        wire::encode(
+            &Frame::Request(wire::Request {
+                qpn: b.qp.qp_num().0,
+                psn: 0,
+                solicited: false,
+                op: wire::RequestOp::Send {
+                    imm: None,
+                    payload: &vec![3; len],
+                },
+            }),
+            &mut old,
+        );
+    }
+    let (first, rest) = old.split_at(50_000);
+    s.write_all(first).unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    s.write_all(rest).unwrap();
+    s.write_all(&bye(b.qp.qp_num().0, PEER_QPN)).unwrap();
+    // Reset and connected again: the HELLO on the same connection attaches it.
+    b.qp.modify(&QpAttr::reset()).unwrap();
+    rtr(8);
+    s.write_all(&hello(8, incarnation())).unwrap();
+    b.qp.post_recv(&[RecvWr::new(2, &[])]).unwrap();
+    assert_eq!(b.qp.state(), QpState::Rtr);
+    // Attached: the test closing it now fails the QP.
+    drop(s);
+    let wc = wait(&b.cq, 1)[0];
+    assert_eq!((wc.wr_id, wc.status), (2, WcStatus::WrFlushed));
+    wait_state(&b.qp, QpState::Error);
+
+    // Bytes after the BYE that are not a HELLO close the connection.
+    b.qp.modify(&QpAttr::reset()).unwrap();
+    rtr(9);
+    let mut s = TcpStream::connect(addr(&ctx)).unwrap();
+    s.set_read_timeout(Some(WAIT)).unwrap();
+    s.write_all(&hello(9, incarnation())).unwrap();
+    s.write_all(&bye(b.qp.qp_num().0, PEER_QPN)).unwrap();
+    b.qp.post_recv(&[RecvWr::new(3, &[])]).unwrap();
+    assert_eq!(wait(&b.cq, 1)[0].status, WcStatus::WrFlushed);
+    read_frame(&mut s, wire::HEADER_LEN + 8);
+    s.write_all(&u32::MAX.to_be_bytes()).unwrap();
+    s.write_all(&[0u8; 28]).unwrap();
+    assert_eq!(
+        s.read(&mut [0u8; 1]).unwrap_or(0),
+        0,
+        "closed by the context"
+    );
+}

@@ -162,11 +162,21 @@ impl Engine {
         flags
     }
 
-    /// Watch a QP's connection for input.
-    pub fn register_conn(&self, qpn: u32, stream: &TcpStream) -> Result<()> {
-        self.poller
-            .add(stream, TOKEN_QP | u64::from(qpn), self.conn_flags(false))
-            .map_err(|e| VerbsError::io("tcp0: epoll add connection", e))
+    /// Watch a QP's connection for input; `watched`: the epoll set has it already (under the
+    /// token it had while the engine held it).
+    pub fn register_conn(&self, qpn: u32, stream: &TcpStream, watched: bool) -> Result<()> {
+        let (token, flags) = (TOKEN_QP | u64::from(qpn), self.conn_flags(false));
+        if watched {
+            self.poller.modify(stream, token, flags)
+        } else {
+            self.poller.add(stream, token, flags)
+        }
+        .map_err(|e| VerbsError::io("tcp0: epoll add connection", e))
+    }
+
+    /// Stop watching a connection (it waits, unread, for its QP's RTR).
+    pub fn unwatch(&self, stream: &TcpStream) {
+        self.poller.delete(stream);
     }
 
     /// (Re-)arm a QP's connection, watching for output room too when `out` (a write would
@@ -350,15 +360,15 @@ impl Engine {
             let Some(mut h) = conns.remove(id) else {
                 continue;
             };
-            self.poller.delete(&*h.stream);
             // The peer's BYE may be waiting unread: the progress thread has not run yet.
             let usable = chosen.is_none()
                 && peer.is_some_and(|peer| h.owner == (Owner::Opened { peer, qpn }))
-                && matches!(h.read(), Step::Wait)
-                && h.is_clean();
+                && (h.is_clean() || matches!(h.read(), Step::Wait) && h.is_clean());
             if usable {
+                // Still in the epoll set: the QP takes it over under its own token.
                 chosen = Some(h.stream);
             } else {
+                self.poller.delete(&*h.stream);
                 let _ = h.stream.shutdown(Shutdown::Both);
             }
         }
@@ -376,9 +386,9 @@ impl Engine {
         }
         let Some(h) = conns.remove(id) else { return };
         drop(conns);
-        self.poller.delete(&*h.stream);
         match step {
             Step::Wait => {}
+            // Still in the epoll set: its QP takes it over under its own token (or closes it).
             Step::Hello { dst_qpn, ids } => match self.qps.get(dst_qpn) {
                 Some(qp) => qp.accept_incoming(ids, h.stream),
                 None => tracing::warn!(
@@ -388,9 +398,10 @@ impl Engine {
                 ),
             },
             Step::Close(Some(what)) => {
+                self.poller.delete(&*h.stream);
                 tracing::warn!(peer = ?h.stream.peer_addr().ok(), %what, "tcp0: connection closed")
             }
-            Step::Close(None) => {}
+            Step::Close(None) => self.poller.delete(&*h.stream),
         }
     }
 }

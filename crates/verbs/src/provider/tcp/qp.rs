@@ -567,7 +567,8 @@ impl TcpQp {
         true
     }
 
-    /// The listener accepted a connection whose HELLO names this QP.
+    /// The listener accepted a connection whose HELLO names this QP (still in the engine's
+    /// epoll set; dropping it closes it, which takes it out of the set).
     pub fn accept_incoming(&self, hello: HelloIds, stream: Arc<TcpStream>) {
         let mut rx = self.rx.lock();
         let mut side = self.side.lock();
@@ -598,7 +599,7 @@ impl TcpQp {
                 if remote == src_qpn
                     && incarnation_matches(side.remote_incarnation, hello.src_incarnation) =>
             {
-                self.attach(&mut rx, &mut side, stream, None);
+                self.attach(&mut rx, &mut side, stream, None, true);
             }
             Some(remote) => tracing::warn!(
                 qp = self.qp_num.0,
@@ -612,6 +613,8 @@ impl TcpQp {
                 if side.parked.len() >= MAX_PARKED {
                     side.parked.remove(0);
                 }
+                // Unread until RTR: out of the epoll set meanwhile.
+                self.engine.unwatch(&stream);
                 side.parked.push(Parked {
                     src_qpn,
                     src_incarnation: hello.src_incarnation,
@@ -621,13 +624,15 @@ impl TcpQp {
         }
     }
 
-    /// Make `stream` the QP's connection; `opened_to`: the listener this QP opened it to.
+    /// Make `stream` the QP's connection; `opened_to`: the listener this QP opened it to;
+    /// `watched`: the engine's epoll set has it already.
     fn attach(
         &self,
         rx: &mut Rx,
         side: &mut Side,
         stream: Arc<TcpStream>,
         opened_to: Option<SocketAddr>,
+        watched: bool,
     ) {
         let opts = &self.engine.opts;
         // Best effort: a refused size leaves the kernel's autotuning in place.
@@ -637,7 +642,7 @@ impl TcpQp {
         if opts.rcvbuf > 0 {
             let _ = rustix::net::sockopt::set_socket_recv_buffer_size(&stream, opts.rcvbuf);
         }
-        if let Err(e) = self.engine.register_conn(self.qp_num.0, &stream) {
+        if let Err(e) = self.engine.register_conn(self.qp_num.0, &stream, watched) {
             side.core.fail(format!("cannot watch the connection: {e}"));
             return;
         }
@@ -863,15 +868,16 @@ impl SoftQpDriver for TcpQp {
         let stream = if me < peer {
             let dst = (remote.qp_num.0, remote_inc.unwrap_or(0));
             let src = (self.qp_num.0, incarnation);
+            // (stream, in the epoll set already)
             match kept.and_then(|s| introduce(s, dst, src).ok()) {
                 Some(s) => {
                     self.engine.conns_reused.fetch_add(1, Ordering::Relaxed);
-                    Some(s)
+                    Some((s, true))
                 }
                 None => {
                     let s = connect(raddr, dst, src)?;
                     self.engine.conns_opened.fetch_add(1, Ordering::Relaxed);
-                    Some(Arc::new(s))
+                    Some((Arc::new(s), false))
                 }
             }
         } else {
@@ -887,11 +893,11 @@ impl SoftQpDriver for TcpQp {
         side.core.modify(attr)?;
         side.remote_incarnation = remote_inc;
         let parked = std::mem::take(&mut side.parked);
-        if let Some(s) = stream {
+        if let Some((s, watched)) = stream {
             if side.conn.is_some() {
                 return Err(VerbsError::Connect("QP is already connected".into()));
             }
-            self.attach(&mut rx, &mut side, s, Some(raddr));
+            self.attach(&mut rx, &mut side, s, Some(raddr), watched);
         } else {
             // The latest connection from the peer's incarnation; the others are closed.
             let mut chosen = None;
@@ -910,7 +916,7 @@ impl SoftQpDriver for TcpQp {
                 }
             }
             if let Some(s) = chosen {
-                self.attach(&mut rx, &mut side, s, None);
+                self.attach(&mut rx, &mut side, s, None, false);
             }
         }
         Ok(())

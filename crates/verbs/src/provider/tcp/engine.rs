@@ -52,11 +52,15 @@ struct HeldConns {
     by_id: HashMap<u64, Held>,
     /// How many of them are accepted connections not used yet.
     fresh: usize,
+    /// No deadline comes before this one (the table is looked through only from then on).
+    earliest: Option<Instant>,
 }
 
 impl HeldConns {
     fn insert(&mut self, id: u64, held: Held) {
         self.fresh += usize::from(held.is_fresh());
+        let d = held.deadline();
+        self.earliest = Some(self.earliest.map_or(d, |e| e.min(d)));
         self.by_id.insert(id, held);
     }
 
@@ -228,9 +232,9 @@ impl Engine {
         self.poller.note_deadline(deadline);
     }
 
-    fn prune_held(&self, now: Instant) {
+    pub(super) fn prune_held(&self, now: Instant) {
         let mut held = self.held.lock();
-        if held.by_id.is_empty() {
+        if !held.earliest.is_some_and(|e| e <= now) {
             return;
         }
         let expired: Vec<u64> = held
@@ -239,6 +243,12 @@ impl Engine {
             .filter(|(_, h)| h.deadline() <= now)
             .map(|(id, _)| *id)
             .collect();
+        held.earliest = held
+            .by_id
+            .values()
+            .map(Held::deadline)
+            .filter(|&d| d > now)
+            .min();
         for id in expired {
             if let Some(h) = held.remove(id) {
                 if h.is_fresh() {
@@ -315,7 +325,7 @@ impl Engine {
 
     /// Watch a connection no QP owns: register it under a token of its own (it may be
     /// registered under its QP's token until now) and keep it.
-    fn hold(&self, held: Held) {
+    pub(super) fn hold(&self, held: Held) {
         let mut conns = self.held.lock();
         if !held.is_fresh() && conns.kept() >= MAX_KEPT {
             let _ = held.stream.shutdown(Shutdown::Both);

@@ -406,3 +406,58 @@ fn the_accepting_end_skips_what_preceded_the_bye_and_takes_the_next_hello() {
         "closed by the context"
     );
 }
+
+/// A kept connection past its deadline is closed at the next look at the timers; those within
+/// it stay (their QP can take them) until their own time is up.
+#[test]
+fn kept_connections_are_closed_after_their_idle_time() {
+    use super::held::{Held, Owner, OPENED_IDLE};
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+    let ctx = open();
+    let engine = ctx
+        .ops()
+        .as_any()
+        .downcast_ref::<Engine>()
+        .expect("a tcp0 context is its engine");
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let peer = listener.local_addr().unwrap();
+    let mut far_ends = Vec::new();
+    let ages = [
+        OPENED_IDLE + Duration::from_secs(1),
+        Duration::ZERO,
+        Duration::ZERO,
+    ];
+    for (qpn, age) in (1..).zip(ages) {
+        let near = TcpStream::connect(peer).unwrap();
+        near.set_nonblocking(true).unwrap();
+        let (far, _) = listener.accept().unwrap();
+        far.set_read_timeout(Some(Duration::from_millis(300)))
+            .unwrap();
+        far_ends.push(far);
+        let kept_since = Instant::now().checked_sub(age).unwrap();
+        engine.hold(Held::released(
+            Arc::new(near),
+            Owner::Opened { peer, qpn },
+            true,
+            kept_since,
+        ));
+    }
+    engine.prune_held(Instant::now());
+    assert!(
+        matches!(far_ends[0].read(&mut [0u8; 1]), Ok(0)),
+        "the expired one is closed"
+    );
+    assert!(
+        far_ends[1].read(&mut [0u8; 1]).is_err(),
+        "the other one stays open (the read times out)"
+    );
+    assert!(engine.take_opened(Some(peer), 1).is_none());
+    assert!(engine.take_opened(Some(peer), 3).is_some());
+    // Once its time is up too, the second one is closed.
+    engine.prune_held(Instant::now() + OPENED_IDLE + Duration::from_secs(1));
+    assert!(
+        matches!(far_ends[1].read(&mut [0u8; 1]), Ok(0)),
+        "closed when its time is up"
+    );
+}

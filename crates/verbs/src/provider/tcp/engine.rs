@@ -1,7 +1,10 @@
-//! The progress engine of one `tcp0` context: the listener, the QP table, connections that have
-//! not yet said which QP they are for, and what the progress thread does with a ready fd.
+//! The progress engine of one `tcp0` context: the listener, the QP table, the connections no QP
+//! owns (accepted ones that have not yet said which QP they are for, used ones kept for reuse:
+//! [`super::held`]), and what the progress thread does with a ready fd.
 //!
-//! QPs own their connections once attached. The epoll set, wake-ups and the thread's loop are
+//! QPs own their connections once attached; a connection changes hands (engine → QP → engine)
+//! by an `epoll_ctl` MOD of its token (it leaves the epoll set only while it waits, unread, for
+//! its QP's RTR). The epoll set, wake-ups and the thread's loop are
 //! [`crate::soft::poller`]'s; the thread holds only a `Weak` to the engine, so dropping the last
 //! handle of a context stops it.
 

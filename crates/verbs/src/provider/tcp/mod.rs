@@ -8,6 +8,9 @@
 //! - One TCP connection per connected QP pair. At RTR, the side whose `(address, qpn)` is
 //!   smaller connects to the other's listener and sends a HELLO naming the target QP; the
 //!   listener side attaches the accepted stream to that QP (parking it until RTR if needed).
+//! - A QP pair that leaves a healthy connection says BYE on it, and the connection outlives
+//!   the pair ([`held`]): the QP that opened it sends its next HELLO on it when it connects
+//!   again to a QP of the same context (a QP from a cache), instead of opening another.
 //! - Progress: a thread per context waits on epoll (accepts, readable and writable sockets,
 //!   timers). Requests are written straight from the posting thread. With
 //!   `progress = "busy"` a `poll` on a CQ also reads the sockets, so a spinning poller sees

@@ -41,6 +41,8 @@ pub(super) const ACCEPTED_IDLE: Duration = Duration::from_secs(60);
 pub(super) const HELLO_LEN: usize = wire::HEADER_LEN + 16;
 /// Largest frame a draining reader skips (longer: the connection is closed).
 const MAX_SKIPPED_FRAME: usize = wire::DEFAULT_MAX_PAYLOAD + wire::HEADER_LEN + 32;
+/// Reads per [`Held::read`].
+const MAX_READS: usize = 16;
 
 /// Who keeps a connection and for what.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -152,10 +154,11 @@ impl Held {
         matches!(self.reading, Reading::Clean { got: 0, .. })
     }
 
-    /// Read what the connection has (non-blocking).
+    /// Read what the connection has (non-blocking), at most [`MAX_READS`] times: a peer
+    /// streaming old frames does not hold the progress thread (epoll reports the rest again).
     pub fn read(&mut self) -> Step {
         let mut scratch = [0u8; 16 * 1024];
-        loop {
+        for _ in 0..MAX_READS {
             let dst: &mut [u8] = match &mut self.reading {
                 Reading::ToBye { skip, .. } if *skip > 0 => {
                     let n = (*skip).min(scratch.len());
@@ -180,6 +183,7 @@ impl Held {
                 Err(e) => return Step::Close(Some(format!("read failed: {e}"))),
             }
         }
+        Step::Wait
     }
 
     /// `n` bytes were read into what [`Held::read`] asked for.

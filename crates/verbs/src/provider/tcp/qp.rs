@@ -527,8 +527,12 @@ impl TcpQp {
         }
         if bye {
             side.core.fail("the peer's QP left the connection");
-            // What the frames before the BYE made the core answer goes nowhere now.
-            side.tx.clear();
+            if tx_before == 0 {
+                // Only what this batch's frames made the core answer waits, none of it sent:
+                // it goes nowhere now. Output from before may be partly written (a request
+                // cut by a full socket): then `release` gives the connection up.
+                side.tx.clear();
+            }
             self.release(rx, side, true);
             rx.reset(&mut side.core);
             self.transmit(side, now);

@@ -461,3 +461,43 @@ fn kept_connections_are_closed_after_their_idle_time() {
         "closed when its time is up"
     );
 }
+
+/// A QP that reads the peer's BYE while a request of its own is half written (the socket
+/// full) gives the connection up: a BYE behind half a frame would make the other end take
+/// the rest of the stream for old frames. The next connect opens a new connection.
+#[test]
+fn a_bye_read_while_a_request_is_half_written_gives_the_connection_up() {
+    // Small socket buffers: an 8 MiB SEND cannot leave whole while the test does not read.
+    let ctx = fixture::open("tcp0", &[("progress", "thread"), ("sndbuf", "65536")]);
+    let victim = side(&ctx);
+    let big = victim.pd.alloc_mr(8 << 20, AccessFlags::ALL).unwrap();
+    let listener = TcpListener::bind("127.0.0.2:0").unwrap();
+    let peer = listener.local_addr().unwrap();
+    connect_to(&victim.qp, peer);
+    let (mut s, _) = listener.accept().unwrap();
+    s.set_read_timeout(Some(WAIT)).unwrap();
+    expect_hello(&mut s, &victim.qp);
+    victim
+        .qp
+        .post_send(&[SendWr::new(
+            7,
+            &[big.sge(0, 8 << 20).unwrap()],
+            WrOpcode::Send,
+        )])
+        .unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    s.write_all(&bye(victim.qp.qp_num().0, 77)).unwrap();
+    let wc = wait(&victim.cq, 1)[0];
+    assert_eq!((wc.wr_id, wc.status), (7, WcStatus::WrFlushed));
+    wait_state(&victim.qp, QpState::Error);
+    // Shut down, not kept: the rest of the stream ends.
+    let mut rest = Vec::new();
+    s.read_to_end(&mut rest).unwrap();
+    assert!(rest.len() < (8 << 20), "the SEND was cut");
+    victim.qp.modify(&QpAttr::reset()).unwrap();
+    connect_to(&victim.qp, peer);
+    let (mut s2, _) = listener.accept().unwrap();
+    s2.set_read_timeout(Some(WAIT)).unwrap();
+    expect_hello(&mut s2, &victim.qp);
+    assert_eq!(counts(&ctx), (2, 0));
+}

@@ -99,6 +99,18 @@ fn device_is_listed_and_advertises_what_works() {
 
 // ---------------------------------------------------------------- MR table
 
+/// The shared-memory segment of `pd`'s context.
+fn segment(pd: &ProtectionDomain) -> &std::sync::Arc<super::segment::Segment> {
+    &pd.context()
+        .ops()
+        .as_any()
+        .downcast_ref::<super::ShmContext>()
+        .unwrap()
+        .core
+        .shared
+        .seg
+}
+
 #[test]
 fn keys_are_random_and_deregistration_is_immediate() {
     let ctx = Context::open("shm0").unwrap();
@@ -116,15 +128,7 @@ fn keys_are_random_and_deregistration_is_immediate() {
     drop(a);
     let c = mr(&pd, 64);
     assert_ne!(c.rkey(), old, "a reused entry gets a new key");
-    let seg = &pd
-        .context()
-        .ops()
-        .as_any()
-        .downcast_ref::<super::ShmContext>()
-        .unwrap()
-        .core
-        .shared
-        .seg;
+    let seg = segment(&pd);
     assert!(super::mrtable::lookup(seg, old.0).is_none());
     assert!(super::mrtable::lookup(seg, c.rkey().0).is_some());
 }
@@ -140,16 +144,7 @@ fn huge_page_regions_are_advised_where_shared_memory_takes_huge_pages() {
         PageKind::Base
     };
     let m = mr(&pd, 2 * huge);
-    let base = pd
-        .context()
-        .ops()
-        .as_any()
-        .downcast_ref::<super::ShmContext>()
-        .unwrap()
-        .core
-        .shared
-        .seg
-        .base() as u64;
+    let base = segment(&pd).base() as u64;
     assert_eq!(
         (m.addr() - base) % huge as u64,
         0,

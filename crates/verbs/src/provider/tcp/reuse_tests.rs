@@ -8,6 +8,7 @@ use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::Ordering;
 
 use super::engine::Engine;
+use super::tests::{connect_to, expect_hello, fake_peer_at};
 use crate::soft::testing::{self as fixture, connect_with, wait, wait_state, Side, WAIT};
 use crate::soft::wire::{self, Frame};
 use crate::*;
@@ -216,27 +217,6 @@ fn read_frame(s: &mut TcpStream, len: usize) -> Frame<'static> {
     wire::decode(buf, 0).unwrap().unwrap().0
 }
 
-/// Take `qp` (RESET) to RTS towards a peer QP 77 at `peer`.
-fn connect_to(qp: &QueuePair, peer: SocketAddr) {
-    let fake = QpEndpoint {
-        address: peer.to_string(),
-        qp_num: QpNum(77),
-        ..qp.endpoint()
-    };
-    qp.modify(&QpAttr::init(AccessFlags::ALL)).unwrap();
-    qp.modify(&QpAttr::rtr(fake)).unwrap();
-    qp.modify(&QpAttr::rts()).unwrap();
-}
-
-fn expect_hello(s: &mut TcpStream, qp: &QueuePair) {
-    match read_frame(s, wire::HEADER_LEN + 16) {
-        Frame::Hello {
-            dst_qpn, src_qpn, ..
-        } => assert_eq!((dst_qpn, src_qpn), (77, qp.qp_num().0)),
-        f => panic!("expected HELLO, got {f:?}"),
-    }
-}
-
 /// The peer leaves with a BYE: the QP fails (flushing a receive) and answers with its own.
 fn peer_leaves(s: &mut TcpStream, victim: &Side, wr_id: u64) {
     victim.qp.post_recv(&[RecvWr::new(wr_id, &[])]).unwrap();
@@ -257,12 +237,8 @@ fn peer_leaves(s: &mut TcpStream, victim: &Side, wr_id: u64) {
 fn the_opening_end_sends_its_next_hello_on_the_clean_connection_and_closes_it_on_stray_bytes() {
     let ctx = open();
     let victim = side(&ctx);
-    let listener = TcpListener::bind("127.0.0.2:0").unwrap();
+    let (listener, mut s) = fake_peer_at(&victim.qp);
     let peer = listener.local_addr().unwrap();
-    connect_to(&victim.qp, peer);
-    let (mut s, _) = listener.accept().unwrap();
-    s.set_read_timeout(Some(WAIT)).unwrap();
-    expect_hello(&mut s, &victim.qp);
     peer_leaves(&mut s, &victim, 1);
     victim.qp.modify(&QpAttr::reset()).unwrap();
     connect_to(&victim.qp, peer);
@@ -471,12 +447,8 @@ fn a_bye_read_while_a_request_is_half_written_gives_the_connection_up() {
     let ctx = fixture::open("tcp0", &[("progress", "thread"), ("sndbuf", "65536")]);
     let victim = side(&ctx);
     let big = victim.pd.alloc_mr(8 << 20, AccessFlags::ALL).unwrap();
-    let listener = TcpListener::bind("127.0.0.2:0").unwrap();
+    let (listener, mut s) = fake_peer_at(&victim.qp);
     let peer = listener.local_addr().unwrap();
-    connect_to(&victim.qp, peer);
-    let (mut s, _) = listener.accept().unwrap();
-    s.set_read_timeout(Some(WAIT)).unwrap();
-    expect_hello(&mut s, &victim.qp);
     victim
         .qp
         .post_send(&[SendWr::new(

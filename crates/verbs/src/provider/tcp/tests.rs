@@ -507,28 +507,43 @@ fn peer_disconnect_moves_qp_to_error_and_flushes() {
 
 /// Accept the connection of a QP whose "peer" is this test, and read its HELLO.
 fn fake_peer(qp: &QueuePair) -> TcpStream {
+    fake_peer_at(qp).1
+}
+
+/// A listener of this test at 127.0.0.2 (above the contexts' 127.0.0.1, so `qp` is the side
+/// that connects), `qp` (RESET) taken to RTS towards a QP 77 there, and the connection it opened,
+/// its HELLO read.
+pub(super) fn fake_peer_at(qp: &QueuePair) -> (TcpListener, TcpStream) {
     let listener = TcpListener::bind("127.0.0.2:0").unwrap();
-    let addr = listener.local_addr().unwrap();
+    connect_to(qp, listener.local_addr().unwrap());
+    let (mut s, _) = listener.accept().unwrap();
+    s.set_read_timeout(Some(WAIT)).unwrap();
+    expect_hello(&mut s, qp);
+    (listener, s)
+}
+
+/// Take `qp` (RESET) to RTS towards a QP 77 at `peer`.
+pub(super) fn connect_to(qp: &QueuePair, peer: std::net::SocketAddr) {
     let fake = QpEndpoint {
-        address: addr.to_string(),
+        address: peer.to_string(),
         qp_num: QpNum(77),
         ..qp.endpoint()
     };
     qp.modify(&QpAttr::init(AccessFlags::ALL)).unwrap();
     qp.modify(&QpAttr::rtr(fake)).unwrap();
     qp.modify(&QpAttr::rts()).unwrap();
-    let (mut s, _) = listener.accept().unwrap();
+}
+
+/// Read a HELLO from `qp` to QP 77.
+pub(super) fn expect_hello(s: &mut TcpStream, qp: &QueuePair) {
     let mut hello = [0u8; wire::HEADER_LEN + 16];
     s.read_exact(&mut hello).unwrap();
     match wire::decode(&hello, 0).unwrap().unwrap().0 {
         Frame::Hello {
             dst_qpn, src_qpn, ..
-        } => {
-            assert_eq!((dst_qpn, src_qpn), (77, qp.qp_num().0));
-        }
+        } => assert_eq!((dst_qpn, src_qpn), (77, qp.qp_num().0)),
         f => panic!("expected HELLO, got {f:?}"),
     }
-    s
 }
 
 #[test]

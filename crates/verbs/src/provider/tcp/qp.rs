@@ -741,7 +741,7 @@ fn introduce(
 
 /// The HELLO a connecting QP sends: `dst`/`src` are (QP number, incarnation) of the target
 /// and of the sender.
-fn hello_frame(dst: (u32, u32), src: (u32, u32)) -> Vec<u8> {
+pub(super) fn hello_frame(dst: (u32, u32), src: (u32, u32)) -> Vec<u8> {
     let mut hello = Vec::with_capacity(32);
     wire::encode(
         &Frame::Hello {

@@ -8,7 +8,7 @@ use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::Ordering;
 
 use super::engine::Engine;
-use super::tests::{connect_to, expect_hello, fake_peer_at};
+use super::tests::{connect_to, expect_hello, fake_peer_at, hello_frame};
 use crate::soft::testing::{self as fixture, connect_with, wait, wait_state, Side, WAIT};
 use crate::soft::wire::{self, Frame};
 use crate::*;
@@ -272,18 +272,10 @@ fn the_accepting_end_skips_what_preceded_the_bye_and_takes_the_next_hello() {
     let b = side(&ctx);
     let incarnation = || b.qp.endpoint().extra["incarnation"].parse::<u32>().unwrap();
     let hello = |src_incarnation: u32, dst_incarnation: u32| {
-        let mut out = Vec::new();
-        wire::encode(
-            &Frame::Hello {
-                dst_qpn: b.qp.qp_num().0,
-                src_qpn: PEER_QPN,
-                version: wire::PROTOCOL_VERSION,
-                src_incarnation,
-                dst_incarnation,
-            },
-            &mut out,
-        );
-        out
+        hello_frame(
+            (b.qp.qp_num().0, dst_incarnation),
+            (PEER_QPN, src_incarnation),
+        )
     };
     let rtr = |peer_incarnation: u32| {
         let mut peer = QpEndpoint {

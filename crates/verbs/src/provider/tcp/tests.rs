@@ -5,6 +5,7 @@ use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::time::Duration;
 
+pub(super) use super::qp::hello_frame;
 use crate::soft::testing::{
     self as fixture, big_regions, connect_with, connect_with_rnr_retry, read_back, wait,
     wait_state, Side, WAIT,
@@ -1017,16 +1018,9 @@ fn hello_for_or_from_another_incarnation_is_closed() {
     const PEER_QPN: u32 = 0x00ff_fff1;
     let hello = |src_incarnation: u32, dst_incarnation: u32| {
         let mut s = TcpStream::connect(&addr).unwrap();
-        let mut buf = Vec::new();
-        wire::encode(
-            &Frame::Hello {
-                dst_qpn: b.qp.qp_num().0,
-                src_qpn: PEER_QPN,
-                version: wire::PROTOCOL_VERSION,
-                src_incarnation,
-                dst_incarnation,
-            },
-            &mut buf,
+        let buf = hello_frame(
+            (b.qp.qp_num().0, dst_incarnation),
+            (PEER_QPN, src_incarnation),
         );
         s.write_all(&buf).unwrap();
         s.set_read_timeout(Some(WAIT)).unwrap();

@@ -721,8 +721,9 @@ fn connect(addr: SocketAddr, dst: (u32, u32), src: (u32, u32)) -> Result<TcpStre
     Ok(s)
 }
 
-/// Send the HELLO of a next use on a clean kept connection (non-blocking; its buffers are
-/// empty, so the frame goes whole or the connection is not used).
+/// Send the HELLO of a next use on a clean kept connection (non-blocking: the frame goes
+/// whole, or the connection is not used — the socket may still be full of the last use's
+/// frames that the other end is skipping).
 fn introduce(
     s: Arc<TcpStream>,
     dst: (u32, u32),

@@ -53,6 +53,9 @@ const MAX_KEPT: usize = 1024;
 #[derive(Default)]
 struct HeldConns {
     by_id: HashMap<u64, Held>,
+    /// The id of the connection each QP opened and keeps (one per QP: its next RTR takes it or
+    /// closes it).
+    opened: HashMap<u32, u64>,
     /// How many of them are accepted connections not used yet.
     fresh: usize,
     /// No deadline comes before this one (the table is looked through only from then on).
@@ -60,16 +63,27 @@ struct HeldConns {
 }
 
 impl HeldConns {
-    fn insert(&mut self, id: u64, held: Held) {
+    /// Keep `held` under `id`; returns a connection its QP kept before, which it replaces.
+    fn insert(&mut self, id: u64, held: Held) -> Option<Held> {
         self.fresh += usize::from(held.is_fresh());
         let d = held.deadline();
         self.earliest = Some(self.earliest.map_or(d, |e| e.min(d)));
+        let replaced = match held.owner {
+            Owner::Opened { qpn, .. } => self.opened.insert(qpn, id),
+            Owner::Accepted => None,
+        };
         self.by_id.insert(id, held);
+        replaced.and_then(|old| self.remove(old))
     }
 
     fn remove(&mut self, id: u64) -> Option<Held> {
         let held = self.by_id.remove(&id)?;
         self.fresh -= usize::from(held.is_fresh());
+        if let Owner::Opened { qpn, .. } = held.owner {
+            if self.opened.get(&qpn) == Some(&id) {
+                self.opened.remove(&qpn);
+            }
+        }
         Some(held)
     }
 
@@ -349,7 +363,10 @@ impl Engine {
             let _ = held.stream.shutdown(Shutdown::Both);
             return;
         }
-        conns.insert(id, held);
+        if let Some(old) = conns.insert(id, held) {
+            self.poller.delete(&*old.stream);
+            let _ = old.stream.shutdown(Shutdown::Both);
+        }
     }
 
     /// A QP lets go of its connection after sending a BYE on it (see [`super::held`]).
@@ -357,35 +374,23 @@ impl Engine {
         self.hold(Held::released(stream, owner, bye_read, Instant::now()));
     }
 
-    /// The clean connection QP `qpn` opened to the listener at `peer` before, if there is
-    /// one, to carry its next HELLO; its other kept connections are closed (all of them with
-    /// `peer` `None`).
+    /// The clean connection QP `qpn` opened to the listener at `peer` before, if it kept one,
+    /// to carry its next HELLO; one to another listener, or not clean, is closed (so is any,
+    /// with `peer` `None`).
     pub fn take_opened(&self, peer: Option<SocketAddr>, qpn: u32) -> Option<Arc<TcpStream>> {
         let mut conns = self.held.lock();
-        let ids: Vec<u64> = conns
-            .by_id
-            .iter()
-            .filter(|(_, h)| matches!(h.owner, Owner::Opened { qpn: q, .. } if q == qpn))
-            .map(|(id, _)| *id)
-            .collect();
-        let mut chosen = None;
-        for id in ids {
-            let Some(mut h) = conns.remove(id) else {
-                continue;
-            };
-            // The peer's BYE may be waiting unread: the progress thread has not run yet.
-            let usable = chosen.is_none()
-                && peer.is_some_and(|peer| h.owner == (Owner::Opened { peer, qpn }))
-                && (h.is_clean() || matches!(h.read(), Step::Wait) && h.is_clean());
-            if usable {
-                // Still in the epoll set: the QP takes it over under its own token.
-                chosen = Some(h.stream);
-            } else {
-                self.poller.delete(&*h.stream);
-                let _ = h.stream.shutdown(Shutdown::Both);
-            }
+        let id = *conns.opened.get(&qpn)?;
+        let mut h = conns.remove(id)?;
+        // The peer's BYE may be waiting unread: the progress thread has not run yet.
+        let usable = peer.is_some_and(|peer| h.owner == (Owner::Opened { peer, qpn }))
+            && (h.is_clean() || matches!(h.read(), Step::Wait) && h.is_clean());
+        if usable {
+            // Still in the epoll set: the QP takes it over under its own token.
+            return Some(h.stream);
         }
-        chosen
+        self.poller.delete(&*h.stream);
+        let _ = h.stream.shutdown(Shutdown::Both);
+        None
     }
 
     fn read_held(&self, id: u64) {

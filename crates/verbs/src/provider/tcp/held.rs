@@ -31,14 +31,14 @@ use super::qp::HelloIds;
 use crate::soft::wire::{self, Frame, Opcode};
 
 /// An accepted connection must send its HELLO within this time.
-pub(super) const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
+const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 /// The opening end keeps a used connection this long for its QP's next connection.
 pub(super) const OPENED_IDLE: Duration = Duration::from_secs(30);
 /// The accepting end keeps a used connection this long for its next HELLO: longer than the
 /// opening end keeps it, so that the end which decides to reuse it closes it first.
-pub(super) const ACCEPTED_IDLE: Duration = Duration::from_secs(60);
+const ACCEPTED_IDLE: Duration = Duration::from_secs(60);
 /// Length of a HELLO frame.
-pub(super) const HELLO_LEN: usize = wire::HEADER_LEN + 16;
+const HELLO_LEN: usize = wire::HEADER_LEN + 16;
 /// Largest frame a draining reader skips (longer: the connection is closed).
 const MAX_SKIPPED_FRAME: usize = wire::DEFAULT_MAX_PAYLOAD + wire::HEADER_LEN + 32;
 /// Reads per [`Held::read`].

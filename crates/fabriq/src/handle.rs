@@ -259,14 +259,15 @@ impl Channel {
         Ok(())
     }
 
-    /// The application consumed a message: the peer's stream window may open. The count rides
-    /// on the stream's next message (the worker takes it when it sends one); only once a
-    /// report's worth (a quarter of the stream window) has built up is the worker told, at once when
-    /// its lock is free, else through the inbox, so that a lone `STREAM_CREDIT` goes out for a
-    /// reader that does not send. (The slot's connection credit went back at delivery.)
+    /// The application consumed a message: the peer's stream window may open. The count (the
+    /// delivery queue's count of reads) rides on the stream's next message (the worker takes
+    /// it when it sends one); only once a report's worth (a quarter of the stream window) has
+    /// built up untaken is the worker told, at once when its lock is free, else through the
+    /// inbox, so that a lone `STREAM_CREDIT` goes out for a reader that does not send. (The
+    /// slot's connection credit went back at delivery.)
     fn released(&self) {
         let s = &self.inner.shared;
-        if s.released.fetch_add(1, std::sync::atomic::Ordering::AcqRel) + 1 == s.report_every {
+        if s.report_due() {
             match s.worker.try_lock_state() {
                 Some(mut g) => {
                     g.release_now(s.id);
@@ -306,13 +307,13 @@ impl Channel {
         let s = &self.inner.shared;
         s.rx_async_waiters.fetch_add(1, Ordering::SeqCst);
         let _waiting = AsyncWaiter(&s.rx_async_waiters);
-        // Pairs with `ChannelShared::deliver`: counted before looking at the queue.
-        std::sync::atomic::fence(Ordering::SeqCst);
         loop {
             let notified = s.rx_notify.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            if let Some(m) = s.try_take()? {
+            // Pairs with `ChannelShared::deliver`: counted before looking at the queue, and
+            // the look takes the queue's lock.
+            if let Some(m) = s.try_take_locked()? {
                 self.released();
                 return Ok(m);
             }
@@ -339,7 +340,7 @@ impl Channel {
     /// running on this channel's worker.
     pub fn stats(&self) -> Result<ChannelStats, ChannelError> {
         let s = &self.inner.shared;
-        let _caller = s.worker.enter_caller();
+        s.worker.enter_caller();
         let g = s.worker.lock_state().ok_or(ChannelError::WouldBlock)?;
         g.stats(s.id).ok_or(ChannelError::Closed)
     }

@@ -7,7 +7,7 @@
 //! beside it lets a waiter that polls look for a message with one load and no lock.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use parking_lot::Mutex;
 
@@ -18,6 +18,9 @@ use crate::message::Message;
 pub(crate) struct DeliveryQueue {
     /// The deque's length, published after every change made under the lock.
     len: AtomicUsize,
+    /// Messages popped so far (wrapping), published under the lock like `len`: the stream's
+    /// consumed count, which the worker reads instead of being told of every read.
+    taken: AtomicU64,
     queue: Mutex<VecDeque<Message>>,
 }
 
@@ -39,10 +42,24 @@ impl DeliveryQueue {
         if self.is_empty() {
             return None;
         }
+        self.pop_locked()
+    }
+
+    /// How many messages were popped so far (wrapping).
+    pub(crate) fn taken(&self) -> u64 {
+        self.taken.load(Ordering::Acquire)
+    }
+
+    /// The oldest message, if any, looked for under the lock even when the length says
+    /// there is none (see `ChannelShared::deliver`).
+    pub(crate) fn pop_locked(&self) -> Option<Message> {
         let mut q = self.queue.lock();
-        let m = q.pop_front();
+        let m = q.pop_front()?;
         self.len.store(q.len(), Ordering::Release);
-        m
+        // Only a holder of the lock writes it: a load and a store, no locked add.
+        let taken = self.taken.load(Ordering::Relaxed);
+        self.taken.store(taken.wrapping_add(1), Ordering::Release);
+        Some(m)
     }
 
     /// Drop every waiting message; how many there were.

@@ -25,6 +25,7 @@
 //! Not here: protocol decisions (`channel::proto`), connection set-up (`endpoint`), the
 //! application-facing handles (`handle`, `rpc`, `remote`).
 
+mod barrier;
 mod buffers;
 mod clock;
 mod delivery;
@@ -581,7 +582,7 @@ pub(crate) fn direct_or_submit_settled<V>(
     direct: impl FnOnce(&mut Worker, V) -> bool,
     queued: impl FnOnce(V) -> Command,
 ) {
-    let _caller = w.enter_caller();
+    w.enter_caller();
     if let Some(mut g) = w.try_lock_state() {
         // Earlier commands of this thread (queued while the state was busy) go first.
         g.drain_inbox(w);

@@ -39,6 +39,23 @@ const PARK_CAP_CALLER: Duration = Duration::from_millis(1);
 pub(crate) const BACKSTOP_GRACE: Duration = Duration::from_millis(10);
 /// Payload bytes in flight per channel before `send` waits (see `outstanding_bytes`).
 pub(crate) const WINDOW_BYTES: u64 = 16 << 20;
+/// One outstanding message in `ChannelShared::sends` (its low 32 bits).
+const OUTSTANDING: u64 = 1;
+/// One unconsumed message in `ChannelShared::sends` (its high 32 bits).
+const UNCONSUMED: u64 = 1 << 32;
+/// Messages of at most this many payload bytes are not counted in
+/// `ChannelShared::outstanding_bytes` (the message window bounds what they hold).
+const UNCOUNTED_BYTES: u64 = 4096;
+
+/// The bytes a message of `len` counts in `ChannelShared::outstanding_bytes`.
+fn counted_bytes(len: u64) -> u64 {
+    if len > UNCOUNTED_BYTES {
+        len
+    } else {
+        0
+    }
+}
+
 /// Spin rounds between clock reads in [`WorkerShared::wait_for`].
 const CLOCK_EVERY: u32 = 16;
 
@@ -58,11 +75,6 @@ fn thread_token() -> u64 {
         v
     })
 }
-
-/// [`WorkerShared::activity`]: one call entering adds this (a call counted, one more inside).
-const CALL_ENTERED: u64 = (1 << 32) | 1;
-/// The part of [`WorkerShared::activity`] that counts the calls inside.
-const CALLS_INSIDE: u64 = (1 << 32) - 1;
 
 /// What the back-stop thread last saw of the application's calls (caller mode).
 #[derive(Debug, Default)]
@@ -102,19 +114,6 @@ impl Drop for StateGuard<'_> {
     }
 }
 
-/// Counts an application thread inside a call while it lives (caller mode).
-pub(crate) struct CallerGuard<'a> {
-    shared: Option<&'a WorkerShared>,
-}
-
-impl Drop for CallerGuard<'_> {
-    fn drop(&mut self) {
-        if let Some(s) = self.shared {
-            s.activity.fetch_sub(1, Ordering::AcqRel);
-        }
-    }
-}
-
 /// The worker's shared side.
 pub(crate) struct WorkerShared {
     pub(crate) id: usize,
@@ -144,14 +143,17 @@ pub(crate) struct WorkerShared {
     parked: AtomicUsize,
     park: Mutex<u64>,
     park_cv: Condvar,
-    /// Application calls (caller mode): in the low 32 bits the calls inside now, above them
-    /// how many ever entered (wrapping). One atomic add on the way in and one on the way out;
-    /// the back-stop thread tells a quiet application by the count standing still.
-    activity: AtomicU64,
+    /// Application calls (caller mode) that entered, wrapping: the back-stop thread tells a
+    /// quiet application by the count standing still (and no caller spinning). Bumped by a
+    /// load and a store, not a locked add: callers racing may lose a bump, but the count
+    /// still moves, which is all the back-stop looks at.
+    entered: AtomicU64,
     /// Set once the worker processed `Shutdown`.
     pub(crate) stopped: AtomicBool,
     /// RPC call ids, unique per worker.
     next_call: AtomicU64,
+    /// Parking pairs asymmetric barriers (`super::barrier`): the notifier's is free.
+    asymmetric: bool,
 }
 
 impl WorkerShared {
@@ -186,9 +188,10 @@ impl WorkerShared {
             parked: AtomicUsize::new(0),
             park: Mutex::new(0),
             park_cv: Condvar::new(),
-            activity: AtomicU64::new(0),
+            entered: AtomicU64::new(0),
             stopped: AtomicBool::new(false),
             next_call: AtomicU64::new(1),
+            asymmetric: super::barrier::asymmetric(),
         })
     }
 
@@ -318,7 +321,9 @@ impl WorkerShared {
     /// Wake threads parked in [`WorkerShared::wait_for`]: called after any progress that did
     /// work.
     pub(crate) fn notify_parked(&self) {
-        fence(Ordering::SeqCst);
+        // Pairs with the heavy barrier of a thread parking in `wait_for`: either it sees this
+        // thread's work, or this sees it parked.
+        super::barrier::light(self.asymmetric);
         if self.parked.load(Ordering::SeqCst) > 0 {
             let mut epoch = self.park.lock();
             *epoch = epoch.wrapping_add(1);
@@ -343,26 +348,27 @@ impl WorkerShared {
         Some(n)
     }
 
-    /// Count the calling application thread as active while the guard lives (caller mode: the
-    /// back-stop thread stays out of the way).
-    pub(crate) fn enter_caller(&self) -> CallerGuard<'_> {
+    /// Note that an application thread called in (caller mode: the back-stop thread stays out
+    /// of the way while calls come; a caller that waits is the spinner or sleeps as the poller,
+    /// which keeps it away too).
+    pub(crate) fn enter_caller(&self) {
         // Not counted: thread mode, and calls from a handler on the thread that progresses.
         if !self.is_caller_mode() || self.holder.load(Ordering::Acquire) == thread_token() {
-            return CallerGuard { shared: None };
+            return;
         }
-        self.activity.fetch_add(CALL_ENTERED, Ordering::AcqRel);
-        CallerGuard { shared: Some(self) }
+        let n = self.entered.load(Ordering::Relaxed);
+        self.entered.store(n.wrapping_add(1), Ordering::Relaxed);
     }
 
     /// True when no application thread has called in for `BACKSTOP_GRACE` of the back-stop's
-    /// watch (`watch` remembers what it saw); otherwise how long to wait before asking again.
+    /// watch (`watch` remembers what it saw) and none spins waiting; otherwise how long to wait
+    /// before asking again.
     pub(crate) fn callers_quiet(&self, watch: &mut QuietWatch) -> Result<(), Duration> {
-        let v = self.activity.load(Ordering::Acquire);
-        if v & CALLS_INSIDE > 0 {
+        if self.spinner.load(Ordering::Acquire) {
             watch.busy = true;
             return Err(BACKSTOP_GRACE);
         }
-        let entered = v >> 32;
+        let entered = self.entered.load(Ordering::Relaxed);
         if entered != watch.entered || watch.busy {
             // A call came and went: quiet from now on, as far as the watch can tell.
             watch.entered = entered;
@@ -469,7 +475,7 @@ impl WorkerShared {
         deadline: Option<StdInstant>,
         mut ready: impl FnMut() -> Option<T>,
     ) -> Option<T> {
-        let _caller = self.enter_caller();
+        self.enter_caller();
         let budget = self.idle_spin();
         let caller_mode = self.is_caller_mode();
         let mut spinner = self.take_spinner();
@@ -547,7 +553,8 @@ impl WorkerShared {
             self.parked.fetch_add(1, Ordering::SeqCst);
             let mut epoch = self.park.lock();
             let seen = *epoch;
-            fence(Ordering::SeqCst);
+            // Pairs with `notify_parked`: the parker pays for the ordering (see `barrier`).
+            super::barrier::heavy(self.asymmetric);
             if let Some(v) = ready() {
                 drop(epoch);
                 self.parked.fetch_sub(1, Ordering::SeqCst);
@@ -635,23 +642,26 @@ pub(crate) struct ChannelShared {
     pub(crate) rx_notify: tokio::sync::Notify,
     /// Async receivers waiting on `rx_notify` (a delivery notifies only when there are some).
     pub(crate) rx_async_waiters: AtomicUsize,
-    /// Messages accepted from this handle (or by the worker for RPC) and not yet completed.
-    pub(crate) outstanding: AtomicU64,
+    /// Two counts in one word, so that a reservation is one atomic step: in the low 32 bits
+    /// the messages accepted from this handle (or by the worker for RPC) and not yet completed
+    /// (`OUTSTANDING`); in the high 32 bits the data messages sent on this stream that the
+    /// peer's application has not consumed, as far as its reports tell (`UNCONSUMED`): `send`
+    /// blocks at the stream window, so a peer that stops reading this stream stops only this
+    /// stream.
+    sends: AtomicU64,
     /// Most outstanding (accepted, not yet acknowledged) messages before `send` blocks. Set to
     /// the channel's `max_queued` when the worker adopts it: messages the peer acknowledged
     /// but its application has not read hold the peer's receive slots (at most its ring), so
     /// with nobody reading a sender holds at most ring + `max_queued` messages.
     window: AtomicU64,
-    /// Payload bytes of the outstanding messages: `send` blocks beyond [`WINDOW_BYTES`] (one
-    /// message of any size is always let through), so a stream of large messages keeps a few
-    /// in flight — enough to pipeline the peer's pulls — instead of `window` of them.
+    /// Payload bytes of the outstanding messages above [`UNCOUNTED_BYTES`]: `send` blocks
+    /// beyond [`WINDOW_BYTES`] (one message of any size is always let through), so a stream of
+    /// large messages keeps a few in flight — enough to pipeline the peer's pulls — instead of
+    /// `window` of them. Smaller messages are bounded by the window alone (`window` of them
+    /// hold little), and skip the atomic steps.
     outstanding_bytes: AtomicU64,
-    /// Data messages sent on this stream that the peer's application has not consumed (as far
-    /// as its reports tell): `send` blocks at the stream window, so a peer that stops reading
-    /// this stream stops only this stream.
-    peer_unconsumed: AtomicU64,
-    /// The connection's stream window (negotiated in the handshake): `send` waits while
-    /// `peer_unconsumed` is at it.
+    /// The connection's stream window (negotiated in the handshake): `send` waits while the
+    /// unconsumed count of `sends` is at it.
     stream_window: u64,
     /// Consumed messages after which the worker is told (a quarter of the window): a report
     /// goes out then even if the stream sends nothing.
@@ -660,11 +670,14 @@ pub(crate) struct ChannelShared {
     /// Async senders waiting on `tx_notify` (it is only notified when there are some).
     pub(crate) tx_async_waiters: AtomicUsize,
     failed: AtomicBool,
-    /// Messages the application consumed that the worker has not yet counted into a stream
-    /// window report: taken by the worker whenever it sends a message of the stream (the count
-    /// rides on it), and the worker is told (`Released`) only when this reaches
-    /// `report_every`, so a stream of receives costs no worker call per message.
-    pub(crate) released: AtomicU64,
+    /// How many of the messages the application consumed (`DeliveryQueue::taken`) the worker
+    /// has counted into stream window reports: it takes the rest whenever it sends a message
+    /// of the stream (the count rides on it), and is told (`Released`) only when a report's
+    /// worth (`report_every`) built up, so a stream of receives costs no worker call and no
+    /// locked instruction per message. Written by the holder of the worker's lock only.
+    reported: AtomicU64,
+    /// The application asked the worker for a report (`Released`) that it has not taken yet.
+    report_asked: AtomicBool,
 }
 
 impl ChannelShared {
@@ -682,16 +695,16 @@ impl ChannelShared {
             failure: Mutex::new(None),
             rx_notify: tokio::sync::Notify::new(),
             rx_async_waiters: AtomicUsize::new(0),
-            outstanding: AtomicU64::new(0),
+            sends: AtomicU64::new(0),
             window: AtomicU64::new(window),
             outstanding_bytes: AtomicU64::new(0),
-            peer_unconsumed: AtomicU64::new(0),
             stream_window,
             report_every: (stream_window / 4).max(1),
             tx_notify: tokio::sync::Notify::new(),
             tx_async_waiters: AtomicUsize::new(0),
             failed: AtomicBool::new(false),
-            released: AtomicU64::new(0),
+            reported: AtomicU64::new(0),
+            report_asked: AtomicBool::new(false),
         }
     }
 
@@ -699,10 +712,11 @@ impl ChannelShared {
     /// that delivered it).
     pub(crate) fn deliver(&self, m: Message) {
         self.rx.push(m);
-        // Pairs with `recv_async`'s count-then-look: either it sees the message or this sees
-        // it waiting.
-        fence(Ordering::SeqCst);
-        if self.rx_async_waiters.load(Ordering::SeqCst) > 0 {
+        // Pairs with `recv_async`'s count-then-look, whose look takes the queue's lock: either
+        // its look comes after this push (it sees the message), or its count happened before
+        // its look's unlock, which this push's lock came after (this sees it waiting). The
+        // lock orders the two without a fence on every delivery.
+        if self.rx_async_waiters.load(Ordering::Acquire) > 0 {
             self.rx_notify.notify_one();
         }
     }
@@ -739,34 +753,66 @@ impl ChannelShared {
     /// Worker: the consumed messages not yet counted into a report (a plain load when there are
     /// none, the common case of a stream that sends as often as it reads).
     pub(crate) fn take_released(&self) -> u64 {
-        if self.released.load(Ordering::Acquire) == 0 {
+        // Whatever this finds, an ask made before it is answered (an ask made on a stale
+        // `reported` may find nothing left to take: it must not stay set, or the reader would
+        // never ask again).
+        if self.report_asked.load(Ordering::Acquire) {
+            self.report_asked.store(false, Ordering::Release);
+        }
+        let taken = self.rx.taken();
+        // Only the holder of the worker's lock writes `reported`.
+        let reported = self.reported.load(Ordering::Relaxed);
+        if taken == reported {
             return 0;
         }
-        self.released.swap(0, Ordering::AcqRel)
+        self.reported.store(taken, Ordering::Release);
+        taken.wrapping_sub(reported)
+    }
+
+    /// Application, after a read: true when a report's worth of consumed messages built up
+    /// that the worker has not taken, and nobody asked it to yet (this call now has).
+    pub(crate) fn report_due(&self) -> bool {
+        let unreported = self
+            .rx
+            .taken()
+            .wrapping_sub(self.reported.load(Ordering::Acquire));
+        unreported >= self.report_every
+            && !self.report_asked.load(Ordering::Acquire)
+            && !self.report_asked.swap(true, Ordering::AcqRel)
     }
 
     /// Worker: the window, once the channel's settings are known.
     pub(crate) fn set_window(&self, messages: u64) {
-        self.window.store(messages.max(1), Ordering::Relaxed);
+        // Below 2^31: the outstanding count of `sends` never reaches its neighbour's bits.
+        self.window.store(
+            messages.clamp(1, u64::from(u32::MAX >> 1)),
+            Ordering::Relaxed,
+        );
     }
 
-    /// Worker: `n` sends of `bytes` payload bytes completed (or room opened: 0, 0).
+    /// Worker: `n` sends of `bytes` payload bytes completed (or room opened: 0, 0). `bytes`
+    /// is one message's length when `n` is 1 (only a large one was counted).
     pub(crate) fn send_progress(&self, n: u64, bytes: u64) {
         if n > 0 {
-            self.outstanding.fetch_sub(n, Ordering::AcqRel);
-            self.outstanding_bytes.fetch_sub(bytes, Ordering::AcqRel);
+            self.sends.fetch_sub(n * OUTSTANDING, Ordering::AcqRel);
+            let counted = counted_bytes(bytes);
+            if counted > 0 {
+                self.outstanding_bytes.fetch_sub(counted, Ordering::AcqRel);
+            }
         }
         if self.tx_async_waiters.load(Ordering::SeqCst) > 0 {
             self.tx_notify.notify_waiters();
         }
     }
 
-    /// Worker: the peer's application consumed `n` more messages of this stream.
+    /// Worker: the peer's application consumed `n` more messages of this stream (a count from
+    /// the peer: never below zero, whatever it says).
     pub(crate) fn peer_consumed(&self, n: u64) {
         let _ = self
-            .peer_unconsumed
+            .sends
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| {
-                Some(v.saturating_sub(n))
+                let unconsumed = (v / UNCONSUMED).saturating_sub(n);
+                Some(unconsumed * UNCONSUMED + v % UNCONSUMED)
             });
         if self.tx_async_waiters.load(Ordering::SeqCst) > 0 {
             self.tx_notify.notify_waiters();
@@ -781,8 +827,11 @@ impl ChannelShared {
 
     /// Worker: a message of `bytes` it queued itself (RPC request or reply) counts in the window.
     pub(crate) fn count_in(&self, bytes: u64) {
-        self.outstanding.fetch_add(1, Ordering::AcqRel);
-        self.outstanding_bytes.fetch_add(bytes, Ordering::AcqRel);
+        self.sends.fetch_add(OUTSTANDING, Ordering::AcqRel);
+        let counted = counted_bytes(bytes);
+        if counted > 0 {
+            self.outstanding_bytes.fetch_add(counted, Ordering::AcqRel);
+        }
     }
 
     /// Application: reserve a send slot for `len` payload bytes, or `WouldBlock`.
@@ -790,31 +839,31 @@ impl ChannelShared {
         if let Some(f) = self.failure_if_failed() {
             return Err(f.to_error());
         }
-        let len = len as u64;
-        if self.peer_unconsumed.load(Ordering::Acquire) >= self.stream_window {
-            return Err(ChannelError::WouldBlock);
-        }
-        let bytes = self.outstanding_bytes.load(Ordering::Acquire);
-        if bytes > 0 && bytes.saturating_add(len) > WINDOW_BYTES {
-            return Err(ChannelError::WouldBlock);
-        }
-        let window = self.window.load(Ordering::Relaxed);
-        let mut cur = self.outstanding.load(Ordering::Acquire);
-        loop {
-            if cur >= window {
+        let counted = counted_bytes(len as u64);
+        if counted > 0 {
+            let bytes = self.outstanding_bytes.load(Ordering::Acquire);
+            if bytes > 0 && bytes.saturating_add(counted) > WINDOW_BYTES {
                 return Err(ChannelError::WouldBlock);
             }
-            match self.outstanding.compare_exchange_weak(
+        }
+        let window = self.window.load(Ordering::Relaxed);
+        let mut cur = self.sends.load(Ordering::Acquire);
+        loop {
+            if cur % UNCONSUMED >= window || cur / UNCONSUMED >= self.stream_window {
+                return Err(ChannelError::WouldBlock);
+            }
+            match self.sends.compare_exchange_weak(
                 cur,
-                cur + 1,
+                cur + OUTSTANDING + UNCONSUMED,
                 Ordering::AcqRel,
                 Ordering::Acquire,
             ) {
                 Ok(_) => {
-                    // Racing reservations may overshoot the byte bound and the stream window by
-                    // a message each: they are soft bounds.
-                    self.outstanding_bytes.fetch_add(len, Ordering::AcqRel);
-                    self.peer_unconsumed.fetch_add(1, Ordering::AcqRel);
+                    // Racing reservations may overshoot the byte bound by a message each: it
+                    // is a soft bound.
+                    if counted > 0 {
+                        self.outstanding_bytes.fetch_add(counted, Ordering::AcqRel);
+                    }
                     return Ok(());
                 }
                 Err(v) => cur = v,
@@ -866,6 +915,15 @@ impl ChannelShared {
         Err(self.failure().unwrap_or(Failure::Closed).to_error())
     }
 
+    /// [`ChannelShared::try_take`] that looks at the queue under its lock (for a waiter that
+    /// counted itself in `rx_async_waiters` just before: see [`ChannelShared::deliver`]).
+    pub(crate) fn try_take_locked(&self) -> Result<Option<Message>, ChannelError> {
+        if let Some(m) = self.rx.pop_locked() {
+            return Ok(Some(m));
+        }
+        self.try_take()
+    }
+
     /// Application: take a delivered message, waiting up to `timeout` (`None`: forever).
     pub(crate) fn take(&self, timeout: Option<Duration>) -> Result<Message, ChannelError> {
         if let Some(m) = self.try_take()? {
@@ -881,5 +939,108 @@ impl ChannelShared {
         self.worker
             .wait_for(deadline, || self.try_take().transpose())
             .unwrap_or(Err(ChannelError::Timeout))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::channel::proto::EagerBytes;
+    use crate::channel::TraceHeader;
+    use crate::message::Payload;
+
+    fn channel(window: u64, stream_window: u32) -> ChannelShared {
+        let worker = Arc::new(WorkerShared::new(0).expect("worker"));
+        ChannelShared::new(1, worker, window, stream_window)
+    }
+
+    fn deliver(ch: &ChannelShared, seq: u64) {
+        ch.deliver(Message {
+            payload: Payload::Eager(EagerBytes::from_slice(&seq.to_le_bytes())),
+            trace: TraceHeader::default(),
+            seq,
+            recycle: None,
+        });
+    }
+
+    fn read(ch: &ChannelShared, n: u64) {
+        for _ in 0..n {
+            assert!(ch.try_take().expect("take").is_some());
+        }
+    }
+
+    /// The reader asks for a report once a quarter window is consumed and not taken; an ask
+    /// made on a stale count (the worker took the count, with the message it sent, between
+    /// the reader's look and its ask) finds nothing left, and must still be cleared, or the
+    /// reader would never ask again and a peer that only sends would stop at the window.
+    #[test]
+    fn a_report_ask_is_cleared_even_when_the_count_was_already_taken() {
+        let ch = channel(64, 16); // a report every 4 messages
+        for seq in 1..=12 {
+            deliver(&ch, seq);
+        }
+        read(&ch, 3);
+        assert!(!ch.report_due(), "3 < a quarter window");
+        read(&ch, 1);
+        assert!(ch.report_due(), "4 consumed: ask");
+        assert!(!ch.report_due(), "asked already");
+        assert_eq!(ch.take_released(), 4);
+        // The worker took the next count with a message of its own; then an ask based on the
+        // count before that lands.
+        read(&ch, 4);
+        assert_eq!(ch.take_released(), 4);
+        ch.report_asked.store(true, Ordering::Release);
+        assert_eq!(ch.take_released(), 0, "nothing left to take");
+        read(&ch, 4);
+        assert!(
+            ch.report_due(),
+            "the reader asks again after the next quarter window"
+        );
+        assert_eq!(ch.take_released(), 4);
+    }
+
+    /// One word holds the outstanding and unconsumed counts: the send window and the stream
+    /// window each stop `try_reserve`, completions and the peer's reports open them, and a
+    /// peer reporting more than was sent does not reach into the outstanding count.
+    #[test]
+    fn reservations_stop_at_either_window_and_reports_never_underflow() {
+        let ch = channel(3, 4); // window of 3 messages, stream window of 4
+        for _ in 0..3 {
+            ch.try_reserve(8).expect("reserve");
+        }
+        assert!(matches!(ch.try_reserve(8), Err(ChannelError::WouldBlock)));
+        ch.send_progress(1, 8);
+        ch.try_reserve(8)
+            .expect("a completion opens the send window");
+        assert!(matches!(ch.try_reserve(8), Err(ChannelError::WouldBlock)));
+        // 4 unconsumed: the stream window; 3 outstanding after two completions.
+        ch.send_progress(1, 8);
+        ch.send_progress(1, 8);
+        assert!(
+            matches!(ch.try_reserve(8), Err(ChannelError::WouldBlock)),
+            "the peer consumed none of 4"
+        );
+        ch.peer_consumed(1_000_000);
+        assert_eq!(ch.sends.load(Ordering::Acquire) / UNCONSUMED, 0);
+        assert_eq!(ch.sends.load(Ordering::Acquire) % UNCONSUMED, 1);
+        ch.try_reserve(8).expect("reports open the stream window");
+        ch.try_reserve(8).expect("two outstanding of three");
+        assert!(matches!(ch.try_reserve(8), Err(ChannelError::WouldBlock)));
+    }
+
+    /// Only messages above `UNCOUNTED_BYTES` count in the byte bound, which lets one large
+    /// message through and holds the next beyond `WINDOW_BYTES`.
+    #[test]
+    fn the_byte_bound_counts_large_messages_only() {
+        let ch = channel(64, 64);
+        let big = (WINDOW_BYTES / 2 + 1) as usize;
+        ch.try_reserve(8).expect("small");
+        assert_eq!(ch.outstanding_bytes.load(Ordering::Acquire), 0);
+        ch.try_reserve(big).expect("the first large message");
+        assert!(matches!(ch.try_reserve(big), Err(ChannelError::WouldBlock)));
+        ch.try_reserve(8).expect("small ones still go");
+        ch.send_progress(1, big as u64);
+        assert_eq!(ch.outstanding_bytes.load(Ordering::Acquire), 0);
+        ch.try_reserve(big).expect("room again");
     }
 }

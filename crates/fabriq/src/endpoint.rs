@@ -890,6 +890,44 @@ mod tests {
         assert_eq!(named.fabric_for("192.0.2.1:9".parse().unwrap()), 0);
     }
 
+    /// A reader in caller mode whose own pass delivers its stream's next message takes it
+    /// straight from the pass (no delivery queue); such reads still count as consumed, so a
+    /// one-way stream of many windows' worth keeps flowing, and messages stay in order
+    /// whichever way each one took.
+    #[test]
+    fn messages_handed_to_the_reading_thread_count_as_consumed_and_keep_their_order() {
+        use crate::{Config, Progress};
+        use std::time::Duration;
+        const WAIT: Duration = Duration::from_secs(10);
+        let cfg = Config {
+            device: "shm0".into(),
+            workers: 1,
+            progress: Progress::Caller,
+            stream_window: 8,
+            ..Config::default()
+        };
+        let a = super::Endpoint::new(cfg.clone()).expect("a");
+        let b = super::Endpoint::new(cfg).expect("b");
+        let listener = b.listen("127.0.0.1:0").expect("listen");
+        let ca = a.connect(listener.local_addr()).expect("connect");
+        let cb = listener.accept_timeout(WAIT).expect("accept");
+        let n = 2_000u64; // 250 stream windows
+        let sender = std::thread::spawn(move || {
+            for i in 0..n {
+                ca.send_timeout(&i.to_le_bytes(), WAIT).expect("send");
+            }
+            ca
+        });
+        for i in 0..n {
+            let m = cb.recv_timeout(WAIT).expect("recv");
+            assert_eq!(m[..], i.to_le_bytes(), "message {i}");
+        }
+        let _ca = sender.join().expect("sender");
+        let handed = cb.shared().handed_count();
+        assert!(handed > 0, "no message was handed to the reading thread");
+        assert!(handed <= n);
+    }
+
     /// The peer of a pooled connection went away (its endpoint dropped: the `Close` and the
     /// hang-up of its control stream are in this host's socket) while the connecting side's
     /// worker has not read that stream yet — arranged here by holding every worker of the

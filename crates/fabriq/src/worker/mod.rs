@@ -278,10 +278,19 @@ impl ConnState {
     /// is told only once a report's worth built up).
     fn offer(&mut self, buffers: &Buffers, buf: OutBuf, mut trace: TraceInfo) -> Offered {
         if let Some(ss) = self.streams.get_mut(&trace.stream) {
-            let owed = std::mem::take(&mut ss.to_report) + ss.shared.take_released();
-            trace.stream_credits = trace
-                .stream_credits
-                .saturating_add(owed.min(u32::MAX.into()) as u32);
+            let owed = ss.to_report + ss.shared.take_released();
+            // A data message carries the count once half a report's worth built up, not every
+            // read: each count it carries costs the peer an atomic step on its send window,
+            // and a lag under half a report (an eighth of the window) never holds the peer
+            // back (a reader that does not send reports alone at a whole report's worth).
+            if is_stream_control(trace.flags) || owed >= (ss.shared.report_every / 2).max(1) {
+                ss.to_report = 0;
+                trace.stream_credits = trace
+                    .stream_credits
+                    .saturating_add(owed.min(u32::MAX.into()) as u32);
+            } else {
+                ss.to_report = owed;
+            }
             if trace.flags.contains(TraceFlags::STREAM_CREDIT) {
                 ss.report_queued = false;
             }
@@ -362,8 +371,7 @@ impl ConnState {
 /// The current time on the host's monotonic clock (shared by processes of one host, so trace
 /// timestamps compare across them).
 pub(crate) fn now() -> Instant {
-    let ts = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
-    Instant::from_nanos((ts.tv_sec as u64).saturating_mul(1_000_000_000) + ts.tv_nsec as u64)
+    clock::now()
 }
 
 /// Settings of a worker.
@@ -410,6 +418,19 @@ pub(crate) struct Worker {
     /// The endpoint is gone (`Command::Shutdown`): connections still delivering what was sent
     /// before their close finish first (at most their linger), then the worker stops.
     stopping: bool,
+    /// The thread running this pass waits to read a stream: its next message, when nothing
+    /// waits before it, is handed to it here instead of going through the stream's delivery
+    /// queue (see [`Handoff`]).
+    handoff: Handoff,
+}
+
+/// A message handed straight to the application thread that runs the pass delivering it.
+#[derive(Default)]
+pub(crate) struct Handoff {
+    /// The stream (`ChannelShared::id`) the thread running the pass reads.
+    reader: Option<u64>,
+    /// The message handed to it.
+    message: Option<Message>,
 }
 
 /// Start a worker: install its state in `shared` and start its thread (the poller in thread
@@ -460,6 +481,7 @@ pub(crate) fn spawn(
         wcs: vec![WorkCompletion::EMPTY; 64],
         loops: 0,
         clock: PassClock::default(),
+        handoff: Handoff::default(),
     };
     shared.install(worker, buffers, cq_peek, cfg.progress, cfg.idle_spin);
     let name = format!("fabriq-worker-{}", shared.id);
@@ -671,6 +693,20 @@ impl Worker {
         self.clock.begin_at(None);
         let fired = self.fire_timers();
         fired + self.pass(shared)
+    }
+
+    /// [`Worker::progress_at`] run by a thread that waits to read stream `reader`: the message
+    /// of that stream the pass delivers first, if none waited before it, comes back here.
+    pub(crate) fn progress_reading(
+        &mut self,
+        shared: &WorkerShared,
+        recent: Option<Instant>,
+        reader: u64,
+    ) -> (usize, Option<Message>) {
+        self.handoff.reader = Some(reader);
+        let n = self.progress_at(shared, recent);
+        self.handoff.reader = None;
+        (n, self.handoff.message.take())
     }
 
     /// A progress pass on the clock already read (right after a direct operation).
@@ -1343,6 +1379,7 @@ impl Worker {
             handlers,
             timers,
             next_one_sided,
+            handoff,
             ..
         } = self;
         let Some(st) = conns.get_mut(&id) else {
@@ -1373,7 +1410,7 @@ impl Worker {
                             stream_credits,
                             payload,
                         };
-                        if let Err(e) = on_received(st, me, buffers, handlers, msg) {
+                        if let Err(e) = on_received(st, me, buffers, handlers, handoff, msg) {
                             newly_failed = Some(Failure::Error(e));
                         }
                     }
@@ -1614,6 +1651,7 @@ fn on_received(
     me: &Weak<WorkerShared>,
     pool: &Buffers,
     handlers: &Handlers,
+    handoff: &mut Handoff,
     msg: Arrival,
 ) -> Result<(), String> {
     let Arrival {
@@ -1644,12 +1682,23 @@ fn on_received(
             return Ok(());
         }
         let (payload, recycle) = into_payload(payload, pool);
-        ss.shared.deliver(Message {
+        let m = Message {
             payload,
             trace,
             seq,
             recycle,
-        });
+        };
+        // The thread running this pass waits for this stream, and nothing waits before the
+        // message: it is handed over without the delivery queue (its lock, twice).
+        if handoff.reader == Some(ss.shared.id)
+            && handoff.message.is_none()
+            && ss.shared.nothing_waiting()
+        {
+            ss.shared.count_handed();
+            handoff.message = Some(m);
+        } else {
+            ss.shared.deliver(m);
+        }
         return Ok(());
     }
     // The peer's window report for this stream rides on any of its messages.

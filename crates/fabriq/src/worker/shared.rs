@@ -13,6 +13,7 @@
 //!   then sleep — in the worker's epoll (caller mode, one thread at a time) or on the worker's
 //!   park condvar, which every progress pass that did work notifies.
 
+use std::cell::Cell;
 use std::os::fd::OwnedFd;
 use std::sync::atomic::{fence, AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -331,6 +332,23 @@ impl WorkerShared {
         }
     }
 
+    /// [`WorkerShared::try_progress_at`] by a thread that waits to read stream `reader`:
+    /// with the work done, the message of that stream the pass handed to it
+    /// ([`super::Handoff`]).
+    pub(crate) fn try_progress_reading(
+        &self,
+        recent: Option<Instant>,
+        reader: u64,
+    ) -> Option<(usize, Option<Message>)> {
+        let mut g = self.try_lock_state()?;
+        let (n, m) = g.progress_reading(self, recent, reader);
+        drop(g);
+        if n > 0 {
+            self.notify_parked();
+        }
+        Some((n, m))
+    }
+
     /// One progress pass if the state is free: `Some(work done)`, `None` if someone else holds
     /// it.
     pub(crate) fn try_progress(&self) -> Option<usize> {
@@ -473,6 +491,38 @@ impl WorkerShared {
     pub(crate) fn wait_for<T>(
         &self,
         deadline: Option<StdInstant>,
+        ready: impl FnMut() -> Option<T>,
+    ) -> Option<T> {
+        self.wait_reading(deadline, None, ready)
+    }
+
+    /// One pass by a waiting thread; with `reader` (a stream it reads and where a handed
+    /// message goes), a pass that may hand it that stream's next message.
+    fn progress_waiting(
+        &self,
+        recent: Option<Instant>,
+        reader: Option<(u64, &Cell<Option<Message>>)>,
+    ) -> Option<usize> {
+        match reader {
+            Some((stream, slot)) => {
+                // (A message already handed is read before the next pass.)
+                let (n, m) = self.try_progress_reading(recent, stream)?;
+                if m.is_some() {
+                    slot.set(m);
+                }
+                Some(n)
+            }
+            None => self.try_progress_at(recent),
+        }
+    }
+
+    /// [`WorkerShared::wait_for`] by a thread that reads stream `reader.0`: its passes hand it
+    /// that stream's next message in `reader.1` (which `ready` must look at) when nothing waits
+    /// before it, without the delivery queue.
+    pub(crate) fn wait_reading<T>(
+        &self,
+        deadline: Option<StdInstant>,
+        reader: Option<(u64, &Cell<Option<Message>>)>,
         mut ready: impl FnMut() -> Option<T>,
     ) -> Option<T> {
         self.enter_caller();
@@ -514,7 +564,7 @@ impl WorkerShared {
                 // lets its pass read the clock itself.
                 let reading = (!after_work).then_some(now);
                 after_work = false;
-                if let Some(n) = self.try_progress_at(reading) {
+                if let Some(n) = self.progress_waiting(reading, reader) {
                     if n > 0 {
                         last_work = now;
                         after_work = true;
@@ -531,7 +581,7 @@ impl WorkerShared {
                     }
                     continue;
                 }
-            } else if self.try_progress().is_some_and(|n| n > 0) {
+            } else if self.progress_waiting(None, reader).is_some_and(|n| n > 0) {
                 continue;
             }
             if deadline.is_some_and(|d| StdInstant::now() >= d) {
@@ -678,6 +728,10 @@ pub(crate) struct ChannelShared {
     reported: AtomicU64,
     /// The application asked the worker for a report (`Released`) that it has not taken yet.
     report_asked: AtomicBool,
+    /// Messages handed straight to a reading thread (`super::Handoff`), which never went
+    /// through `rx`: with `rx`'s count of reads, what the application consumed. Written by
+    /// the holder of the worker's lock only.
+    handed: AtomicU64,
 }
 
 impl ChannelShared {
@@ -705,6 +759,7 @@ impl ChannelShared {
             failed: AtomicBool::new(false),
             reported: AtomicU64::new(0),
             report_asked: AtomicBool::new(false),
+            handed: AtomicU64::new(0),
         }
     }
 
@@ -759,7 +814,7 @@ impl ChannelShared {
         if self.report_asked.load(Ordering::Acquire) {
             self.report_asked.store(false, Ordering::Release);
         }
-        let taken = self.rx.taken();
+        let taken = self.consumed();
         // Only the holder of the worker's lock writes `reported`.
         let reported = self.reported.load(Ordering::Relaxed);
         if taken == reported {
@@ -769,12 +824,36 @@ impl ChannelShared {
         taken.wrapping_sub(reported)
     }
 
+    /// Messages the application consumed: read from the delivery queue or handed over.
+    fn consumed(&self) -> u64 {
+        self.rx
+            .taken()
+            .wrapping_add(self.handed.load(Ordering::Acquire))
+    }
+
+    /// Worker: no delivered message waits to be read (one that arrives now may be handed
+    /// straight to a reading thread without passing one).
+    pub(crate) fn nothing_waiting(&self) -> bool {
+        self.rx.is_empty()
+    }
+
+    /// Messages handed straight to a reading thread so far.
+    #[cfg(test)]
+    pub(crate) fn handed_count(&self) -> u64 {
+        self.handed.load(Ordering::Acquire)
+    }
+
+    /// Worker (holding its lock): a message was handed straight to a reading thread.
+    pub(crate) fn count_handed(&self) {
+        let n = self.handed.load(Ordering::Relaxed);
+        self.handed.store(n.wrapping_add(1), Ordering::Release);
+    }
+
     /// Application, after a read: true when a report's worth of consumed messages built up
     /// that the worker has not taken, and nobody asked it to yet (this call now has).
     pub(crate) fn report_due(&self) -> bool {
         let unreported = self
-            .rx
-            .taken()
+            .consumed()
             .wrapping_sub(self.reported.load(Ordering::Acquire));
         unreported >= self.report_every
             && !self.report_asked.load(Ordering::Acquire)
@@ -929,15 +1008,25 @@ impl ChannelShared {
         if let Some(m) = self.try_take()? {
             return Ok(m);
         }
-        // A message already in the CQ is taken with one pass and no clock read.
-        if self.worker.try_progress().is_some_and(|n| n > 0) {
-            if let Some(m) = self.try_take()? {
+        // A message already in the CQ is taken with one pass and no clock read (handed over
+        // by the pass, when nothing waited before it).
+        if let Some((n, handed)) = self.worker.try_progress_reading(None, self.id) {
+            if let Some(m) = handed {
                 return Ok(m);
+            }
+            if n > 0 {
+                if let Some(m) = self.try_take()? {
+                    return Ok(m);
+                }
             }
         }
         let deadline = timeout.map(|t| StdInstant::now() + t);
+        let handed = Cell::new(None);
         self.worker
-            .wait_for(deadline, || self.try_take().transpose())
+            .wait_reading(deadline, Some((self.id, &handed)), || match handed.take() {
+                Some(m) => Some(Ok(m)),
+                None => self.try_take().transpose(),
+            })
             .unwrap_or(Err(ChannelError::Timeout))
     }
 }

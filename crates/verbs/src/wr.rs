@@ -143,6 +143,10 @@ pub struct SendWr<'a> {
     pub opcode: WrOpcode,
     /// Signaled, inline, fence, solicited, synchronise.
     pub flags: SendFlags,
+    /// Bytes sent before the SGE list's, copied at post time from ordinary memory (no memory
+    /// region): set by [`SendWr::with_inline_data`], which makes the request INLINE. Empty for
+    /// none.
+    pub inline_data: &'a [u8],
 }
 
 impl<'a> SendWr<'a> {
@@ -153,18 +157,42 @@ impl<'a> SendWr<'a> {
             sg_list,
             opcode,
             flags: SendFlags::SIGNALED,
+            inline_data: &[],
         }
     }
 
-    /// Replace the flags.
-    pub fn with_flags(mut self, flags: SendFlags) -> Self {
-        self.flags = flags;
+    /// Send `data` ahead of the SGE list's bytes, copied at post time (a header built on the
+    /// stack, say, with no memory region to write it into first): the request becomes INLINE,
+    /// so the whole payload must fit `max_inline_data`. For SEND and WRITE (with or without
+    /// immediate); other opcodes refuse it.
+    pub fn with_inline_data(mut self, data: &'a [u8]) -> Self {
+        self.inline_data = data;
+        self.flags |= SendFlags::INLINE;
         self
     }
 
-    /// Total bytes named by the SGE list (saturating).
+    /// Replace the flags (a request with inline data stays INLINE).
+    pub fn with_flags(mut self, flags: SendFlags) -> Self {
+        self.flags = flags;
+        if !self.inline_data.is_empty() {
+            self.flags |= SendFlags::INLINE;
+        }
+        self
+    }
+
+    /// True when the payload is copied at post time: INLINE, or inline data.
+    pub fn is_inline(&self) -> bool {
+        self.flags.contains(SendFlags::INLINE) || !self.inline_data.is_empty()
+    }
+
+    /// Total bytes of the payload: the inline data and the SGE list's.
     pub fn total_len(&self) -> u64 {
-        self.sg_list.iter().map(|s| u64::from(s.length)).sum()
+        self.inline_data.len() as u64
+            + self
+                .sg_list
+                .iter()
+                .map(|s| u64::from(s.length))
+                .sum::<u64>()
     }
 }
 

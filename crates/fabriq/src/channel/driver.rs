@@ -369,27 +369,39 @@ impl ChannelDriver {
                 payload,
                 signaled,
             } => {
-                let off = tx_slot as usize * TX_SLOT;
                 let bytes = head.as_slice();
-                self.tx_heads.write_at(off, bytes)?;
-                let head_sge = self.tx_heads.sge(off, bytes.len() as u32)?;
-                let sges;
-                let list: &[Sge] = match payload {
-                    Some(p) if p.length > 0 => {
-                        sges = [head_sge, p];
-                        &sges
-                    }
-                    _ => std::slice::from_ref(&head_sge),
-                };
-                let total = list.iter().map(|s| u64::from(s.length)).sum::<u64>();
-                let mut flags = if signaled {
+                let payload = payload.filter(|p| p.length > 0);
+                let total = bytes.len() as u64 + payload.map_or(0, |p| u64::from(p.length));
+                let flags = if signaled {
                     SendFlags::SIGNALED
                 } else {
                     SendFlags::empty()
                 };
                 if total <= u64::from(self.inline_max) {
-                    flags |= SendFlags::INLINE;
+                    // Inline: the headers go from where they were built (no header slot to
+                    // write), the payload, if any, gathered after them.
+                    return self
+                        .qp
+                        .post_send(&[SendWr::new(
+                            wr_id | self.epoch,
+                            payload.as_slice(),
+                            WrOpcode::Send,
+                        )
+                        .with_flags(flags)
+                        .with_inline_data(bytes)])
+                        .map_err(|e| ChannelError::Verbs(e.source));
                 }
+                let off = tx_slot as usize * TX_SLOT;
+                self.tx_heads.write_at(off, bytes)?;
+                let head_sge = self.tx_heads.sge(off, bytes.len() as u32)?;
+                let sges;
+                let list: &[Sge] = match payload {
+                    Some(p) => {
+                        sges = [head_sge, p];
+                        &sges
+                    }
+                    None => std::slice::from_ref(&head_sge),
+                };
                 self.qp
                     .post_send(&[
                         SendWr::new(wr_id | self.epoch, list, WrOpcode::Send).with_flags(flags)

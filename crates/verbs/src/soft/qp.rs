@@ -335,7 +335,7 @@ impl QpCore {
                 ));
             }
             let total = wr.total_len();
-            let inline = wr.flags.contains(SendFlags::INLINE);
+            let inline = wr.is_inline();
             let carries_payload = matches!(
                 wr.opcode,
                 WrOpcode::Send
@@ -492,6 +492,7 @@ impl QpCore {
             let mut w = begin_request(&mut frame, remote_qpn, psn, solicited, &op);
             match kind {
                 EntryKind::Acked if inline => {
+                    w.buf().extend_from_slice(wr.inline_data);
                     for s in wr.sg_list {
                         // SAFETY: INLINE's contract (crate::SendFlags::INLINE): the SGEs name
                         // readable memory of the caller for the duration of post_send; lkeys are

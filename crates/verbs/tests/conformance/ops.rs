@@ -757,6 +757,112 @@ pub fn rc_inline_send_copies_payload_at_post_time<P: TestProvider>(env: &Env<P>)
     Ok(())
 }
 
+/// Inline data (`SendWr::with_inline_data`: bytes of ordinary memory, no SGE) arrives ahead of
+/// the SGE list's bytes, copied at post time, on SEND and on WRITE; with nothing else the
+/// request is the inline data alone; a READ with inline data is refused at post time.
+pub fn rc_inline_data_goes_ahead_of_the_sge_list<P: TestProvider>(env: &Env<P>) -> TestResult {
+    if !env.has(Capabilities::INLINE | Capabilities::SEND) {
+        return Ok(());
+    }
+    let inline = env.attr.max_inline_data.min(64);
+    if inline < 32 {
+        return Ok(());
+    }
+    let caps = QpCaps {
+        max_inline_data: inline,
+        ..QpCaps::default()
+    };
+    let (node, mut peer) = connected(
+        env,
+        &NodeOpts {
+            caps,
+            ..NodeOpts::default()
+        },
+        PeerSetup::default(),
+    )?;
+    let rmr = peer.reg_mr(4096, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE)?;
+    for (id, offset) in [(1, 0), (2, 256)] {
+        peer.post_recv(
+            id,
+            &[PeerSge {
+                mr: rmr.id,
+                offset,
+                len: 256,
+            }],
+        )?;
+    }
+    let mut head = pattern(21, 12);
+    let mut body = pattern(22, 20);
+    let sge = [Sge {
+        addr: body.as_mut_ptr() as u64,
+        length: body.len() as u32,
+        lkey: Lkey(0),
+    }];
+    node.qp.post_send(&[SendWr::new(1, &sge, WrOpcode::Send)
+        .with_flags(SendFlags::SIGNALED)
+        .with_inline_data(&head)])?;
+    head.fill(0xaa);
+    body.fill(0xaa);
+    let alone = pattern(23, 16);
+    node.qp.post_send(&[SendWr::new(2, &[], WrOpcode::Send)
+        .with_flags(SendFlags::SIGNALED)
+        .with_inline_data(&alone)])?;
+    let mut want = pattern(21, 12);
+    want.extend_from_slice(&pattern(22, 20));
+    let mut posted = 2;
+    if env.attr.capabilities.contains(Capabilities::WRITE) {
+        let data = pattern(24, 24);
+        node.qp.post_send(&[SendWr::new(
+            3,
+            &[],
+            WrOpcode::Write {
+                remote: rmr.at(1024),
+            },
+        )
+        .with_flags(SendFlags::SIGNALED)
+        .with_inline_data(&data)])?;
+        posted += 1;
+    }
+    if env.attr.capabilities.contains(Capabilities::READ) {
+        let mut dst = vec![0u8; 8];
+        let sge = [Sge {
+            addr: dst.as_mut_ptr() as u64,
+            length: 8,
+            lkey: Lkey(0),
+        }];
+        let refused =
+            node.qp
+                .post_send(&[SendWr::new(4, &sge, WrOpcode::Read { remote: rmr.at(0) })
+                    .with_inline_data(&[1, 2, 3])]);
+        if refused.is_ok() {
+            return Err(fail("a READ with inline data was accepted"));
+        }
+    }
+    let wcs = node.cq.wait(posted)?;
+    expect_wc(&wcs[0], 1, WcStatus::Success, "SEND with inline data")?;
+    expect_wc(&wcs[1], 2, WcStatus::Success, "SEND of inline data alone")?;
+    let r = peer.poll(2)?;
+    if r[0].status != WcStatus::Success || r[0].byte_len != 32 {
+        return Err(fail(format!("SEND with inline data: receive {:?}", r[0])));
+    }
+    if peer.read(&rmr, 0, 32)? != want {
+        return Err(fail("inline data and SGE bytes did not arrive in order"));
+    }
+    if r[1].status != WcStatus::Success || r[1].byte_len != 16 {
+        return Err(fail(format!("inline data alone: receive {:?}", r[1])));
+    }
+    if peer.read(&rmr, 256, 16)? != alone {
+        return Err(fail("inline data alone arrived changed"));
+    }
+    if posted == 3 {
+        expect_wc(&wcs[2], 3, WcStatus::Success, "WRITE of inline data")?;
+        if peer.read(&rmr, 1024, 24)? != pattern(24, 24) {
+            return Err(fail("WRITE of inline data arrived changed"));
+        }
+    }
+    Ok(())
+}
+
 /// An INLINE request above the QP's `max_inline_data` is refused at post time, and the QP keeps
 /// working.
 pub fn rc_inline_above_max_inline_is_refused<P: TestProvider>(env: &Env<P>) -> TestResult {

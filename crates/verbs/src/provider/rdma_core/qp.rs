@@ -415,12 +415,29 @@ impl QpOps for Qp {
                 return Err(fail(VerbsError::QueueFull));
             }
             let mut sges = [IbvSge::default(); MAX_SGE_STACK];
-            let n = to_sges(wr.sg_list, max_sge, &mut sges).map_err(fail)?;
+            // Inline data goes first, as one more SGE of ordinary memory: with
+            // IBV_SEND_INLINE the provider copies it at post time without looking at its lkey.
+            let lead = usize::from(!wr.inline_data.is_empty());
+            let n = if lead == 1 {
+                let mut rest = [IbvSge::default(); MAX_SGE_STACK];
+                let n = to_sges(wr.sg_list, max_sge.saturating_sub(1), &mut rest).map_err(fail)?;
+                sges[0] = IbvSge {
+                    addr: wr.inline_data.as_ptr() as u64,
+                    length: u32::try_from(wr.inline_data.len()).map_err(|_| {
+                        fail(VerbsError::LimitExceeded("inline data above 4 GiB".into()))
+                    })?,
+                    lkey: 0,
+                };
+                sges[1..=n].copy_from_slice(&rest[..n]);
+                n + 1
+            } else {
+                to_sges(wr.sg_list, max_sge, &mut sges).map_err(fail)?
+            };
             let mut flags = 0;
             if wr.flags.contains(SendFlags::SIGNALED) {
                 flags |= IBV_SEND_SIGNALED;
             }
-            if wr.flags.contains(SendFlags::INLINE) {
+            if wr.is_inline() {
                 flags |= IBV_SEND_INLINE;
             }
             if wr.flags.contains(SendFlags::FENCE) {

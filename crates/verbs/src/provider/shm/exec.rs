@@ -157,16 +157,24 @@ fn resolve_raw<'s>(p: &mut Pieces<'s>, seg: &'s Segment, pd: u32, sges: &[RawSge
     Some(())
 }
 
-/// Gather an INLINE payload at post time into `buf`. SGEs inside a registered region are
-/// copied directly; others are read through the kernel (`process_vm_readv` on ourselves), so a
-/// bad address is a `LocalProtection` completion rather than a crash.
+/// Gather an INLINE payload at post time into `buf`: `prefix` (the request's inline data),
+/// then the SGEs. SGEs inside a registered region are copied directly; others are read
+/// through the kernel (`process_vm_readv` on ourselves), so a bad address is a
+/// `LocalProtection` completion rather than a crash.
 pub(crate) fn gather_inline<'b>(
     seg: &Segment,
     pd: u32,
+    prefix: &[u8],
     sges: &[Sge],
     buf: &'b mut [MaybeUninit<u8>; MAX_INLINE],
 ) -> Result<&'b [u8], WcStatus> {
-    let mut at = 0usize;
+    if prefix.len() > MAX_INLINE {
+        return Err(WcStatus::LocalLength);
+    }
+    for (d, s) in buf.iter_mut().zip(prefix) {
+        d.write(*s);
+    }
+    let mut at = prefix.len();
     for s in sges {
         let len = s.length as usize;
         if len == 0 {

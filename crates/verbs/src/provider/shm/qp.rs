@@ -597,13 +597,13 @@ impl QpInner {
                     "atomics take exactly one 8-byte SGE".into(),
                 ));
             }
-            if wr.flags.contains(SendFlags::INLINE) {
+            if wr.is_inline() {
                 return Err(VerbsError::InvalidArgument(
                     "atomics cannot be inline".into(),
                 ));
             }
         }
-        if wr.flags.contains(SendFlags::INLINE) {
+        if wr.is_inline() {
             if matches!(wr.opcode, WrOpcode::Read { .. }) {
                 return Err(VerbsError::InvalidArgument("READ cannot be inline".into()));
             }
@@ -660,20 +660,31 @@ impl QpInner {
             }
             // Only INLINE requests use the buffer (never zeroed: only what is gathered is read).
             let mut inline_store = [MaybeUninit::<u8>::uninit(); MAX_INLINE];
-            let inline = if wr.flags.contains(SendFlags::INLINE) {
-                match gather_inline(self.seg(), self.pd, wr.sg_list, &mut inline_store) {
-                    Ok(bytes) => Some(bytes),
-                    Err(status) => {
-                        self.complete_send(
-                            &mut st.unsignaled,
-                            wr.wr_id,
-                            wc_opcode,
-                            signaled,
-                            status,
-                            0,
-                        );
-                        self.enter_error(&mut st);
-                        continue;
+            let inline = if wr.is_inline() {
+                if wr.sg_list.iter().all(|s| s.length == 0) {
+                    // Only inline data: sent from where it is.
+                    Some(wr.inline_data)
+                } else {
+                    match gather_inline(
+                        self.seg(),
+                        self.pd,
+                        wr.inline_data,
+                        wr.sg_list,
+                        &mut inline_store,
+                    ) {
+                        Ok(bytes) => Some(bytes),
+                        Err(status) => {
+                            self.complete_send(
+                                &mut st.unsignaled,
+                                wr.wr_id,
+                                wc_opcode,
+                                signaled,
+                                status,
+                                0,
+                            );
+                            self.enter_error(&mut st);
+                            continue;
+                        }
                     }
                 }
             } else {

@@ -1,11 +1,11 @@
-//! Asymmetric memory barriers for the worker's sleep and park hand-shakes.
+//! Asymmetric memory barriers for the worker's park hand-shake.
 //!
-//! A thread that made progress looks whether anyone sleeps or parks waiting for it (after
-//! every pass that did work, every direct send); a thread about to sleep or park looks whether
-//! work arrived meanwhile. Each side writes one thing and reads the other's, which needs a
+//! A thread that made progress looks whether anyone parks waiting for it (after every pass
+//! that did work, every direct send); a thread about to park looks whether work arrived
+//! meanwhile. Each side writes one thing and reads the other's, which needs a
 //! store-load barrier on both sides — a full fence, tens of cycles, on every message for the
-//! side that progresses, while the side that sleeps is about to spend microseconds anyway.
-//! Linux's `membarrier(MEMBARRIER_CMD_PRIVATE_EXPEDITED)` moves the cost: the sleeper's
+//! side that progresses, while the side that parks is about to spend microseconds anyway.
+//! Linux's `membarrier(MEMBARRIER_CMD_PRIVATE_EXPEDITED)` moves the cost: the parker's
 //! [`heavy`] makes every running thread of the process execute a full barrier, so the
 //! progressing side's [`light`] only has to keep the compiler from reordering. Where the kernel
 //! lacks it (before 4.14, or a sandbox that filters it), both sides fall back to fences.
@@ -28,7 +28,7 @@ pub(crate) fn asymmetric() -> bool {
     })
 }
 
-/// The progressing side's barrier (its write before, its read of the sleepers after).
+/// The progressing side's barrier (its write before, its read of the parked count after).
 #[inline]
 pub(crate) fn light(asymmetric: bool) {
     if asymmetric {
@@ -38,11 +38,11 @@ pub(crate) fn light(asymmetric: bool) {
     }
 }
 
-/// The sleeping side's barrier (its announcement before, its look for work after).
+/// The parking side's barrier (its announcement before, its look for work after).
 pub(crate) fn heavy(asymmetric: bool) {
     if asymmetric {
-        // Registered: the call does not fail. Were it to, a sleeper could miss a wake-up
-        // until its timeout (park and sleep are capped), never forever.
+        // Registered: the call does not fail. Were it to, a parker could miss a wake-up
+        // until its timeout (a park is capped), never forever.
         let _ = membarrier(MembarrierCommand::PrivateExpedited);
     }
     fence(Ordering::SeqCst);

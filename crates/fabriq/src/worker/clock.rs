@@ -12,14 +12,19 @@ use std::sync::OnceLock;
 
 use crate::channel::proto::Instant;
 
-/// `CLOCK_MONOTONIC` at one moment, and the CPU counter then.
-struct Anchor {
-    clock: quanta::Clock,
-    raw: u64,
-    mono_ns: u64,
+/// Where the worker's time comes from.
+enum Source {
+    /// The CPU counter, and `CLOCK_MONOTONIC` and the counter at one moment.
+    Counter {
+        clock: quanta::Clock,
+        raw: u64,
+        mono_ns: u64,
+    },
+    /// `CLOCK_MONOTONIC` itself (`FABRIQ_CLOCK=monotonic`).
+    Monotonic,
 }
 
-static ANCHOR: OnceLock<Anchor> = OnceLock::new();
+static SOURCE: OnceLock<Source> = OnceLock::new();
 
 fn monotonic_ns() -> u64 {
     let ts = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
@@ -33,20 +38,29 @@ fn monotonic_ns() -> u64 {
 /// Elsewhere quanta reads `CLOCK_MONOTONIC` itself. Anchored to `CLOCK_MONOTONIC` once, it
 /// strays from it only by the calibration's error (parts per million): it is this process's
 /// monotonic clock, which is all its users — timers, deadlines, the trace header — ask of it.
+/// `FABRIQ_CLOCK=monotonic` reads `CLOCK_MONOTONIC` on every call instead (no calibration,
+/// whose length varies from run to run: `bench/instructions.sh` counts with it).
 pub(crate) fn now() -> Instant {
-    let a = ANCHOR.get_or_init(|| {
+    let source = SOURCE.get_or_init(|| {
+        if std::env::var("FABRIQ_CLOCK").is_ok_and(|v| v == "monotonic") {
+            return Source::Monotonic;
+        }
         let clock = quanta::Clock::new();
         let raw = clock.raw();
-        Anchor {
+        Source::Counter {
             raw,
             mono_ns: monotonic_ns(),
             clock,
         }
     });
-    Instant::from_nanos(
-        a.mono_ns
-            .saturating_add(a.clock.delta_as_nanos(a.raw, a.clock.raw())),
-    )
+    match source {
+        Source::Counter {
+            clock,
+            raw,
+            mono_ns,
+        } => Instant::from_nanos(mono_ns.saturating_add(clock.delta_as_nanos(*raw, clock.raw()))),
+        Source::Monotonic => Instant::from_nanos(monotonic_ns()),
+    }
 }
 
 /// The clock of the current pass.

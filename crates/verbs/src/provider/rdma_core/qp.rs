@@ -414,6 +414,22 @@ impl QpOps for Qp {
                 }
                 return Err(fail(VerbsError::QueueFull));
             }
+            // The library's own rule on every provider (a NIC's driver may not check it): only
+            // requests that carry a payload may be INLINE.
+            if wr.is_inline()
+                && !matches!(
+                    wr.opcode,
+                    WrOpcode::Send
+                        | WrOpcode::SendWithImm { .. }
+                        | WrOpcode::Write { .. }
+                        | WrOpcode::WriteWithImm { .. }
+                )
+            {
+                return Err(fail(VerbsError::InvalidArgument(format!(
+                    "{:?} cannot be inline",
+                    wr.opcode
+                ))));
+            }
             let mut sges = [IbvSge::default(); MAX_SGE_STACK];
             // Inline data goes first, as one more SGE of ordinary memory: with
             // IBV_SEND_INLINE the provider copies it at post time without looking at its lkey.

@@ -12,7 +12,7 @@ use fabriq_verbs::{
 use crate::harness::{
     expect_wc, fail, pattern, read_mr, wait_until, Env, Node, NodeOpts, TestProvider, TestResult,
 };
-use crate::peer::{connected, PeerSetup, PeerSge};
+use crate::peer::{connected, Peer, PeerSetup, PeerSge};
 
 const LOCAL_ALL: AccessFlags = AccessFlags::ALL;
 
@@ -674,6 +674,24 @@ pub fn rc_write_gathers_and_read_scatters_sge_lists<P: TestProvider>(env: &Env<P
     Ok(())
 }
 
+/// A connected pair whose node's QP asks for `inline` bytes of inline data.
+fn connected_with_inline<P: TestProvider>(
+    env: &Env<P>,
+    inline: u32,
+) -> Result<(Node, Peer), Box<dyn std::error::Error>> {
+    connected(
+        env,
+        &NodeOpts {
+            caps: QpCaps {
+                max_inline_data: inline,
+                ..QpCaps::default()
+            },
+            ..NodeOpts::default()
+        },
+        PeerSetup::default(),
+    )
+}
+
 /// An INLINE send (and write) copies the payload at post time: its SGE needs no registered
 /// memory, and changing the buffer right after `post_send` does not change what arrives.
 pub fn rc_inline_send_copies_payload_at_post_time<P: TestProvider>(env: &Env<P>) -> TestResult {
@@ -681,18 +699,7 @@ pub fn rc_inline_send_copies_payload_at_post_time<P: TestProvider>(env: &Env<P>)
         return Ok(());
     }
     let inline = env.attr.max_inline_data.min(64);
-    let caps = QpCaps {
-        max_inline_data: inline,
-        ..QpCaps::default()
-    };
-    let (node, mut peer) = connected(
-        env,
-        &NodeOpts {
-            caps,
-            ..NodeOpts::default()
-        },
-        PeerSetup::default(),
-    )?;
+    let (node, mut peer) = connected_with_inline(env, inline)?;
     let rmr = peer.reg_mr(4096, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE)?;
     peer.post_recv(
         1,
@@ -768,18 +775,7 @@ pub fn rc_inline_data_goes_ahead_of_the_sge_list<P: TestProvider>(env: &Env<P>) 
     if inline < 32 {
         return Ok(());
     }
-    let caps = QpCaps {
-        max_inline_data: inline,
-        ..QpCaps::default()
-    };
-    let (node, mut peer) = connected(
-        env,
-        &NodeOpts {
-            caps,
-            ..NodeOpts::default()
-        },
-        PeerSetup::default(),
-    )?;
+    let (node, mut peer) = connected_with_inline(env, inline)?;
     let rmr = peer.reg_mr(4096, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE)?;
     for (id, offset) in [(1, 0), (2, 256)] {
         peer.post_recv(
@@ -870,18 +866,7 @@ pub fn rc_inline_above_max_inline_is_refused<P: TestProvider>(env: &Env<P>) -> T
         return Ok(());
     }
     let inline = env.attr.max_inline_data.min(64);
-    let caps = QpCaps {
-        max_inline_data: inline,
-        ..QpCaps::default()
-    };
-    let (node, mut peer) = connected(
-        env,
-        &NodeOpts {
-            caps,
-            ..NodeOpts::default()
-        },
-        PeerSetup::default(),
-    )?;
+    let (node, mut peer) = connected_with_inline(env, inline)?;
     let granted = node.qp.query().caps.max_inline_data;
     let rmr = peer.reg_mr(8192, recv_access())?;
     peer.post_recv(

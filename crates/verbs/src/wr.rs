@@ -96,6 +96,18 @@ impl WrOpcode {
         )
     }
 
+    /// True for the opcodes that send a payload from the initiator (SEND and WRITE, with or
+    /// without immediate): the only ones that may be INLINE.
+    pub fn carries_payload(&self) -> bool {
+        matches!(
+            self,
+            WrOpcode::Send
+                | WrOpcode::SendWithImm { .. }
+                | WrOpcode::Write { .. }
+                | WrOpcode::WriteWithImm { .. }
+        )
+    }
+
     /// The completion opcode this request produces on the send CQ.
     pub fn wc_opcode(&self) -> crate::WcOpcode {
         use crate::WcOpcode;

@@ -503,14 +503,18 @@ impl WorkerShared {
         recent: Option<Instant>,
         reader: Option<(u64, &Cell<Option<Message>>)>,
     ) -> Option<usize> {
+        // A message handed earlier and not yet read keeps its place: this pass delivers
+        // through the queue (the wait loop reads the slot before every pass, so it is empty).
+        let held = reader.and_then(|(_, slot)| slot.take());
         match reader {
-            Some((stream, slot)) => {
-                // (A message already handed is read before the next pass.)
+            Some((stream, slot)) if held.is_none() => {
                 let (n, m) = self.try_progress_reading(recent, stream)?;
-                if m.is_some() {
-                    slot.set(m);
-                }
+                slot.set(m);
                 Some(n)
+            }
+            Some((_, slot)) => {
+                slot.set(held);
+                self.try_progress_at(recent)
             }
             None => self.try_progress_at(recent),
         }

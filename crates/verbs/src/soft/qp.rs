@@ -336,14 +336,7 @@ impl QpCore {
             }
             let total = wr.total_len();
             let inline = wr.is_inline();
-            let carries_payload = matches!(
-                wr.opcode,
-                WrOpcode::Send
-                    | WrOpcode::SendWithImm { .. }
-                    | WrOpcode::Write { .. }
-                    | WrOpcode::WriteWithImm { .. }
-            );
-            if inline && (!carries_payload || total > u64::from(caps.max_inline_data)) {
+            if inline && (!wr.opcode.carries_payload() || total > u64::from(caps.max_inline_data)) {
                 return Err(post_err(
                     index,
                     VerbsError::InvalidArgument(format!(

@@ -416,15 +416,7 @@ impl QpOps for Qp {
             }
             // The library's own rule on every provider (a NIC's driver may not check it): only
             // requests that carry a payload may be INLINE.
-            if wr.is_inline()
-                && !matches!(
-                    wr.opcode,
-                    WrOpcode::Send
-                        | WrOpcode::SendWithImm { .. }
-                        | WrOpcode::Write { .. }
-                        | WrOpcode::WriteWithImm { .. }
-                )
-            {
+            if wr.is_inline() && !wr.opcode.carries_payload() {
                 return Err(fail(VerbsError::InvalidArgument(format!(
                     "{:?} cannot be inline",
                     wr.opcode

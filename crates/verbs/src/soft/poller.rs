@@ -43,6 +43,8 @@ pub struct Poller {
     /// timeout, 0 while awake).
     sleep_until_ns: AtomicU64,
     epoch: Instant,
+    /// Wake-ups written.
+    wakes: AtomicU64,
 }
 
 impl Poller {
@@ -76,6 +78,7 @@ impl Poller {
             stop: AtomicBool::new(false),
             sleep_until_ns: AtomicU64::new(0),
             epoch: Instant::now(),
+            wakes: AtomicU64::new(0),
         };
         poller
             .add(&poller.wake, TOKEN_WAKE, epoll::EventFlags::IN)
@@ -125,7 +128,13 @@ impl Poller {
 
     /// Wake the progress thread.
     pub fn wake(&self) {
+        self.wakes.fetch_add(1, Ordering::Relaxed);
         let _ = rustix::io::write(&self.wake, &1u64.to_ne_bytes());
+    }
+
+    /// Wake-ups written so far.
+    pub fn wakes(&self) -> u64 {
+        self.wakes.load(Ordering::Relaxed)
     }
 
     /// Make sure the thread wakes by `deadline`.

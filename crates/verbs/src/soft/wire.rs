@@ -28,7 +28,7 @@ pub const HEADER_LEN: usize = 16;
 pub const DEFAULT_MAX_PAYLOAD: usize = 64 << 20;
 
 /// Wire protocol version carried in [`Frame::Hello`].
-pub const PROTOCOL_VERSION: u16 = 3;
+pub const PROTOCOL_VERSION: u16 = 4;
 
 /// Frame flag: the receiver should raise a solicited event for the receive completion.
 pub const FLAG_SOLICITED: u8 = 1 << 0;

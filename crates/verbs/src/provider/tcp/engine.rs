@@ -4,21 +4,22 @@
 //!
 //! QPs own their connections once attached; a connection changes hands (engine → QP → engine)
 //! by an `epoll_ctl` MOD of its token (it leaves the epoll set only while it waits, unread, for
-//! its QP's RTR). The epoll set, wake-ups and the thread's loop are
+//! its QP's RTR); a clean kept connection is watched only for the peer closing (see
+//! [`super::held`]), and the QP that takes it at RTR reads it. The epoll set, wake-ups and the thread's loop are
 //! [`crate::soft::poller`]'s; the thread holds only a `Weak` to the engine, so dropping the last
 //! handle of a context stops it.
 
 use std::collections::HashMap;
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use rustix::event::epoll;
 
-use super::held::{Held, Owner, Step};
-use super::qp::{Lock, TcpQp};
+use super::held::{Held, Owner, Step, ACCEPTED_REUSE};
+use super::qp::{HelloIds, Lock, TcpQp};
 use super::{Options, DEVICE};
 use crate::soft::cq::ProgressHook;
 use crate::soft::poller::{self, Poller, SleepTimer};
@@ -56,6 +57,9 @@ struct HeldConns {
     /// The id of the connection each QP opened and keeps (one per QP: its next RTR takes it or
     /// closes it).
     opened: HashMap<u32, u64>,
+    /// Accepting end: the id of the used connection each QP at the other end opened, by that
+    /// QP's listener and number (the connection of its next use; one each, the latest).
+    by_opener: HashMap<(SocketAddr, u32), u64>,
     /// How many of them are accepted connections not used yet.
     fresh: usize,
     /// No deadline comes before this one (the table is looked through only from then on).
@@ -63,17 +67,20 @@ struct HeldConns {
 }
 
 impl HeldConns {
-    /// Keep `held` under `id`; returns a connection its QP kept before, which it replaces.
-    fn insert(&mut self, id: u64, held: Held) -> Option<Held> {
+    /// Keep `held` under `id`; returns a connection its QP kept before, which it replaces,
+    /// and the id of a connection from the same opener that it displaces from `by_opener`
+    /// (kept, but no RTR looks for it any more: it must be watched for input).
+    fn insert(&mut self, id: u64, held: Held) -> (Option<Held>, Option<u64>) {
         self.fresh += usize::from(held.is_fresh());
         let d = held.deadline();
         self.earliest = Some(self.earliest.map_or(d, |e| e.min(d)));
         let replaced = match held.owner {
             Owner::Opened { qpn, .. } => self.opened.insert(qpn, id),
-            Owner::Accepted => None,
+            Owner::Accepted { .. } => None,
         };
+        let displaced = held.opener().and_then(|k| self.by_opener.insert(k, id));
         self.by_id.insert(id, held);
-        replaced.and_then(|old| self.remove(old))
+        (replaced.and_then(|old| self.remove(old)), displaced)
     }
 
     fn remove(&mut self, id: u64) -> Option<Held> {
@@ -82,6 +89,11 @@ impl HeldConns {
         if let Owner::Opened { qpn, .. } = held.owner {
             if self.opened.get(&qpn) == Some(&id) {
                 self.opened.remove(&qpn);
+            }
+        }
+        if let Some(k) = held.opener() {
+            if self.by_opener.get(&k) == Some(&id) {
+                self.by_opener.remove(&k);
             }
         }
         Some(held)
@@ -109,11 +121,16 @@ pub(crate) struct Engine {
     /// connections sent a new HELLO instead.
     pub conns_opened: AtomicU64,
     pub conns_reused: AtomicU64,
+    /// Kept connections on which a QP found the peer's HELLO at its RTR (so wrote none).
+    pub hellos_found: AtomicU64,
     /// Busy mode: microseconds since the poller epoch of the last `drive` (0: never).
     last_drive_us: AtomicU64,
     /// Busy mode: QPs whose readiness the thread left to an active poller; their one-shot
     /// registrations are re-armed when the poller goes quiet.
     deferred: Mutex<Vec<u32>>,
+    /// Busy mode: a QP may hold back an ACK for a poller's next post (set when one is held,
+    /// cleared by the thread before it sends them all).
+    acks_held: AtomicBool,
 }
 
 impl Engine {
@@ -145,8 +162,10 @@ impl Engine {
             next_held: AtomicU64::new(0),
             conns_opened: AtomicU64::new(0),
             conns_reused: AtomicU64::new(0),
+            hellos_found: AtomicU64::new(0),
             last_drive_us: AtomicU64::new(0),
             deferred: Mutex::new(Vec::new()),
+            acks_held: AtomicBool::new(false),
         });
         poller::spawn_progress_thread(
             format!("fabriq-tcp0-{}", local_addr.port()),
@@ -231,6 +250,8 @@ impl Engine {
         if self.poller_active(now) {
             return true;
         }
+        // Cleared first: an ACK held from now on sets it again.
+        self.acks_held.store(false, Ordering::Relaxed);
         for qp in self.qps.all() {
             qp.flush_held_ack(now, true);
         }
@@ -247,6 +268,12 @@ impl Engine {
     /// Make sure the thread wakes by `deadline`.
     pub fn note_deadline(&self, deadline: Option<Instant>) {
         self.poller.note_deadline(deadline);
+    }
+
+    /// A QP holds back an ACK (busy mode): the thread sends it if no poller comes back.
+    pub(super) fn ack_held(&self, deadline: Instant) {
+        self.acks_held.store(true, Ordering::Relaxed);
+        self.note_deadline(Some(deadline));
     }
 
     pub(super) fn prune_held(&self, now: Instant) {
@@ -342,7 +369,7 @@ impl Engine {
 
     /// Watch a connection no QP owns: register it under a token of its own (it may be
     /// registered under its QP's token until now) and keep it.
-    pub(super) fn hold(&self, held: Held) {
+    pub(super) fn hold(&self, mut held: Held) {
         let mut conns = self.held.lock();
         if !held.is_fresh() && conns.kept() >= MAX_KEPT {
             let _ = held.stream.shutdown(Shutdown::Both);
@@ -350,7 +377,8 @@ impl Engine {
         }
         let id = self.next_held.fetch_add(1, Ordering::Relaxed) & 0xffff_ffff;
         let token = TOKEN_PENDING | id;
-        let flags = epoll::EventFlags::IN | epoll::EventFlags::RDHUP;
+        held.quiet = held.may_be_quiet();
+        let flags = held_flags(held.quiet);
         let watched = if held.is_fresh() {
             self.poller.add(&*held.stream, token, flags)
         } else {
@@ -363,10 +391,31 @@ impl Engine {
             let _ = held.stream.shutdown(Shutdown::Both);
             return;
         }
-        if let Some(old) = conns.insert(id, held) {
+        let (replaced, displaced) = conns.insert(id, held);
+        if let Some(old) = replaced {
             self.poller.delete(&*old.stream);
             let _ = old.stream.shutdown(Shutdown::Both);
         }
+        if let Some(old_id) = displaced {
+            if let Some(old) = conns.by_id.get_mut(&old_id).filter(|h| h.quiet) {
+                old.quiet = false;
+                let _ = self
+                    .poller
+                    .modify(&*old.stream, TOKEN_PENDING | old_id, held_flags(false));
+            }
+        }
+    }
+
+    /// Wake-ups of the progress thread written so far.
+    #[cfg(test)]
+    pub(super) fn thread_wakes(&self) -> u64 {
+        self.poller.wakes()
+    }
+
+    /// Kept connections not watched for input (each waits for a QP's RTR).
+    #[cfg(test)]
+    pub(super) fn quiet_conns(&self) -> usize {
+        self.held.lock().by_id.values().filter(|h| h.quiet).count()
     }
 
     /// A QP lets go of its connection after sending a BYE on it (see [`super::held`]).
@@ -375,35 +424,125 @@ impl Engine {
     }
 
     /// The clean connection QP `qpn` opened to the listener at `peer` before, if it kept one,
-    /// to carry its next HELLO; one to another listener, or not clean, is closed (so is any,
-    /// with `peer` `None`).
-    pub fn take_opened(&self, peer: Option<SocketAddr>, qpn: u32) -> Option<Arc<TcpStream>> {
+    /// for its next use, with the HELLO the peer's QP wrote on it if it reached RTR first; one
+    /// to another listener, not clean, or carrying anything else is closed (so is any, with
+    /// `peer` `None`).
+    pub fn take_opened(&self, peer: Option<SocketAddr>, qpn: u32) -> Option<Kept> {
         let mut conns = self.held.lock();
         let id = *conns.opened.get(&qpn)?;
         let mut h = conns.remove(id)?;
-        // The peer's BYE may be waiting unread: the progress thread has not run yet.
-        let usable = peer.is_some_and(|peer| h.owner == (Owner::Opened { peer, qpn }))
-            && (h.is_clean() || matches!(h.read(), Step::Wait) && h.is_clean());
-        if usable {
-            // Still in the epoll set: the QP takes it over under its own token.
-            return Some(h.stream);
+        drop(conns);
+        if peer.is_some_and(|peer| h.owner == (Owner::Opened { peer, qpn })) {
+            // Not watched for input: the peer's BYE or HELLO may be there unread.
+            match h.read() {
+                Step::Wait if h.is_clean() => return Some(Kept::new(h.stream, None)),
+                Step::Hello { dst_qpn, ids } if dst_qpn == qpn => {
+                    return Some(Kept::new(h.stream, Some(ids)))
+                }
+                _ => {}
+            }
         }
         self.poller.delete(&*h.stream);
         let _ = h.stream.shutdown(Shutdown::Both);
         None
     }
 
+    /// Accepting end, QP `me` reaching RTR towards QP `opener` at the listener `peer`: the
+    /// connection that QP opened to this context and used last, kept for its next use, with
+    /// the HELLO it wrote on it if it reached RTR first. A HELLO there for another QP of this
+    /// context goes to that QP. `None` (and the peer's HELLO is awaited as on a new
+    /// connection) when there is none, or it has been idle too long for this end to start
+    /// the use ([`ACCEPTED_REUSE`]).
+    pub fn take_accepted(&self, peer: SocketAddr, opener: u32, me: u32) -> Option<Kept> {
+        let mut guard = self.held.lock();
+        let conns = &mut *guard;
+        let id = *conns.by_opener.get(&(peer, opener))?;
+        let h = conns.by_id.get_mut(&id)?;
+        let step = h.read();
+        let ours = h.is_clean() && h.idle_for(Instant::now()) < ACCEPTED_REUSE;
+        if matches!(step, Step::Wait) && !ours {
+            // Not this end's to start (the last use's frames still draining, part of the
+            // peer's HELLO here, or idle too long): watched for input, as a new connection
+            // is, and the progress thread hands the peer's HELLO over when it comes.
+            if h.quiet {
+                h.quiet = false;
+                // Level-triggered: what came after the read is reported at once.
+                if self
+                    .poller
+                    .modify(&*h.stream, TOKEN_PENDING | id, held_flags(false))
+                    .is_err()
+                {
+                    if let Some(h) = conns.remove(id) {
+                        let _ = h.stream.shutdown(Shutdown::Both);
+                    }
+                }
+            }
+            return None;
+        }
+        let h = conns.remove(id)?;
+        drop(guard);
+        match step {
+            Step::Wait => Some(Kept::new(h.stream, None)),
+            Step::Hello { dst_qpn, ids } if dst_qpn == me => Some(Kept::new(h.stream, Some(ids))),
+            step => {
+                self.settle(step, h);
+                None
+            }
+        }
+    }
+
     fn read_held(&self, id: u64) {
-        let mut conns = self.held.lock();
+        let mut guard = self.held.lock();
+        let conns = &mut *guard;
         let Some(h) = conns.by_id.get_mut(&id) else {
             return;
         };
-        let step = h.read();
+        let mut step = h.read();
         if matches!(step, Step::Wait) {
+            // Clean now, and found by the RTR that wants it: nothing to watch for until then.
+            let found = match h.owner {
+                Owner::Opened { qpn, .. } => conns.opened.get(&qpn) == Some(&id),
+                Owner::Accepted { opener } => {
+                    opener.is_some_and(|k| conns.by_opener.get(&k) == Some(&id))
+                }
+            };
+            if found
+                && h.may_be_quiet()
+                && !h.quiet
+                && self
+                    .poller
+                    .modify(&*h.stream, TOKEN_PENDING | id, held_flags(true))
+                    .is_ok()
+            {
+                h.quiet = true;
+                // A HELLO that came after the read is read now.
+                step = h.read();
+            }
+            if matches!(step, Step::Wait) {
+                return;
+            }
+        }
+        if let (Step::Hello { dst_qpn, ids }, Owner::Opened { .. }) = (&step, h.owner) {
+            // The peer's QP reached RTR first: its HELLO waits here for this end's QP, which
+            // takes the connection at its RTR. Nothing else is read until then.
+            h.keep_hello(*dst_qpn, *ids);
+            if !h.quiet
+                && self
+                    .poller
+                    .modify(&*h.stream, TOKEN_PENDING | id, held_flags(true))
+                    .is_ok()
+            {
+                h.quiet = true;
+            }
             return;
         }
         let Some(h) = conns.remove(id) else { return };
-        drop(conns);
+        drop(guard);
+        self.settle(step, h);
+    }
+
+    /// Carry out what reading a connection the engine held came to (it is out of the table).
+    fn settle(&self, step: Step, h: Held) {
         match step {
             Step::Wait => {}
             // Still in the epoll set: its QP takes it over under its own token (or closes it).
@@ -421,6 +560,27 @@ impl Engine {
             }
             Step::Close(None) => self.poller.delete(&*h.stream),
         }
+    }
+}
+
+/// A kept connection a QP takes at RTR, and the peer's HELLO if it was on it.
+pub(super) struct Kept {
+    pub stream: Arc<TcpStream>,
+    pub hello: Option<HelloIds>,
+}
+
+impl Kept {
+    fn new(stream: Arc<TcpStream>, hello: Option<HelloIds>) -> Kept {
+        Kept { stream, hello }
+    }
+}
+
+/// The epoll interest of a held connection: input and the peer closing, or (`quiet`) only the
+/// peer closing.
+fn held_flags(quiet: bool) -> epoll::EventFlags {
+    match quiet {
+        true => epoll::EventFlags::RDHUP,
+        false => epoll::EventFlags::IN | epoll::EventFlags::RDHUP,
     }
 }
 
@@ -466,10 +626,16 @@ impl ProgressHook for Engine {
         self.drive_pass(false);
     }
 
-    /// The poller goes to sleep on the CQ's event: end its grace at once and let the thread
-    /// take the deferred sockets back, instead of leaving them unread for [`BUSY_GRACE`].
+    /// The poller goes to sleep on the CQ's event: end its grace at once and wake the thread
+    /// if it has sockets to take back or ACKs to send, instead of leaving them for
+    /// [`BUSY_GRACE`]. With neither, the thread is not woken: every socket is still armed, and
+    /// it looks at the grace again by itself. (A socket the thread defers after the look below
+    /// is taken back by the thread's own next timeout, which finds the grace ended.)
     fn poller_leaving(&self) {
-        if self.mode == ProgressMode::Busy && self.last_drive_us.swap(0, Ordering::Relaxed) != 0 {
+        if self.mode == ProgressMode::Busy
+            && self.last_drive_us.swap(0, Ordering::Relaxed) != 0
+            && (self.acks_held.load(Ordering::Relaxed) || !self.deferred.lock().is_empty())
+        {
             self.poller.wake();
         }
     }

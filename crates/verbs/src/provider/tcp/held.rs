@@ -12,12 +12,17 @@
 //! **clean** at one end once that end has sent its BYE and read the peer's: every byte after
 //! belongs to the connection's next use. Until then its reader skips the old frames.
 //!
-//! - The end that opened the connection keeps it for the QP that opened it ([`Owner::Opened`]):
-//!   when that QP (from a cache) connects again to a QP of the same context, it sends a new
-//!   HELLO on the clean connection instead of opening one — no TCP handshake, no accept and
+//! - The end that opened the connection keeps it for the QP that opened it ([`Owner::Opened`]);
+//!   the accepting end keeps it for the next connection of that QP ([`Owner::Accepted`] with
+//!   its `opener`) to any QP of this context. When the two QPs (the opener from a cache) are
+//!   connected again, the connection carries the new use — no TCP handshake, no accept and
 //!   fewer system calls on both sides. A new QP always opens its own connection.
-//! - The accepting end watches the clean connection for that HELLO exactly as it watches a
-//!   newly accepted one; the HELLO may name any of its QPs.
+//! - The next use starts with a HELLO from whichever end reaches RTR first: at RTR a QP reads
+//!   the kept connection; if the peer's HELLO for this pair is there, it takes the connection
+//!   without writing one, else it writes its own. If both write (both reached RTR before either
+//!   HELLO arrived), each skips the other's as the first frame of the use.
+//! - A clean kept connection is not watched for input, only for the peer closing: nothing is
+//!   read from it until a QP reaches RTR on it, so a HELLO written to it wakes no thread.
 //! - Bytes where none may be (anything on an opened connection once clean, a frame longer
 //!   than the limit), the peer closing, a read error or the deadline close the connection;
 //!   the next connect then opens a new one.
@@ -37,6 +42,10 @@ pub(super) const OPENED_IDLE: Duration = Duration::from_secs(30);
 /// The accepting end keeps a used connection this long for its next HELLO: longer than the
 /// opening end keeps it, so that the end which decides to reuse it closes it first.
 const ACCEPTED_IDLE: Duration = Duration::from_secs(60);
+/// The accepting end starts the next use of a connection (writes its HELLO first) only while
+/// it has been idle for less than this, well within [`OPENED_IDLE`]: the opening end, which
+/// closes it after that, still keeps it when its own RTR follows.
+pub(super) const ACCEPTED_REUSE: Duration = Duration::from_secs(15);
 /// Length of a HELLO frame.
 const HELLO_LEN: usize = wire::HEADER_LEN + 16;
 /// Largest frame a draining reader skips (longer: the connection is closed).
@@ -47,8 +56,10 @@ const MAX_READS: usize = 16;
 /// Who keeps a connection and for what.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Owner {
-    /// The listener accepted it: it waits for a HELLO naming one of the context's QPs.
-    Accepted,
+    /// The listener accepted it: it waits for a HELLO naming one of the context's QPs. Once
+    /// used, `opener` names the QP at the other end that opened it (the peer's listener and
+    /// QP number): the next use is that QP's (`None`: not used yet).
+    Accepted { opener: Option<(SocketAddr, u32)> },
     /// QP `qpn` opened it to the listener at `peer`: it waits for that QP's next connection to
     /// a QP there.
     Opened { peer: SocketAddr, qpn: u32 },
@@ -65,8 +76,7 @@ enum Reading {
         /// The current frame is the BYE.
         bye: bool,
     },
-    /// Clean: the accepting end assembles the next HELLO; on the opening end nothing may
-    /// arrive.
+    /// Clean: a HELLO of the next use is assembled (from the peer that reached RTR first).
     Clean { buf: [u8; HELLO_LEN], got: usize },
 }
 
@@ -75,7 +85,7 @@ enum Reading {
 pub(super) enum Step {
     /// Nothing more to read for now.
     Wait,
-    /// A complete HELLO for QP `dst_qpn` (accepting end).
+    /// A complete HELLO for QP `dst_qpn`.
     Hello { dst_qpn: u32, ids: HelloIds },
     /// Close the connection; the reason is logged when there is one (a peer closing an idle
     /// connection is not worth a line).
@@ -93,6 +103,12 @@ pub(super) struct Held {
     deadline: Instant,
     /// Accepted and not used yet (it counts against another limit than used ones).
     fresh: bool,
+    /// Watched for the peer closing only, not for input (see the module's notes).
+    pub quiet: bool,
+    /// Since when no QP uses it.
+    since: Instant,
+    /// Opening end: the peer's HELLO, read before this end's QP reached RTR (it takes it then).
+    hello: Option<(u32, HelloIds)>,
 }
 
 impl Held {
@@ -100,13 +116,16 @@ impl Held {
     pub fn accepted(stream: Arc<TcpStream>, now: Instant) -> Held {
         Held {
             stream,
-            owner: Owner::Accepted,
+            owner: Owner::Accepted { opener: None },
             reading: Reading::Clean {
                 buf: [0; HELLO_LEN],
                 got: 0,
             },
             deadline: now + HELLO_TIMEOUT,
             fresh: true,
+            quiet: false,
+            since: now,
+            hello: None,
         }
     }
 
@@ -127,7 +146,7 @@ impl Held {
             }
         };
         let idle = match owner {
-            Owner::Accepted => ACCEPTED_IDLE,
+            Owner::Accepted { .. } => ACCEPTED_IDLE,
             Owner::Opened { .. } => OPENED_IDLE,
         };
         Held {
@@ -136,7 +155,30 @@ impl Held {
             reading,
             deadline: now + idle,
             fresh: false,
+            quiet: false,
+            since: now,
+            hello: None,
         }
+    }
+
+    /// Accepting end, used: the QP at the other end that opened it.
+    pub fn opener(&self) -> Option<(SocketAddr, u32)> {
+        match self.owner {
+            Owner::Accepted { opener } if !self.fresh => opener,
+            _ => None,
+        }
+    }
+
+    /// Clean, and a QP reaching RTR finds it (the one that opened it, or one connecting to
+    /// that QP): nothing needs to watch it for input until then.
+    pub fn may_be_quiet(&self) -> bool {
+        let findable = matches!(self.owner, Owner::Opened { .. }) || self.opener().is_some();
+        findable && self.is_clean()
+    }
+
+    /// How long no QP has used it.
+    pub fn idle_for(&self, now: Instant) -> Duration {
+        now.saturating_duration_since(self.since)
     }
 
     /// Accepted and not used yet.
@@ -151,12 +193,21 @@ impl Held {
 
     /// Clean, and nothing of a next use read yet: an opened connection can carry a HELLO.
     pub fn is_clean(&self) -> bool {
-        matches!(self.reading, Reading::Clean { got: 0, .. })
+        matches!(self.reading, Reading::Clean { got: 0, .. }) && self.hello.is_none()
+    }
+
+    /// Opening end: keep the peer's HELLO, read before this end's QP reached RTR, for that
+    /// RTR ([`Held::read`] returns it then).
+    pub fn keep_hello(&mut self, dst_qpn: u32, ids: HelloIds) {
+        self.hello = Some((dst_qpn, ids));
     }
 
     /// Read what the connection has (non-blocking), at most [`MAX_READS`] times: a peer
     /// streaming old frames does not hold the progress thread (epoll reports the rest again).
     pub fn read(&mut self) -> Step {
+        if let Some((dst_qpn, ids)) = self.hello.take() {
+            return Step::Hello { dst_qpn, ids };
+        }
         let mut scratch = [0u8; 16 * 1024];
         for _ in 0..MAX_READS {
             let dst: &mut [u8] = match &mut self.reading {
@@ -222,11 +273,6 @@ impl Held {
                 None
             }
             Reading::Clean { buf, got } => {
-                if matches!(self.owner, Owner::Opened { .. }) {
-                    return Some(Step::Close(Some(
-                        "bytes on an idle connection that no HELLO opened".into(),
-                    )));
-                }
                 *got += n;
                 let announced = buf.get(..*got).and_then(wire::peek_len);
                 if announced.is_some_and(|len| len != HELLO_LEN) {

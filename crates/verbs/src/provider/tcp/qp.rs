@@ -72,6 +72,18 @@ struct Parked {
     stream: Arc<TcpStream>,
 }
 
+/// A connection a QP takes.
+struct Attached {
+    stream: Arc<TcpStream>,
+    /// The listener this QP opened it to (else it was accepted).
+    opened_to: Option<SocketAddr>,
+    /// In the engine's epoll set already.
+    watched: bool,
+    /// A kept connection this QP wrote its HELLO on: the peer's HELLO may come first (both
+    /// reached RTR before either arrived), and is skipped.
+    hello_due: bool,
+}
+
 /// What the HELLO of an accepted connection says about both ends.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct HelloIds {
@@ -128,6 +140,8 @@ struct Side {
     incarnation: u32,
     /// The peer's incarnation named at RTR (`None`: its endpoint named none).
     remote_incarnation: Option<u32>,
+    /// The peer's listener, as named at RTR.
+    remote_addr: Option<SocketAddr>,
     tx: TxQueue,
     out_armed: bool,
     /// Busy mode: `tx` holds only a coalesced ACK, unsent since then (it leaves with the next
@@ -150,6 +164,8 @@ struct Rx {
     peek_next: bool,
     /// `SO_RCVLOWAT` of the connection as last set (1: the kernel's default).
     lowat: usize,
+    /// The first frame may be the peer's HELLO, skipped (see [`Attached::hello_due`]).
+    hello_due: bool,
 }
 
 impl Rx {
@@ -162,6 +178,7 @@ impl Rx {
         self.end = 0;
         self.peek_next = false;
         self.lowat = 1;
+        self.hello_due = false;
     }
 
     /// While a payload is placed, let readiness wait for a larger piece of it (at most what
@@ -225,6 +242,7 @@ impl TcpQp {
                 scratch: Vec::new(),
                 peek_next: false,
                 lowat: 1,
+                hello_due: false,
             }),
             side: Mutex::new(Side {
                 core,
@@ -233,6 +251,7 @@ impl TcpQp {
                 parked: Vec::new(),
                 incarnation: next_incarnation(rand::random::<u32>()),
                 remote_incarnation: None,
+                remote_addr: None,
                 tx: TxQueue::new(),
                 out_armed: false,
                 held_at: None,
@@ -463,6 +482,7 @@ impl TcpQp {
                 end,
                 placing,
                 peek_next,
+                hello_due,
                 ..
             } = &mut **rx;
             // A placed payload that arrived whole completes first: it precedes the buffer.
@@ -498,7 +518,35 @@ impl TcpQp {
                     }
                     Ok(Some((frame, n))) => {
                         *peek_next = false;
+                        let first = std::mem::take(hello_due);
                         match frame {
+                            // Both ends wrote a HELLO on a kept connection: the peer's is
+                            // the first frame.
+                            Frame::Hello {
+                                dst_qpn,
+                                src_qpn,
+                                version,
+                                src_incarnation,
+                                dst_incarnation,
+                            } if first
+                                && dst_qpn == self.qp_num.0
+                                && version == wire::PROTOCOL_VERSION
+                                && side.core.remote().is_some_and(|r| {
+                                    hello_is_from(
+                                        HelloIds {
+                                            src_qpn,
+                                            src_incarnation,
+                                            dst_incarnation,
+                                        },
+                                        r.qp_num.0,
+                                        side.remote_incarnation,
+                                        side.incarnation,
+                                    )
+                                }) =>
+                            {
+                                *start += n;
+                                continue;
+                            }
                             Frame::Hello { .. } => {
                                 bad = Some("HELLO inside an established connection".to_string());
                                 break;
@@ -559,7 +607,7 @@ impl TcpQp {
                 side.held_at = Some(now);
                 self.ack_held.store(true, Ordering::Relaxed);
                 // If no poller comes back, the progress thread sends it.
-                self.engine.note_deadline(Some(now + BUSY_GRACE));
+                self.engine.ack_held(now + BUSY_GRACE);
             }
         } else {
             self.transmit(side, now);
@@ -603,7 +651,13 @@ impl TcpQp {
                 if remote == src_qpn
                     && incarnation_matches(side.remote_incarnation, hello.src_incarnation) =>
             {
-                self.attach(&mut rx, &mut side, stream, None, true);
+                let a = Attached {
+                    stream,
+                    opened_to: None,
+                    watched: true,
+                    hello_due: false,
+                };
+                self.attach(&mut rx, &mut side, a);
             }
             Some(remote) => tracing::warn!(
                 qp = self.qp_num.0,
@@ -630,14 +684,13 @@ impl TcpQp {
 
     /// Make `stream` the QP's connection; `opened_to`: the listener this QP opened it to;
     /// `watched`: the engine's epoll set has it already.
-    fn attach(
-        &self,
-        rx: &mut Rx,
-        side: &mut Side,
-        stream: Arc<TcpStream>,
-        opened_to: Option<SocketAddr>,
-        watched: bool,
-    ) {
+    fn attach(&self, rx: &mut Rx, side: &mut Side, a: Attached) {
+        let Attached {
+            stream,
+            opened_to,
+            watched,
+            hello_due,
+        } = a;
         let opts = &self.engine.opts;
         // Best effort: a refused size leaves the kernel's autotuning in place.
         if opts.sndbuf > 0 {
@@ -652,6 +705,7 @@ impl TcpQp {
         }
         rx.conn = Some(stream.clone());
         rx.reset(&mut side.core);
+        rx.hello_due = hello_due;
         side.conn = Some(stream);
         side.opened_to = opened_to;
         side.tx.clear();
@@ -698,7 +752,9 @@ impl TcpQp {
                     peer,
                     qpn: self.qp_num.0,
                 },
-                None => Owner::Accepted,
+                None => Owner::Accepted {
+                    opener: side.remote_addr.zip(side.core.remote().map(|r| r.qp_num.0)),
+                },
             };
             self.engine.keep_released(conn, owner, bye_read);
         } else {
@@ -706,6 +762,14 @@ impl TcpQp {
         }
         close_side(side);
     }
+}
+
+/// Whether a HELLO (`ids`) comes from the peer named at RTR (QP `remote_qpn`, incarnation
+/// `remote_inc`) and is meant for this incarnation (`mine`) of the QP.
+fn hello_is_from(ids: HelloIds, remote_qpn: u32, remote_inc: Option<u32>, mine: u32) -> bool {
+    ids.src_qpn == remote_qpn
+        && incarnation_matches(remote_inc, ids.src_incarnation)
+        && (ids.dst_incarnation == 0 || ids.dst_incarnation == mine)
 }
 
 /// Open the connection to the peer's listener and introduce it.
@@ -866,27 +930,60 @@ impl SoftQpDriver for TcpQp {
                 "a tcp QP cannot be connected to itself".into(),
             ));
         }
-        // A connection this QP opened before: reused towards the same peer context only.
-        let kept = self
+        let dst = (remote.qp_num.0, remote_inc.unwrap_or(0));
+        let src = (self.qp_num.0, incarnation);
+        // The connection of the pair's last use, kept at both ends: by the opening end for the
+        // QP that opened it (reused towards the same peer context only; a QP that accepts now
+        // gives its own up), by the accepting end for the peer's next use.
+        let opened = self
             .engine
             .take_opened((me < peer).then_some(raddr), self.qp_num.0);
-        let stream = if me < peer {
-            let dst = (remote.qp_num.0, remote_inc.unwrap_or(0));
-            let src = (self.qp_num.0, incarnation);
-            // (stream, in the epoll set already)
-            match kept.and_then(|s| introduce(s, dst, src).ok()) {
-                Some(s) => {
-                    self.engine.conns_reused.fetch_add(1, Ordering::Relaxed);
-                    Some((s, true))
-                }
-                None => {
-                    let s = connect(raddr, dst, src)?;
-                    self.engine.conns_opened.fetch_add(1, Ordering::Relaxed);
-                    Some((Arc::new(s), false))
-                }
+        let kept = match me < peer {
+            true => opened,
+            false => self
+                .engine
+                .take_accepted(raddr, remote.qp_num.0, self.qp_num.0),
+        };
+        // Its next use starts with the HELLO of the end that reaches RTR first: the peer's,
+        // found on it, or this QP's, written now (then the peer's may still follow).
+        let kept = kept.and_then(|k| match k.hello {
+            Some(ids) if hello_is_from(ids, remote.qp_num.0, remote_inc, incarnation) => {
+                self.engine.hellos_found.fetch_add(1, Ordering::Relaxed);
+                Some((k.stream, false))
             }
-        } else {
-            None
+            Some(_) => {
+                tracing::debug!(
+                    qp = self.qp_num.0,
+                    "tcp0: kept connection carried a HELLO from another QP or incarnation; closed"
+                );
+                let _ = k.stream.shutdown(Shutdown::Both);
+                None
+            }
+            None => introduce(k.stream, dst, src).ok().map(|s| (s, true)),
+        });
+        let stream = match (kept, me < peer) {
+            (Some((stream, hello_due)), opener) => {
+                if opener {
+                    self.engine.conns_reused.fetch_add(1, Ordering::Relaxed);
+                }
+                Some(Attached {
+                    stream,
+                    opened_to: opener.then_some(raddr),
+                    watched: true,
+                    hello_due,
+                })
+            }
+            (None, true) => {
+                let s = connect(raddr, dst, src)?;
+                self.engine.conns_opened.fetch_add(1, Ordering::Relaxed);
+                Some(Attached {
+                    stream: Arc::new(s),
+                    opened_to: Some(raddr),
+                    watched: false,
+                    hello_due: false,
+                })
+            }
+            (None, false) => None,
         };
         let mut rx = self.rx.lock();
         let mut side = self.side.lock();
@@ -897,12 +994,13 @@ impl SoftQpDriver for TcpQp {
         }
         side.core.modify(attr)?;
         side.remote_incarnation = remote_inc;
+        side.remote_addr = Some(raddr);
         let parked = std::mem::take(&mut side.parked);
-        if let Some((s, watched)) = stream {
+        if let Some(a) = stream {
             if side.conn.is_some() {
                 return Err(VerbsError::Connect("QP is already connected".into()));
             }
-            self.attach(&mut rx, &mut side, s, Some(raddr), watched);
+            self.attach(&mut rx, &mut side, a);
         } else {
             // The latest connection from the peer's incarnation; the others are closed.
             let mut chosen = None;
@@ -910,7 +1008,7 @@ impl SoftQpDriver for TcpQp {
                 let from_peer = p.src_qpn == remote.qp_num.0
                     && incarnation_matches(remote_inc, p.src_incarnation);
                 if from_peer && chosen.is_none() {
-                    chosen = Some(p.stream);
+                    chosen = Some(p);
                 } else {
                     tracing::debug!(
                         qp = self.qp_num.0,
@@ -920,8 +1018,14 @@ impl SoftQpDriver for TcpQp {
                     );
                 }
             }
-            if let Some(s) = chosen {
-                self.attach(&mut rx, &mut side, s, None, false);
+            if let Some(p) = chosen {
+                let a = Attached {
+                    stream: p.stream,
+                    opened_to: None,
+                    watched: false,
+                    hello_due: false,
+                };
+                self.attach(&mut rx, &mut side, a);
             }
         }
         Ok(())
@@ -935,6 +1039,7 @@ impl SoftQpDriver for TcpQp {
                 self.release(&mut rx, &mut side, false);
                 side.incarnation = next_incarnation(side.incarnation);
                 side.remote_incarnation = None;
+                side.remote_addr = None;
                 rx.reset(&mut side.core);
             }
             Transition::Error => {

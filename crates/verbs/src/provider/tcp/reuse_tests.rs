@@ -25,17 +25,49 @@ fn addr(ctx: &Context) -> SocketAddr {
     ctx.query_port(1).unwrap().address.parse().unwrap()
 }
 
-/// (connections opened, kept connections used again) by the QPs of `ctx`.
-fn counts(ctx: &Context) -> (u64, u64) {
-    let e = ctx
-        .ops()
+fn engine(ctx: &Context) -> &Engine {
+    ctx.ops()
         .as_any()
         .downcast_ref::<Engine>()
-        .expect("a tcp0 context is its engine");
+        .expect("a tcp0 context is its engine")
+}
+
+/// (connections opened, kept connections used again) by the QPs of `ctx`.
+fn counts(ctx: &Context) -> (u64, u64) {
+    let e = engine(ctx);
     (
         e.conns_opened.load(Ordering::Relaxed),
         e.conns_reused.load(Ordering::Relaxed),
     )
+}
+
+/// Kept connections on which a QP of `ctx` found the peer's HELLO at RTR.
+fn found(ctx: &Context) -> u64 {
+    engine(ctx).hellos_found.load(Ordering::Relaxed)
+}
+
+/// Wait until `ctx` keeps `n` clean connections, unwatched for input.
+fn wait_quiet(ctx: &Context, n: usize) {
+    let deadline = std::time::Instant::now() + WAIT;
+    while engine(ctx).quiet_conns() != n {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{} quiet connections, not {n}",
+            engine(ctx).quiet_conns()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+}
+
+/// One side's part of a connect: INIT, RTR and RTS towards `remote`.
+fn reach_rts(s: &Side, remote: &Side) {
+    s.qp.modify(&QpAttr::init(AccessFlags::ALL)).unwrap();
+    s.qp.modify(&QpAttr::rtr(remote.qp.endpoint())).unwrap();
+    s.qp.modify(&QpAttr::rts()).unwrap();
+}
+
+fn incarnation(qp: &QueuePair) -> u32 {
+    qp.endpoint().extra["incarnation"].parse().unwrap()
 }
 
 /// Two contexts; the QPs of the first open the connections (its address is the lower).
@@ -120,6 +152,71 @@ fn a_cached_qp_reconnects_over_the_connection_it_opened_to_any_qp_of_that_contex
     connect_with(&c, &b1, QpAttr::rts);
     exchange(&c, &b1, 99);
     assert_eq!(counts(&lo), (2, ROUNDS));
+}
+
+/// The next use of a kept connection starts with the HELLO of the end that reaches RTR first;
+/// it lies unread — no thread of the other context wakes for it — until the QP there reaches
+/// RTR and finds it, and writes none itself. Either end may be first.
+#[test]
+fn the_first_end_at_rtr_writes_the_hello_and_the_other_finds_it_at_its_own() {
+    let (lo, hi) = contexts();
+    let (a, b) = (side(&lo), side(&hi));
+    connect_with(&a, &b, QpAttr::rts);
+    exchange(&a, &b, 0);
+    for round in 1..=6u64 {
+        retire(&a);
+        retire(&b);
+        // Clean at both ends: nothing is watched for until the next use.
+        wait_quiet(&lo, 1);
+        wait_quiet(&hi, 1);
+        let (first, second, second_ctx) = match round % 2 {
+            0 => (&a, &b, &hi),
+            _ => (&b, &a, &lo),
+        };
+        let before = found(second_ctx);
+        reach_rts(first, second);
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        assert_eq!(
+            engine(second_ctx).quiet_conns(),
+            1,
+            "round {round}: the HELLO lies unread until the RTR"
+        );
+        reach_rts(second, first);
+        assert_eq!(found(second_ctx), before + 1, "round {round}: found at RTR");
+        exchange(&a, &b, round);
+    }
+    assert_eq!(counts(&lo), (1, 6), "one connection all along");
+    assert_eq!((found(&lo), found(&hi)), (3, 3));
+}
+
+/// Both ends reach RTR before either HELLO arrives: both write one, and each skips the
+/// other's as the first frame of the use. Rounds with both ends connecting at once, from two
+/// threads, must each exchange exactly their own bytes.
+#[test]
+fn both_ends_at_rtr_at_once_each_skip_the_other_hello() {
+    let (lo, hi) = contexts();
+    let (a, b) = (side(&lo), side(&hi));
+    connect_with(&a, &b, QpAttr::rts);
+    exchange(&a, &b, 0);
+    const ROUNDS: u64 = 100;
+    for round in 1..=ROUNDS {
+        retire(&a);
+        retire(&b);
+        wait_quiet(&lo, 1);
+        wait_quiet(&hi, 1);
+        let go = std::sync::Barrier::new(2);
+        std::thread::scope(|t| {
+            t.spawn(|| {
+                go.wait();
+                reach_rts(&b, &a);
+            });
+            go.wait();
+            reach_rts(&a, &b);
+        });
+        exchange(&a, &b, round);
+    }
+    assert_eq!(counts(&lo), (1, ROUNDS));
+    assert!(found(&lo) + found(&hi) <= ROUNDS);
 }
 
 /// Rounds that leave with requests in flight (large SENDs and WRITEs) alternate with
@@ -246,18 +343,18 @@ fn the_opening_end_sends_its_next_hello_on_the_clean_connection_and_closes_it_on
     listener.set_nonblocking(true).unwrap();
     assert!(listener.accept().is_err(), "no new connection");
     assert_eq!(counts(&ctx), (1, 1));
-    // Left again, then bytes no HELLO opened: the context closes the connection.
+    // Left again, then bytes that are no HELLO: the next RTR, which reads them, closes the
+    // connection and opens a new one.
     peer_leaves(&mut s, &victim, 2);
     s.write_all(&[0xff; 8]).unwrap();
-    assert_eq!(
-        s.read(&mut [0u8; 1]).unwrap_or(0),
-        0,
-        "closed by the context"
-    );
-    // The next connect opens a new one.
     victim.qp.modify(&QpAttr::reset()).unwrap();
     listener.set_nonblocking(false).unwrap();
     connect_to(&victim.qp, peer);
+    assert_eq!(
+        s.read(&mut [0u8; 1]).unwrap_or(1),
+        0,
+        "closed by the context"
+    );
     let (mut s2, _) = listener.accept().unwrap();
     s2.set_read_timeout(Some(WAIT)).unwrap();
     expect_hello(&mut s2, &victim.qp);
@@ -344,9 +441,17 @@ fn the_accepting_end_skips_what_preceded_the_bye_and_takes_the_next_hello() {
     std::thread::sleep(std::time::Duration::from_millis(20));
     s.write_all(rest).unwrap();
     s.write_all(&bye(b.qp.qp_num().0, PEER_QPN)).unwrap();
-    // Reset and connected again: the HELLO on the same connection attaches it.
+    // Reset and connected again, the QP at RTR first: it writes the HELLO of the next use on
+    // the same connection; the test's own, written as if at once, is skipped.
     b.qp.modify(&QpAttr::reset()).unwrap();
+    wait_quiet(&ctx, 1);
     rtr(8);
+    match read_frame(&mut s, wire::HEADER_LEN + 16) {
+        Frame::Hello {
+            dst_qpn, src_qpn, ..
+        } => assert_eq!((dst_qpn, src_qpn), (PEER_QPN, b.qp.qp_num().0)),
+        f => panic!("expected HELLO, got {f:?}"),
+    }
     s.write_all(&hello(8, incarnation())).unwrap();
     b.qp.post_recv(&[RecvWr::new(2, &[])]).unwrap();
     assert_eq!(b.qp.state(), QpState::Rtr);
@@ -373,6 +478,79 @@ fn the_accepting_end_skips_what_preceded_the_bye_and_takes_the_next_hello() {
         0,
         "closed by the context"
     );
+}
+
+/// The test is the accepting end. It reaches RTR first: its HELLO lies on the kept connection
+/// until the opening QP's RTR, which takes it and writes none. Then both write one (the test
+/// after the QP): the QP skips the test's as the first frame of the use, and fails on a HELLO
+/// anywhere else.
+#[test]
+fn the_opening_end_takes_the_accepting_ends_hello_and_skips_one_written_at_once() {
+    let ctx = open();
+    let victim = side(&ctx);
+    let (listener, mut s) = fake_peer_at(&victim.qp);
+    let peer = listener.local_addr().unwrap();
+    // The fake peer (QP 77) is given the victim's own incarnation and PSN (`connect_to`).
+    let hello = |qp: &QueuePair| {
+        let inc = incarnation(qp);
+        hello_frame((qp.qp_num().0, inc), (77, inc))
+    };
+    let send = |qp: &QueuePair| {
+        let mut out = Vec::new();
+        wire::encode(
+            &Frame::Request(wire::Request {
+                qpn: qp.qp_num().0,
+                psn: qp.endpoint().psn,
+                solicited: false,
+                op: wire::RequestOp::Send {
+                    imm: None,
+                    payload: &[],
+                },
+            }),
+            &mut out,
+        );
+        out
+    };
+    let acked = |s: &mut TcpStream| {
+        matches!(
+            read_frame(s, wire::HEADER_LEN),
+            Frame::Response(wire::Response {
+                kind: wire::ResponseKind::Ack,
+                ..
+            })
+        )
+    };
+
+    peer_leaves(&mut s, &victim, 1);
+    victim.qp.modify(&QpAttr::reset()).unwrap();
+    wait_quiet(&ctx, 1);
+    s.write_all(&hello(&victim.qp)).unwrap();
+    connect_to(&victim.qp, peer);
+    assert_eq!(found(&ctx), 1, "the test's HELLO found at RTR");
+    victim.qp.post_recv(&[RecvWr::new(2, &[])]).unwrap();
+    s.write_all(&send(&victim.qp)).unwrap();
+    assert_eq!(wait(&victim.cq, 1)[0].status, WcStatus::Success);
+    assert!(
+        acked(&mut s),
+        "the QP's first frame is the ACK: it wrote no HELLO"
+    );
+
+    peer_leaves(&mut s, &victim, 3);
+    victim.qp.modify(&QpAttr::reset()).unwrap();
+    wait_quiet(&ctx, 1);
+    connect_to(&victim.qp, peer);
+    expect_hello(&mut s, &victim.qp);
+    s.write_all(&hello(&victim.qp)).unwrap();
+    victim.qp.post_recv(&[RecvWr::new(4, &[])]).unwrap();
+    s.write_all(&send(&victim.qp)).unwrap();
+    assert_eq!(wait(&victim.cq, 1)[0].status, WcStatus::Success);
+    assert!(acked(&mut s));
+    victim.qp.post_recv(&[RecvWr::new(5, &[])]).unwrap();
+    s.write_all(&hello(&victim.qp)).unwrap();
+    let wc = wait(&victim.cq, 1)[0];
+    assert_eq!((wc.wr_id, wc.status), (5, WcStatus::WrFlushed));
+    wait_state(&victim.qp, QpState::Error);
+    assert_eq!(counts(&ctx), (1, 2), "one connection all along");
 }
 
 /// A kept connection past its deadline is closed at the next look at the timers; those within

@@ -705,6 +705,46 @@ fn cq_event_fd_wakes_a_sleeping_poller() {
     wait(&b.cq, 1);
 }
 
+/// A busy poller that arms its CQ to sleep wakes the progress thread only for what it left to
+/// it (a socket whose readiness the thread deferred, an ACK held back): with neither, every
+/// socket is still watched and nothing needs the thread now.
+#[test]
+fn a_busy_poller_leaving_nothing_to_the_thread_does_not_wake_it() {
+    let cb = open("busy");
+    let (a, b) = pair_in(&open("busy"), &cb);
+    let engine = cb
+        .ops()
+        .as_any()
+        .downcast_ref::<super::engine::Engine>()
+        .expect("a tcp0 context is its engine");
+    b.qp.post_recv(&[RecvWr::new(1, &[])]).unwrap();
+    a.qp.post_send(&[SendWr::new(1, &[], WrOpcode::Send)])
+        .unwrap();
+    wait(&b.cq, 1);
+    wait(&a.cq, 1);
+    // The ACK b held back went out with the thread (after the grace), and it is quiet now.
+    std::thread::sleep(Duration::from_millis(20));
+    let mut wc = [WorkCompletion::EMPTY; 1];
+    for _ in 0..10 {
+        assert_eq!(b.cq.poll(&mut wc).unwrap(), 0);
+        let wakes = engine.thread_wakes();
+        b.cq.req_notify(false).unwrap();
+        assert_eq!(
+            engine.thread_wakes(),
+            wakes,
+            "nothing was left to the thread"
+        );
+    }
+    // And it still serves the sleeping poller.
+    b.qp.post_recv(&[RecvWr::new(2, &[])]).unwrap();
+    a.qp.post_send(&[SendWr::new(2, &[], WrOpcode::Send)])
+        .unwrap();
+    assert!(b.cq.wait_event(Some(WAIT)).unwrap());
+    b.cq.ack_events().unwrap();
+    assert_eq!(wait(&b.cq, 1)[0].wr_id, 2);
+    assert_eq!(wait(&a.cq, 1)[0].wr_id, 2);
+}
+
 #[test]
 fn busy_mode_progresses_from_poll_and_still_serves_one_sided_ops() {
     let (a, b) = pair_in(&open("busy"), &open("busy"));
@@ -732,9 +772,9 @@ fn busy_mode_progresses_from_poll_and_still_serves_one_sided_ops() {
     assert_eq!(&got, b"fallback");
 }
 
-/// A busy poller owns the sockets while it polls; once it arms its CQ to sleep, the progress
-/// thread takes them back at once (not after the grace period), and the canonical re-poll of
-/// an armed CQ does not claim them again.
+/// A busy poller owns the sockets while it polls; once it arms its CQ to sleep, its grace
+/// ends at once (the progress thread serves the sockets, not after the grace period), and the
+/// canonical re-poll of an armed CQ does not claim them again.
 #[test]
 fn a_busy_poller_that_arms_its_cq_hands_the_sockets_back_at_once() {
     let cb = open("busy");

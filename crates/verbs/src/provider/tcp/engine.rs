@@ -270,6 +270,13 @@ impl Engine {
         self.poller.note_deadline(deadline);
     }
 
+    /// Busy mode: whether an ACK may be held back until `deadline` — the thread looks by then
+    /// anyway (it does every [`BUSY_GRACE`] while a poller is active). Holding one while the
+    /// thread sleeps longer would cost its wake-up, more than the write it saves.
+    pub(super) fn may_hold_ack(&self, deadline: Instant) -> bool {
+        !self.poller.sleeps_past(deadline)
+    }
+
     /// A QP holds back an ACK (busy mode): the thread sends it if no poller comes back.
     pub(super) fn ack_held(&self, deadline: Instant) {
         self.acks_held.store(true, Ordering::Relaxed);
@@ -626,16 +633,24 @@ impl ProgressHook for Engine {
         self.drive_pass(false);
     }
 
-    /// The poller goes to sleep on the CQ's event: end its grace at once and wake the thread
-    /// if it has sockets to take back or ACKs to send, instead of leaving them for
-    /// [`BUSY_GRACE`]. With neither, the thread is not woken: every socket is still armed, and
-    /// it looks at the grace again by itself. (A socket the thread defers after the look below
-    /// is taken back by the thread's own next timeout, which finds the grace ended.)
+    /// The poller goes to sleep on the CQ's event: end its grace at once, send the ACKs held
+    /// back for its next post, and wake the thread if it has sockets to take back, instead of
+    /// leaving them for [`BUSY_GRACE`]. Otherwise the thread is not woken: every socket is
+    /// still armed, and it looks at the grace again by itself. (A socket the thread defers
+    /// after the look below is taken back at the thread's next timeout computation, which
+    /// finds the grace ended.)
     fn poller_leaving(&self) {
-        if self.mode == ProgressMode::Busy
-            && self.last_drive_us.swap(0, Ordering::Relaxed) != 0
-            && (self.acks_held.load(Ordering::Relaxed) || !self.deferred.lock().is_empty())
-        {
+        if self.mode != ProgressMode::Busy || self.last_drive_us.swap(0, Ordering::Relaxed) == 0 {
+            return;
+        }
+        if self.acks_held.swap(false, Ordering::Relaxed) {
+            // What this poller held back for its next post goes now, from its own thread.
+            let now = Instant::now();
+            for qp in self.qps.all() {
+                qp.flush_held_ack(now, true);
+            }
+        }
+        if !self.deferred.lock().is_empty() {
             self.poller.wake();
         }
     }

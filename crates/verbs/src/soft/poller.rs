@@ -137,11 +137,6 @@ impl Poller {
         self.wakes.load(Ordering::Relaxed)
     }
 
-    /// The thread sleeps past `t` (it would have to be woken to be up by then).
-    pub fn sleeps_past(&self, t: Instant) -> bool {
-        self.nanos(t) < self.sleep_until_ns.load(Ordering::Acquire)
-    }
-
     /// Make sure the thread wakes by `deadline`.
     pub fn note_deadline(&self, deadline: Option<Instant>) {
         let Some(d) = deadline else { return };

@@ -270,13 +270,6 @@ impl Engine {
         self.poller.note_deadline(deadline);
     }
 
-    /// Busy mode: whether an ACK may be held back until `deadline` — the thread looks by then
-    /// anyway (it does every [`BUSY_GRACE`] while a poller is active). Holding one while the
-    /// thread sleeps longer would cost its wake-up, more than the write it saves.
-    pub(super) fn may_hold_ack(&self, deadline: Instant) -> bool {
-        !self.poller.sleeps_past(deadline)
-    }
-
     /// A QP holds back an ACK (busy mode): the thread sends it if no poller comes back.
     pub(super) fn ack_held(&self, deadline: Instant) {
         self.acks_held.store(true, Ordering::Relaxed);

@@ -600,7 +600,6 @@ impl TcpQp {
             && (tx_before == 0 || side.held_at.is_some())
             && side.core.state() != QpState::Error
             && !side.core.wants_transmit()
-            && (side.held_at.is_some() || self.engine.may_hold_ack(now + BUSY_GRACE))
         {
             // Hold the ACK: the application polling this CQ is likely to post a request
             // next, and both then leave in one write.

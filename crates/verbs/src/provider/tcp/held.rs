@@ -33,7 +33,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::qp::HelloIds;
-use crate::soft::wire::{self, Frame, Opcode};
+use crate::soft::wire::{self, Opcode};
 
 /// An accepted connection must send its HELLO within this time.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
@@ -284,25 +284,15 @@ impl Held {
                 if *got < HELLO_LEN {
                     return None;
                 }
-                Some(match wire::decode(buf, 0) {
-                    Ok(Some((
-                        Frame::Hello {
-                            dst_qpn,
-                            src_qpn,
-                            version,
-                            src_incarnation,
-                            dst_incarnation,
-                        },
-                        _,
-                    ))) if version == wire::PROTOCOL_VERSION => Step::Hello {
-                        dst_qpn,
-                        ids: HelloIds {
-                            src_qpn,
-                            src_incarnation,
-                            dst_incarnation,
-                        },
-                    },
-                    other => Step::Close(Some(format!("bad HELLO: {other:?}"))),
+                let decoded = wire::decode(buf, 0);
+                let hello = decoded
+                    .as_ref()
+                    .ok()
+                    .and_then(|f| f.as_ref())
+                    .and_then(|(f, _)| HelloIds::of(f));
+                Some(match hello {
+                    Some((dst_qpn, ids)) => Step::Hello { dst_qpn, ids },
+                    None => Step::Close(Some(format!("bad HELLO: {decoded:?}"))),
                 })
             }
         }

@@ -93,6 +93,30 @@ pub(crate) struct HelloIds {
     pub dst_incarnation: u32,
 }
 
+impl HelloIds {
+    /// The QP a HELLO of this protocol version is for, and what it says of both ends; `None`
+    /// for any other frame.
+    pub(crate) fn of(frame: &Frame<'_>) -> Option<(u32, HelloIds)> {
+        match *frame {
+            Frame::Hello {
+                dst_qpn,
+                src_qpn,
+                version,
+                src_incarnation,
+                dst_incarnation,
+            } if version == wire::PROTOCOL_VERSION => Some((
+                dst_qpn,
+                HelloIds {
+                    src_qpn,
+                    src_incarnation,
+                    dst_incarnation,
+                },
+            )),
+            _ => None,
+        }
+    }
+}
+
 /// The incarnation after `i` (never 0, which means "unknown" in a HELLO).
 fn next_incarnation(i: u32) -> u32 {
     i.wrapping_add(1).max(1)
@@ -522,27 +546,19 @@ impl TcpQp {
                         match frame {
                             // Both ends wrote a HELLO on a kept connection: the peer's is
                             // the first frame.
-                            Frame::Hello {
-                                dst_qpn,
-                                src_qpn,
-                                version,
-                                src_incarnation,
-                                dst_incarnation,
-                            } if first
-                                && dst_qpn == self.qp_num.0
-                                && version == wire::PROTOCOL_VERSION
-                                && side.core.remote().is_some_and(|r| {
-                                    hello_is_from(
-                                        HelloIds {
-                                            src_qpn,
-                                            src_incarnation,
-                                            dst_incarnation,
-                                        },
-                                        r.qp_num.0,
-                                        side.remote_incarnation,
-                                        side.incarnation,
-                                    )
-                                }) =>
+                            Frame::Hello { .. }
+                                if first
+                                    && HelloIds::of(&frame).is_some_and(|(dst, ids)| {
+                                        dst == self.qp_num.0
+                                            && side.core.remote().is_some_and(|r| {
+                                                hello_is_from(
+                                                    ids,
+                                                    r.qp_num.0,
+                                                    side.remote_incarnation,
+                                                    side.incarnation,
+                                                )
+                                            })
+                                    }) =>
                             {
                                 *start += n;
                                 continue;

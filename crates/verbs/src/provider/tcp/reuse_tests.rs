@@ -7,8 +7,7 @@ use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::Ordering;
 
-use super::engine::Engine;
-use super::tests::{connect_to, expect_hello, fake_peer_at, hello_frame};
+use super::tests::{connect_to, engine, expect_hello, fake_peer_at, hello_frame};
 use crate::soft::testing::{self as fixture, connect_with, wait, wait_state, Side, WAIT};
 use crate::soft::wire::{self, Frame};
 use crate::*;
@@ -23,13 +22,6 @@ fn side(ctx: &Context) -> Side {
 
 fn addr(ctx: &Context) -> SocketAddr {
     ctx.query_port(1).unwrap().address.parse().unwrap()
-}
-
-fn engine(ctx: &Context) -> &Engine {
-    ctx.ops()
-        .as_any()
-        .downcast_ref::<Engine>()
-        .expect("a tcp0 context is its engine")
 }
 
 /// (connections opened, kept connections used again) by the QPs of `ctx`.
@@ -57,6 +49,24 @@ fn wait_quiet(ctx: &Context, n: usize) {
         );
         std::thread::sleep(std::time::Duration::from_millis(1));
     }
+}
+
+/// Two contexts (the first opens the connections) and a QP on each, connected, that used
+/// their connection once.
+fn used_pair() -> (Context, Context, Side, Side) {
+    let (lo, hi) = contexts();
+    let (a, b) = (side(&lo), side(&hi));
+    connect_with(&a, &b, QpAttr::rts);
+    exchange(&a, &b, 0);
+    (lo, hi, a, b)
+}
+
+/// Both QPs leave their connection cleanly, and both contexts keep it, unwatched for input.
+fn leave_clean(lo: &Context, hi: &Context, a: &Side, b: &Side) {
+    retire(a);
+    retire(b);
+    wait_quiet(lo, 1);
+    wait_quiet(hi, 1);
 }
 
 /// One side's part of a connect: INIT, RTR and RTS towards `remote`.
@@ -159,16 +169,10 @@ fn a_cached_qp_reconnects_over_the_connection_it_opened_to_any_qp_of_that_contex
 /// RTR and finds it, and writes none itself. Either end may be first.
 #[test]
 fn the_first_end_at_rtr_writes_the_hello_and_the_other_finds_it_at_its_own() {
-    let (lo, hi) = contexts();
-    let (a, b) = (side(&lo), side(&hi));
-    connect_with(&a, &b, QpAttr::rts);
-    exchange(&a, &b, 0);
+    let (lo, hi, a, b) = used_pair();
     for round in 1..=6u64 {
-        retire(&a);
-        retire(&b);
         // Clean at both ends: nothing is watched for until the next use.
-        wait_quiet(&lo, 1);
-        wait_quiet(&hi, 1);
+        leave_clean(&lo, &hi, &a, &b);
         let (first, second, second_ctx) = match round % 2 {
             0 => (&a, &b, &hi),
             _ => (&b, &a, &lo),
@@ -194,16 +198,10 @@ fn the_first_end_at_rtr_writes_the_hello_and_the_other_finds_it_at_its_own() {
 /// threads, must each exchange exactly their own bytes.
 #[test]
 fn both_ends_at_rtr_at_once_each_skip_the_other_hello() {
-    let (lo, hi) = contexts();
-    let (a, b) = (side(&lo), side(&hi));
-    connect_with(&a, &b, QpAttr::rts);
-    exchange(&a, &b, 0);
+    let (lo, hi, a, b) = used_pair();
     const ROUNDS: u64 = 100;
     for round in 1..=ROUNDS {
-        retire(&a);
-        retire(&b);
-        wait_quiet(&lo, 1);
-        wait_quiet(&hi, 1);
+        leave_clean(&lo, &hi, &a, &b);
         let go = std::sync::Barrier::new(2);
         std::thread::scope(|t| {
             t.spawn(|| {
@@ -561,11 +559,7 @@ fn kept_connections_are_closed_after_their_idle_time() {
     use std::sync::Arc;
     use std::time::{Duration, Instant};
     let ctx = open();
-    let engine = ctx
-        .ops()
-        .as_any()
-        .downcast_ref::<Engine>()
-        .expect("a tcp0 context is its engine");
+    let engine = engine(&ctx);
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let peer = listener.local_addr().unwrap();
     let mut far_ends = Vec::new();

@@ -28,6 +28,14 @@ fn pair_in(ca: &Context, cb: &Context) -> (Side, Side) {
     (a, b)
 }
 
+/// The engine behind a tcp0 context.
+pub(super) fn engine(ctx: &Context) -> &super::engine::Engine {
+    ctx.ops()
+        .as_any()
+        .downcast_ref::<super::engine::Engine>()
+        .expect("a tcp0 context is its engine")
+}
+
 fn pair() -> (Side, Side) {
     pair_in(&open("thread"), &open("thread"))
 }
@@ -712,11 +720,7 @@ fn cq_event_fd_wakes_a_sleeping_poller() {
 fn a_busy_poller_that_sleeps_sends_what_it_held_and_leaves_the_thread_asleep() {
     let cb = open("busy");
     let (a, b) = pair_in(&open("busy"), &cb);
-    let engine = cb
-        .ops()
-        .as_any()
-        .downcast_ref::<super::engine::Engine>()
-        .expect("a tcp0 context is its engine");
+    let engine = engine(&cb);
     let mut wc = [WorkCompletion::EMPTY; 1];
     for i in 0..20u64 {
         b.qp.post_recv(&[RecvWr::new(i, &[])]).unwrap();
@@ -789,11 +793,7 @@ fn busy_mode_progresses_from_poll_and_still_serves_one_sided_ops() {
 fn a_busy_poller_that_arms_its_cq_hands_the_sockets_back_at_once() {
     let cb = open("busy");
     let (a, b) = pair_in(&open("busy"), &cb);
-    let engine = cb
-        .ops()
-        .as_any()
-        .downcast_ref::<super::engine::Engine>()
-        .expect("a tcp0 context is its engine");
+    let engine = engine(&cb);
     let mut wc = [WorkCompletion::EMPTY; 1];
     assert_eq!(b.cq.poll(&mut wc).unwrap(), 0);
     assert!(engine.poller_active(std::time::Instant::now()));

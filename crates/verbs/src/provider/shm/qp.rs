@@ -173,6 +173,23 @@ struct PendingWr {
     next_try: Instant,
 }
 
+impl PendingWr {
+    /// `wr` queued for a later attempt (its SGE list and inline bytes copied).
+    fn new(wr: &SendWr<'_>, signaled: bool, inline: Option<&[u8]>) -> PendingWr {
+        PendingWr {
+            wr_id: wr.wr_id,
+            opcode: wr.opcode,
+            flags: wr.flags,
+            signaled,
+            sges: wr.sg_list.to_vec(),
+            inline: inline.map(<[u8]>::to_vec),
+            rnr_left: None,
+            not_ready_since: None,
+            next_try: Instant::now(),
+        }
+    }
+}
+
 /// Everything under the QP lock.
 struct SqState {
     access: AccessFlags,
@@ -692,17 +709,7 @@ impl QpInner {
             };
             let inline: Option<&[u8]> = inline;
             if !st.backlog.is_empty() || state == QpState::Sqd || st.remote.is_none() {
-                st.backlog.push_back(PendingWr {
-                    wr_id: wr.wr_id,
-                    opcode: wr.opcode,
-                    flags: wr.flags,
-                    signaled,
-                    sges: wr.sg_list.to_vec(),
-                    inline: inline.map(<[u8]>::to_vec),
-                    rnr_left: None,
-                    not_ready_since: None,
-                    next_try: Instant::now(),
-                });
+                st.backlog.push_back(PendingWr::new(wr, signaled, inline));
                 continue;
             }
             let op = Op {
@@ -740,17 +747,7 @@ impl QpInner {
                     }
                 }
                 Outcome::Rnr { .. } | Outcome::NotReady => {
-                    st.backlog.push_back(PendingWr {
-                        wr_id: wr.wr_id,
-                        opcode: wr.opcode,
-                        flags: wr.flags,
-                        signaled,
-                        sges: wr.sg_list.to_vec(),
-                        inline: inline.map(<[u8]>::to_vec),
-                        rnr_left: None,
-                        not_ready_since: None,
-                        next_try: Instant::now(),
-                    });
+                    st.backlog.push_back(PendingWr::new(wr, signaled, inline));
                     // Account for this first attempt exactly as a retry would.
                     self.after_attempt(&mut st, outcome, Instant::now());
                 }

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 use rustix::event::epoll;
 
-use super::held::{Held, Owner, Step, ACCEPTED_REUSE};
+use super::held::{Held, Owner, Step, ACCEPTED_REUSE, HELLO_TIMEOUT};
 use super::qp::{HelloIds, Lock, TcpQp};
 use super::{Options, DEVICE};
 use crate::soft::cq::ProgressHook;
@@ -60,6 +60,12 @@ struct HeldConns {
     /// Accepting end: the id of the used connection each QP at the other end opened, by that
     /// QP's listener and number (the connection of its next use; one each, the latest).
     by_opener: HashMap<(SocketAddr, u32), u64>,
+    /// Accepting end: the openers (listener, QP number) towards which a QP of this context
+    /// reached RTR without taking their kept connection (none was kept yet — another QP of
+    /// this context may still use it, or the last use's BYE is on the way), each until a
+    /// deadline. Such a connection stays watched for input once kept: the HELLO the opener
+    /// writes on it must reach the waiting QP.
+    awaited: HashMap<(SocketAddr, u32), Instant>,
     /// How many of them are accepted connections not used yet.
     fresh: usize,
     /// No deadline comes before this one (the table is looked through only from then on).
@@ -102,6 +108,24 @@ impl HeldConns {
     /// Used connections kept.
     fn kept(&self) -> usize {
         self.by_id.len() - self.fresh
+    }
+
+    /// A QP reached RTR towards `opener` without its kept connection: watch that connection
+    /// for input until `deadline` (see `awaited`).
+    fn await_opener(&mut self, opener: (SocketAddr, u32), deadline: Instant) {
+        if self.awaited.len() >= MAX_KEPT {
+            // Bounded: the oldest wait gives way (it is about to expire, or served).
+            if let Some(k) = self
+                .awaited
+                .iter()
+                .min_by_key(|(_, d)| **d)
+                .map(|(k, _)| *k)
+            {
+                self.awaited.remove(&k);
+            }
+        }
+        self.awaited.insert(opener, deadline);
+        self.earliest = Some(self.earliest.map_or(deadline, |e| e.min(deadline)));
     }
 }
 
@@ -287,10 +311,12 @@ impl Engine {
             .filter(|(_, h)| h.deadline() <= now)
             .map(|(id, _)| *id)
             .collect();
+        held.awaited.retain(|_, d| *d > now);
         held.earliest = held
             .by_id
             .values()
             .map(Held::deadline)
+            .chain(held.awaited.values().copied())
             .filter(|&d| d > now)
             .min();
         for id in expired {
@@ -377,7 +403,7 @@ impl Engine {
         }
         let id = self.next_held.fetch_add(1, Ordering::Relaxed) & 0xffff_ffff;
         let token = TOKEN_PENDING | id;
-        held.quiet = held.may_be_quiet();
+        held.quiet = may_be_quiet(&held, &conns.awaited);
         let flags = held_flags(held.quiet);
         let watched = if held.is_fresh() {
             self.poller.add(&*held.stream, token, flags)
@@ -456,10 +482,17 @@ impl Engine {
     pub fn take_accepted(&self, peer: SocketAddr, opener: u32, me: u32) -> Option<Kept> {
         let mut guard = self.held.lock();
         let conns = &mut *guard;
-        let id = *conns.by_opener.get(&(peer, opener))?;
+        let now = Instant::now();
+        let key = (peer, opener);
+        let Some(id) = conns.by_opener.get(&key).copied() else {
+            // Still another QP's here, or its BYE on the way: the HELLO written on it once it
+            // is kept must be read.
+            conns.await_opener(key, now + HELLO_TIMEOUT);
+            return None;
+        };
         let h = conns.by_id.get_mut(&id)?;
         let step = h.read();
-        let ours = h.is_clean() && h.idle_for(Instant::now()) < ACCEPTED_REUSE;
+        let ours = h.is_clean() && h.idle_for(now) < ACCEPTED_REUSE;
         if matches!(step, Step::Wait) && !ours {
             // Not this end's to start (the last use's frames still draining, part of the
             // peer's HELLO here, or idle too long): watched for input, as a new connection
@@ -477,6 +510,8 @@ impl Engine {
                     }
                 }
             }
+            // Once clean, it stays watched until the peer's HELLO comes.
+            conns.await_opener(key, now + HELLO_TIMEOUT);
             return None;
         }
         let h = conns.remove(id)?;
@@ -489,6 +524,12 @@ impl Engine {
                 None
             }
         }
+    }
+
+    /// Accepting end: a QP connected to the QP `opener` at the listener `peer` took a
+    /// connection from it; none of its is awaited any more (see `HeldConns::awaited`).
+    pub fn opener_served(&self, peer: SocketAddr, opener: u32) {
+        self.held.lock().awaited.remove(&(peer, opener));
     }
 
     fn read_held(&self, id: u64) {
@@ -507,7 +548,7 @@ impl Engine {
                 }
             };
             if found
-                && h.may_be_quiet()
+                && may_be_quiet(h, &conns.awaited)
                 && !h.quiet
                 && self
                     .poller
@@ -573,6 +614,12 @@ impl Kept {
     fn new(stream: Arc<TcpStream>, hello: Option<HelloIds>) -> Kept {
         Kept { stream, hello }
     }
+}
+
+/// Whether `held` may be watched only for the peer closing: clean, found by the RTR that wants
+/// it, and no QP here waits already for the HELLO its opener writes on it (`awaited`).
+fn may_be_quiet(held: &Held, awaited: &HashMap<(SocketAddr, u32), Instant>) -> bool {
+    held.may_be_quiet() && !held.opener().is_some_and(|k| awaited.contains_key(&k))
 }
 
 /// The epoll interest of a held connection: input and the peer closing, or (`quiet`) only the

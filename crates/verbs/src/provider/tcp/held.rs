@@ -22,7 +22,10 @@
 //!   without writing one, else it writes its own. If both write (both reached RTR before either
 //!   HELLO arrived), each skips the other's as the first frame of the use.
 //! - A clean kept connection is not watched for input, only for the peer closing: nothing is
-//!   read from it until a QP reaches RTR on it, so a HELLO written to it wakes no thread.
+//!   read from it until a QP reaches RTR on it, so a HELLO written to it wakes no thread. Except
+//!   on the accepting end when a QP reached RTR towards its opener before the connection was
+//!   kept (another QP here still used it): that QP's RTR found nothing, so the connection stays
+//!   watched and the opener's HELLO is read and handed over as on a new connection.
 //! - Bytes where none may be (anything on an opened connection once clean, a frame longer
 //!   than the limit), the peer closing, a read error or the deadline close the connection;
 //!   the next connect then opens a new one.
@@ -36,7 +39,7 @@ use super::qp::HelloIds;
 use crate::soft::wire::{self, Opcode};
 
 /// An accepted connection must send its HELLO within this time.
-const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
+pub(super) const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 /// The opening end keeps a used connection this long for its QP's next connection.
 pub(super) const OPENED_IDLE: Duration = Duration::from_secs(30);
 /// The accepting end keeps a used connection this long for its next HELLO: longer than the

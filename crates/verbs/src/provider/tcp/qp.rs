@@ -635,6 +635,13 @@ impl TcpQp {
         true
     }
 
+    /// Run `f` while this QP's connection cannot be read (its reader busy elsewhere).
+    #[cfg(test)]
+    pub(super) fn with_reader_held<R>(&self, f: impl FnOnce() -> R) -> R {
+        let _reader = self.rx.lock();
+        f()
+    }
+
     /// The listener accepted a connection whose HELLO names this QP (still in the engine's
     /// epoll set; dropping it closes it, which takes it out of the set).
     pub fn accept_incoming(&self, hello: HelloIds, stream: Arc<TcpStream>) {
@@ -718,6 +725,11 @@ impl TcpQp {
         if let Err(e) = self.engine.register_conn(self.qp_num.0, &stream, watched) {
             side.core.fail(format!("cannot watch the connection: {e}"));
             return;
+        }
+        if opened_to.is_none() {
+            if let (Some(addr), Some(r)) = (side.remote_addr, side.core.remote()) {
+                self.engine.opener_served(addr, r.qp_num.0);
+            }
         }
         rx.conn = Some(stream.clone());
         rx.reset(&mut side.core);

@@ -164,6 +164,41 @@ fn a_cached_qp_reconnects_over_the_connection_it_opened_to_any_qp_of_that_contex
     assert_eq!(counts(&lo), (2, ROUNDS));
 }
 
+/// The accepting end may reach RTR towards a cached QP while its kept connection is still
+/// another QP's there (that QP has not read the opener's BYE yet): nothing to take at RTR. The
+/// connection, kept once that QP lets go of it, must stay watched for input, so that the
+/// HELLO the opener then writes on it reaches the waiting QP, not lie unread behind a
+/// connection watched only for the peer closing (the opener would retry into it until its
+/// QP fails).
+#[test]
+fn a_qp_that_reached_rtr_before_its_connection_was_kept_gets_the_hello_written_on_it() {
+    let (lo, hi, a, b1) = used_pair();
+    let b2 = side(&hi);
+    let reader = engine(&hi)
+        .qps
+        .get(b1.qp.qp_num().0)
+        .expect("b1 in the table");
+    reader.with_reader_held(|| {
+        // a leaves and comes back from its cache; its BYE waits for b1's reader.
+        retire(&a);
+        b2.qp.modify(&QpAttr::init(AccessFlags::ALL)).unwrap();
+        b2.qp.modify(&QpAttr::rtr(a.qp.endpoint())).unwrap();
+        b2.qp.modify(&QpAttr::rts()).unwrap();
+    });
+    drop(reader);
+    // b1 reads the BYE and lets go of the connection; the opening end reads b1's BYE.
+    wait_state(&b1.qp, QpState::Error);
+    wait_quiet(&lo, 1);
+    reach_rts(&a, &b2);
+    exchange(&a, &b2, 1);
+    assert_eq!(
+        counts(&lo),
+        (1, 1),
+        "the kept connection carries the new use"
+    );
+    assert_eq!(engine(&hi).quiet_conns(), 0);
+}
+
 /// The next use of a kept connection starts with the HELLO of the end that reaches RTR first;
 /// it lies unread — no thread of the other context wakes for it — until the QP there reaches
 /// RTR and finds it, and writes none itself. Either end may be first.

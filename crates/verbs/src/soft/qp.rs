@@ -778,6 +778,12 @@ impl QpCore {
         n
     }
 
+    /// Send every outstanding request again from the oldest (a stream provider's connection was
+    /// replaced before the responder could have read any of them).
+    pub fn rewind_requests(&mut self) {
+        self.requester.rewind();
+    }
+
     /// True if requests wait for transmission.
     pub fn wants_transmit(&self) -> bool {
         self.state == QpState::Rts && self.requester.has_untransmitted()

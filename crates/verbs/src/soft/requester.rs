@@ -601,6 +601,12 @@ impl Requester {
         ))
     }
 
+    /// Transmit every entry again from the oldest, as a retry does but without counting one:
+    /// the connection changed before any of them could have reached the responder.
+    pub fn rewind(&mut self) {
+        self.next_tx = 0;
+    }
+
     /// Complete every entry with `WrFlushed` (ERROR).
     pub fn flush(&mut self, out: &mut Vec<WorkCompletion>) {
         while let Some(e) = self.entries.pop_front() {

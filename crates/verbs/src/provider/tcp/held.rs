@@ -26,6 +26,11 @@
 //!   on the accepting end when a QP reached RTR towards its opener before the connection was
 //!   kept (another QP here still used it): that QP's RTR found nothing, so the connection stays
 //!   watched and the opener's HELLO is read and handed over as on a new connection.
+//! - The opening end that finds its kept connection not clean at RTR (the peer's BYE still on
+//!   the way) gives it up and opens a new one. If the accepting end wrote its HELLO on it
+//!   first, its QP sees the connection closed — or the new connection's HELLO — before any
+//!   frame of the use came over it, and takes the new connection instead of failing,
+//!   sending again what it had posted (`TcpQp::leave_unused_kept`).
 //! - Bytes where none may be (anything on an opened connection once clean, a frame longer
 //!   than the limit), the peer closing, a read error or the deadline close the connection;
 //!   the next connect then opens a new one.

@@ -171,6 +171,18 @@ struct Side {
     /// Busy mode: `tx` holds only a coalesced ACK, unsent since then (it leaves with the next
     /// request, or after [`ACK_HOLD`]).
     held_at: Option<Instant>,
+    /// This QP wrote the HELLO of the use on a kept connection and nothing of the peer has
+    /// come over it yet: the first frame may be the peer's HELLO, skipped (see
+    /// [`Attached::hello_due`]); and, on the accepting end, the peer may give the connection up
+    /// unused ([`TcpQp::leave_unused_kept`]).
+    hello_due: bool,
+}
+
+impl Side {
+    /// Accepting end, on a kept connection the peer has not used yet (see `hello_due`).
+    fn kept_unconfirmed(&self) -> bool {
+        self.hello_due && self.opened_to.is_none()
+    }
 }
 
 struct Rx {
@@ -188,8 +200,6 @@ struct Rx {
     peek_next: bool,
     /// `SO_RCVLOWAT` of the connection as last set (1: the kernel's default).
     lowat: usize,
-    /// The first frame may be the peer's HELLO, skipped (see [`Attached::hello_due`]).
-    hello_due: bool,
 }
 
 impl Rx {
@@ -202,7 +212,6 @@ impl Rx {
         self.end = 0;
         self.peek_next = false;
         self.lowat = 1;
-        self.hello_due = false;
     }
 
     /// While a payload is placed, let readiness wait for a larger piece of it (at most what
@@ -266,7 +275,6 @@ impl TcpQp {
                 scratch: Vec::new(),
                 peek_next: false,
                 lowat: 1,
-                hello_due: false,
             }),
             side: Mutex::new(Side {
                 core,
@@ -279,6 +287,7 @@ impl TcpQp {
                 tx: TxQueue::new(),
                 out_armed: false,
                 held_at: None,
+                hello_due: false,
             }),
             ack_held: AtomicBool::new(false),
             out_waiting: AtomicBool::new(false),
@@ -321,6 +330,14 @@ impl TcpQp {
                         self.out_waiting.store(true, Ordering::Relaxed);
                         self.engine.set_out_interest(self.qp_num.0, &conn, true);
                     }
+                    return;
+                }
+                Err(_) if side.kept_unconfirmed() => {
+                    // The peer gave the kept connection up unused: the reader, finding it
+                    // closed, lets go of it (`leave_unused_kept`); what was posted goes again
+                    // over the peer's new connection.
+                    let _ = conn.shutdown(Shutdown::Both);
+                    side.tx.clear();
                     return;
                 }
                 Err(e) => {
@@ -477,8 +494,12 @@ impl TcpQp {
             }
             // Only the QP's current connection can fail it (not one a RESET already dropped).
             if side.conn.as_ref().is_some_and(|c| Arc::ptr_eq(c, &stream)) {
-                side.core.fail(reason);
-                close_side(&mut side);
+                if side.kept_unconfirmed() {
+                    self.leave_unused_kept(&mut rx, &mut side, &reason);
+                } else {
+                    side.core.fail(reason);
+                    close_side(&mut side);
+                }
             }
             rx.conn = None;
         }
@@ -506,7 +527,6 @@ impl TcpQp {
                 end,
                 placing,
                 peek_next,
-                hello_due,
                 ..
             } = &mut **rx;
             // A placed payload that arrived whole completes first: it precedes the buffer.
@@ -542,22 +562,14 @@ impl TcpQp {
                     }
                     Ok(Some((frame, n))) => {
                         *peek_next = false;
-                        let first = std::mem::take(hello_due);
+                        let first = std::mem::take(&mut side.hello_due);
                         match frame {
                             // Both ends wrote a HELLO on a kept connection: the peer's is
                             // the first frame.
                             Frame::Hello { .. }
                                 if first
                                     && HelloIds::of(&frame).is_some_and(|(dst, ids)| {
-                                        dst == self.qp_num.0
-                                            && side.core.remote().is_some_and(|r| {
-                                                hello_is_from(
-                                                    ids,
-                                                    r.qp_num.0,
-                                                    side.remote_incarnation,
-                                                    side.incarnation,
-                                                )
-                                            })
+                                        dst == self.qp_num.0 && from_peer(side, ids)
                                     }) =>
                             {
                                 *start += n;
@@ -660,6 +672,11 @@ impl TcpQp {
             return;
         }
         let state = side.core.state();
+        if state != QpState::Error && side.kept_unconfirmed() && from_peer(&side, hello) {
+            // The peer gave up the kept connection this QP wrote its HELLO on, and opened this
+            // one instead.
+            self.leave_unused_kept(&mut rx, &mut side, "the peer opened a new connection");
+        }
         if state == QpState::Error || side.conn.is_some() {
             tracing::warn!(
                 qp = self.qp_num.0,
@@ -670,10 +687,7 @@ impl TcpQp {
             return;
         }
         match side.core.remote().map(|r| r.qp_num.0) {
-            Some(remote)
-                if remote == src_qpn
-                    && incarnation_matches(side.remote_incarnation, hello.src_incarnation) =>
-            {
+            Some(_) if from_peer(&side, hello) => {
                 let a = Attached {
                     stream,
                     opened_to: None,
@@ -705,6 +719,31 @@ impl TcpQp {
         }
     }
 
+    /// Accepting end: the peer gave up the kept connection this QP wrote the HELLO of the use
+    /// on before anything of the use came over it — it found the connection not clean at its
+    /// own RTR (the last use's BYE still on the way) and opens a new one. Let go of it without
+    /// failing: the peer's new connection is attached as any accepted one, and what was posted
+    /// meanwhile, none of which the peer read, is sent again over it.
+    fn leave_unused_kept(&self, rx: &mut Rx, side: &mut Side, why: &str) {
+        tracing::debug!(
+            qp = self.qp_num.0,
+            why,
+            "tcp0: the peer gave up the kept connection unused; waiting for its new one"
+        );
+        if let Some(c) = side.conn.take() {
+            let _ = c.shutdown(Shutdown::Both);
+        }
+        rx.conn = None;
+        rx.reset(&mut side.core);
+        side.hello_due = false;
+        side.tx.clear();
+        side.out_armed = false;
+        self.out_waiting.store(false, Ordering::Relaxed);
+        side.held_at = None;
+        self.ack_held.store(false, Ordering::Relaxed);
+        side.core.rewind_requests();
+    }
+
     /// Make `stream` the QP's connection; `opened_to`: the listener this QP opened it to;
     /// `watched`: the engine's epoll set has it already.
     fn attach(&self, rx: &mut Rx, side: &mut Side, a: Attached) {
@@ -733,7 +772,7 @@ impl TcpQp {
         }
         rx.conn = Some(stream.clone());
         rx.reset(&mut side.core);
-        rx.hello_due = hello_due;
+        side.hello_due = hello_due;
         side.conn = Some(stream);
         side.opened_to = opened_to;
         side.tx.clear();
@@ -790,6 +829,14 @@ impl TcpQp {
         }
         close_side(side);
     }
+}
+
+/// Whether a HELLO (`ids`) comes from the peer this QP was connected to at RTR and is meant
+/// for its current incarnation.
+fn from_peer(side: &Side, ids: HelloIds) -> bool {
+    side.core
+        .remote()
+        .is_some_and(|r| hello_is_from(ids, r.qp_num.0, side.remote_incarnation, side.incarnation))
 }
 
 /// Whether a HELLO (`ids`) comes from the peer named at RTR (QP `remote_qpn`, incarnation
@@ -857,6 +904,7 @@ fn close_side(side: &mut Side) {
     side.tx.clear();
     side.out_armed = false;
     side.held_at = None;
+    side.hello_due = false;
 }
 
 /// Ensure the buffer has room for the next read: compact, and grow to hold the frame being

@@ -71,8 +71,13 @@ fn leave_clean(lo: &Context, hi: &Context, a: &Side, b: &Side) {
 
 /// One side's part of a connect: INIT, RTR and RTS towards `remote`.
 fn reach_rts(s: &Side, remote: &Side) {
+    reach_rts_towards(s, remote.qp.endpoint());
+}
+
+/// INIT, RTR and RTS towards the QP at `remote`.
+fn reach_rts_towards(s: &Side, remote: QpEndpoint) {
     s.qp.modify(&QpAttr::init(AccessFlags::ALL)).unwrap();
-    s.qp.modify(&QpAttr::rtr(remote.qp.endpoint())).unwrap();
+    s.qp.modify(&QpAttr::rtr(remote)).unwrap();
     s.qp.modify(&QpAttr::rts()).unwrap();
 }
 
@@ -671,4 +676,120 @@ fn a_bye_read_while_a_request_is_half_written_gives_the_connection_up() {
     s2.set_read_timeout(Some(WAIT)).unwrap();
     expect_hello(&mut s2, &victim.qp);
     assert_eq!(counts(&ctx), (2, 0));
+}
+
+/// The next frame on `s`, whatever its length.
+fn read_next(s: &mut TcpStream) -> Frame<'static> {
+    let mut head = [0u8; wire::HEADER_LEN];
+    s.read_exact(&mut head).unwrap();
+    let len = wire::peek_len(&head).unwrap();
+    let mut buf = head.to_vec();
+    buf.resize(len, 0);
+    s.read_exact(&mut buf[wire::HEADER_LEN..]).unwrap();
+    let buf: &'static [u8] = Box::leak(buf.into_boxed_slice());
+    wire::decode(buf, 0).unwrap().unwrap().0
+}
+
+/// The test is the opening end (its QP 77 "lives" at 127.0.0.1:1, below the context). The QP
+/// reaches RTR first, writes the HELLO of the next use on the kept connection and posts a SEND
+/// over it; the test then does what an opening end does that finds the connection not clean at
+/// its own RTR (the QP's BYE still on the way): it gives the connection up unread and opens a
+/// new one. The QP does not fail: it takes the new connection and sends its SEND again over
+/// it — whether the old connection's end (here a reset: the test left bytes unread) or the new
+/// connection's HELLO reaches it first.
+#[test]
+fn an_accepting_end_whose_kept_connection_the_opener_gives_up_unused_takes_its_new_one() {
+    let ctx = open();
+    let b = side(&ctx);
+    let hello = |peer_inc: u32| hello_frame((b.qp.qp_num().0, incarnation(&b.qp)), (77, peer_inc));
+    let connect = |peer_inc: u32| {
+        let mut peer = QpEndpoint {
+            address: "127.0.0.1:1".into(),
+            qp_num: QpNum(77),
+            ..b.qp.endpoint()
+        };
+        peer.extra
+            .insert("incarnation".into(), peer_inc.to_string());
+        reach_rts_towards(&b, peer);
+    };
+    let open_conn = |peer_inc: u32| {
+        let mut s = TcpStream::connect(addr(&ctx)).unwrap();
+        s.set_read_timeout(Some(WAIT)).unwrap();
+        s.write_all(&hello(peer_inc)).unwrap();
+        s
+    };
+    let post_send = |wr_id: u64| {
+        b.qp.post_send(&[SendWr::new(wr_id, &[], WrOpcode::Send)])
+            .unwrap();
+    };
+    // The QP's SEND, read on `s`, acknowledged there.
+    let take_send = |s: &mut TcpStream, wr_id: u64| {
+        let psn = match read_next(s) {
+            Frame::Request(wire::Request {
+                psn,
+                op: wire::RequestOp::Send { .. },
+                ..
+            }) => psn,
+            f => panic!("expected the SEND, got {f:?}"),
+        };
+        let mut ack = Vec::new();
+        wire::encode(
+            &Frame::Response(wire::Response {
+                qpn: b.qp.qp_num().0,
+                psn,
+                kind: wire::ResponseKind::Ack,
+            }),
+            &mut ack,
+        );
+        s.write_all(&ack).unwrap();
+        let wc = wait(&b.cq, 1)[0];
+        assert_eq!((wc.wr_id, wc.status), (wr_id, WcStatus::Success));
+    };
+    // A use, left by the test: the context keeps the connection, clean.
+    let leave = |s: &mut TcpStream, wr_id: u64| {
+        peer_leaves(s, &b, wr_id);
+        b.qp.modify(&QpAttr::reset()).unwrap();
+        wait_quiet(&ctx, 1);
+    };
+
+    connect(7);
+    let mut k = open_conn(7);
+    leave(&mut k, 1);
+
+    // The old connection's end first.
+    connect(8);
+    post_send(2);
+    drop(k);
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    assert_eq!(b.qp.state(), QpState::Rts, "{:?}", b.qp.query());
+    let mut f = open_conn(8);
+    take_send(&mut f, 2);
+    leave(&mut f, 3);
+
+    // The new connection's HELLO first.
+    connect(9);
+    post_send(4);
+    let mut g = open_conn(9);
+    take_send(&mut g, 4);
+    drop(f);
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    assert_eq!(b.qp.state(), QpState::Rts);
+    // The new connection carries the use both ways.
+    b.qp.post_recv(&[RecvWr::new(5, &[])]).unwrap();
+    let mut send = Vec::new();
+    wire::encode(
+        &Frame::Request(wire::Request {
+            qpn: b.qp.qp_num().0,
+            psn: b.qp.endpoint().psn,
+            solicited: false,
+            op: wire::RequestOp::Send {
+                imm: None,
+                payload: &[],
+            },
+        }),
+        &mut send,
+    );
+    g.write_all(&send).unwrap();
+    let wc = wait(&b.cq, 1)[0];
+    assert_eq!((wc.wr_id, wc.status), (5, WcStatus::Success));
 }

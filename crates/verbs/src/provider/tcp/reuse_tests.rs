@@ -345,6 +345,24 @@ fn bye(dst_qpn: u32, src_qpn: u32) -> Vec<u8> {
     out
 }
 
+/// A 0-byte SEND to `qp`, the first request of the use (at the PSN its endpoint names).
+fn empty_send(qp: &QueuePair) -> Vec<u8> {
+    let mut out = Vec::new();
+    wire::encode(
+        &Frame::Request(wire::Request {
+            qpn: qp.qp_num().0,
+            psn: qp.endpoint().psn,
+            solicited: false,
+            op: wire::RequestOp::Send {
+                imm: None,
+                payload: &[],
+            },
+        }),
+        &mut out,
+    );
+    out
+}
+
 fn read_frame(s: &mut TcpStream, len: usize) -> Frame<'static> {
     let mut buf = vec![0u8; len];
     s.read_exact(&mut buf).unwrap();
@@ -429,21 +447,7 @@ fn the_accepting_end_skips_what_preceded_the_bye_and_takes_the_next_hello() {
     s.write_all(&hello(7, incarnation())).unwrap();
     // A SEND over it arrives, and the ACK comes back.
     b.qp.post_recv(&[RecvWr::new(1, &[])]).unwrap();
-    let psn = b.qp.endpoint().psn;
-    let mut send = Vec::new();
-    wire::encode(
-        &Frame::Request(wire::Request {
-            qpn: b.qp.qp_num().0,
-            psn,
-            solicited: false,
-            op: wire::RequestOp::Send {
-                imm: None,
-                payload: &[],
-            },
-        }),
-        &mut send,
-    );
-    s.write_all(&send).unwrap();
+    s.write_all(&empty_send(&b.qp)).unwrap();
     assert_eq!(wait(&b.cq, 1)[0].status, WcStatus::Success);
     assert!(matches!(
         read_frame(&mut s, wire::HEADER_LEN),
@@ -533,22 +537,6 @@ fn the_opening_end_takes_the_accepting_ends_hello_and_skips_one_written_at_once(
         let inc = incarnation(qp);
         hello_frame((qp.qp_num().0, inc), (77, inc))
     };
-    let send = |qp: &QueuePair| {
-        let mut out = Vec::new();
-        wire::encode(
-            &Frame::Request(wire::Request {
-                qpn: qp.qp_num().0,
-                psn: qp.endpoint().psn,
-                solicited: false,
-                op: wire::RequestOp::Send {
-                    imm: None,
-                    payload: &[],
-                },
-            }),
-            &mut out,
-        );
-        out
-    };
     let acked = |s: &mut TcpStream| {
         matches!(
             read_frame(s, wire::HEADER_LEN),
@@ -566,7 +554,7 @@ fn the_opening_end_takes_the_accepting_ends_hello_and_skips_one_written_at_once(
     connect_to(&victim.qp, peer);
     assert_eq!(found(&ctx), 1, "the test's HELLO found at RTR");
     victim.qp.post_recv(&[RecvWr::new(2, &[])]).unwrap();
-    s.write_all(&send(&victim.qp)).unwrap();
+    s.write_all(&empty_send(&victim.qp)).unwrap();
     assert_eq!(wait(&victim.cq, 1)[0].status, WcStatus::Success);
     assert!(
         acked(&mut s),
@@ -580,7 +568,7 @@ fn the_opening_end_takes_the_accepting_ends_hello_and_skips_one_written_at_once(
     expect_hello(&mut s, &victim.qp);
     s.write_all(&hello(&victim.qp)).unwrap();
     victim.qp.post_recv(&[RecvWr::new(4, &[])]).unwrap();
-    s.write_all(&send(&victim.qp)).unwrap();
+    s.write_all(&empty_send(&victim.qp)).unwrap();
     assert_eq!(wait(&victim.cq, 1)[0].status, WcStatus::Success);
     assert!(acked(&mut s));
     victim.qp.post_recv(&[RecvWr::new(5, &[])]).unwrap();
@@ -776,20 +764,7 @@ fn an_accepting_end_whose_kept_connection_the_opener_gives_up_unused_takes_its_n
     assert_eq!(b.qp.state(), QpState::Rts);
     // The new connection carries the use both ways.
     b.qp.post_recv(&[RecvWr::new(5, &[])]).unwrap();
-    let mut send = Vec::new();
-    wire::encode(
-        &Frame::Request(wire::Request {
-            qpn: b.qp.qp_num().0,
-            psn: b.qp.endpoint().psn,
-            solicited: false,
-            op: wire::RequestOp::Send {
-                imm: None,
-                payload: &[],
-            },
-        }),
-        &mut send,
-    );
-    g.write_all(&send).unwrap();
+    g.write_all(&empty_send(&b.qp)).unwrap();
     let wc = wait(&b.cq, 1)[0];
     assert_eq!((wc.wr_id, wc.status), (5, WcStatus::Success));
 }

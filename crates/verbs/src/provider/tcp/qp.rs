@@ -730,16 +730,10 @@ impl TcpQp {
             why,
             "tcp0: the peer gave up the kept connection unused; waiting for its new one"
         );
-        if let Some(c) = side.conn.take() {
-            let _ = c.shutdown(Shutdown::Both);
-        }
+        close_side(side);
         rx.conn = None;
         rx.reset(&mut side.core);
-        side.hello_due = false;
-        side.tx.clear();
-        side.out_armed = false;
         self.out_waiting.store(false, Ordering::Relaxed);
-        side.held_at = None;
         self.ack_held.store(false, Ordering::Relaxed);
         side.core.rewind_requests();
     }

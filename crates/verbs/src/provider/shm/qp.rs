@@ -104,8 +104,7 @@ impl RecvEntry {
     /// # Safety
     /// `p` is valid for reads of one `RecvEntry` and owned by the caller (a claimed slot).
     #[inline]
-    pub(crate) unsafe fn read_used(p: *const RecvEntry) -> RecvEntry {
-        let mut e = RecvEntry::default();
+    pub(crate) unsafe fn read_used(p: *const RecvEntry, e: &mut RecvEntry) {
         // SAFETY: field projections of a pointer the caller vouches for; `i < n <= MAX_SGE`
         // stays inside the `sge` array. Plain data: any bit pattern a peer left is valid.
         unsafe {
@@ -121,7 +120,6 @@ impl RecvEntry {
                 *d = sge.add(i).read();
             }
         }
-        e
     }
 }
 

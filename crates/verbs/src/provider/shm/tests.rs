@@ -707,6 +707,61 @@ fn receive_too_small_is_local_length_at_receiver() {
 }
 
 #[test]
+fn receive_into_a_deregistered_buffer_fails_both_ends() {
+    let (a, b) = pair();
+    let src = mr(&a.pd, 64);
+    let dst = mr(&b.pd, 64);
+    let gone = dst.sge(0, 64).unwrap();
+    b.qp.post_recv(&[RecvWr::new(1, &[gone]), RecvWr::new(2, &[gone])])
+        .unwrap();
+    drop(dst);
+    a.qp.post_send(&[SendWr::new(3, &[src.sge(0, 8).unwrap()], WrOpcode::Send)])
+        .unwrap();
+    assert_eq!(wait_one(&a.cq).status, WcStatus::RemoteOperation);
+    let r = wait_one(&b.cq);
+    assert_eq!((r.wr_id, r.status), (1, WcStatus::LocalProtection));
+    let r = wait_one(&b.cq);
+    assert_eq!((r.wr_id, r.status), (2, WcStatus::WrFlushed));
+    assert_eq!(b.qp.state(), QpState::Error);
+}
+
+#[test]
+fn empty_send_takes_a_receive_of_any_shape() {
+    let (a, b) = pair();
+    let src = mr(&a.pd, 64);
+    let dst = mr(&b.pd, 64);
+    dst.write_at(0, &[5u8; 64]).unwrap();
+    let empty = dst.sge(0, 0).unwrap();
+    let one = dst.sge(0, 16).unwrap();
+    let two = [dst.sge(16, 8).unwrap(), dst.sge(32, 8).unwrap()];
+    b.qp.post_recv(&[
+        RecvWr::new(1, &[one]),
+        RecvWr::new(2, &[empty]),
+        RecvWr::new(3, &two),
+        RecvWr::new(4, &[]),
+    ])
+    .unwrap();
+    for id in 1..=4u64 {
+        a.qp.post_send(&[SendWr::new(id, &[], WrOpcode::Send).with_flags(SendFlags::SIGNALED)])
+            .unwrap();
+        assert_eq!(wait_one(&a.cq).status, WcStatus::Success);
+        let r = wait_one(&b.cq);
+        assert_eq!((r.wr_id, r.status, r.byte_len), (id, WcStatus::Success, 0));
+    }
+    // Nothing was written into the buffers.
+    let mut back = [0u8; 64];
+    dst.read_at(0, &mut back).unwrap();
+    assert_eq!(back, [5u8; 64]);
+    // A payload into a receive whose only buffer is empty is too long for it.
+    b.qp.post_recv(&[RecvWr::new(5, &[empty])]).unwrap();
+    a.qp.post_send(&[SendWr::new(6, &[src.sge(0, 1).unwrap()], WrOpcode::Send)])
+        .unwrap();
+    assert_eq!(wait_one(&a.cq).status, WcStatus::RemoteInvalidRequest);
+    let r = wait_one(&b.cq);
+    assert_eq!((r.wr_id, r.status), (5, WcStatus::LocalLength));
+}
+
+#[test]
 fn receive_slot_reused_with_fewer_sges_ignores_the_old_ones() {
     // Receive queue of 3 (ring of 4 slots): the depth limit is below the ring's capacity.
     let caps = QpCaps {

@@ -98,8 +98,8 @@ impl RecvEntry {
         }
     }
 
-    /// Read the entry in the ring slot `p`: the header and the SGEs it announces (the count
-    /// clamped to [`MAX_SGE`]); the SGEs past that are not read (they read as zero here).
+    /// Read the entry in the ring slot `p` into `e`: the header and the SGEs it announces (the
+    /// count clamped to [`MAX_SGE`]); the SGEs past that are not read (`e` keeps its own).
     ///
     /// # Safety
     /// `p` is valid for reads of one `RecvEntry` and owned by the caller (a claimed slot).

@@ -129,7 +129,10 @@ bitflags::bitflags! {
         /// `sq_sig_all = false`.
         const SIGNALED = 1 << 0;
         /// Copy the payload at post time; the SGEs' lkeys are not checked and the buffers may be
-        /// reused as soon as `post_send` returns. Limited to `max_inline_data`.
+        /// reused as soon as `post_send` returns. Limited to `max_inline_data`. An SGE may name
+        /// memory outside every registration: the provider then reads it through the kernel,
+        /// and memory this process cannot read is a `LocalProtection` completion or a post
+        /// error, never a fault.
         const INLINE = 1 << 1;
         /// Wait for earlier READs and atomics to complete before starting this one.
         const FENCE = 1 << 2;

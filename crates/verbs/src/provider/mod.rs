@@ -21,6 +21,7 @@ use crate::{
     VerbsError, WorkCompletion,
 };
 
+pub(crate) mod own_memory;
 pub mod pages;
 #[cfg(feature = "rdma-core")]
 pub mod rdma_core;

@@ -177,6 +177,36 @@ impl MrTable {
         Ok(total)
     }
 
+    /// Append the bytes of an INLINE request's `sges` to `out`. Verbs does not look at their
+    /// lkeys, so they may name memory outside every registration: an SGE inside a region of
+    /// this table is copied directly, any other is read through the kernel
+    /// ([`read_own`](crate::provider::own_memory::read_own)), and one that names memory this
+    /// process cannot read is `Err(LocalProtection)` rather than a fault.
+    pub fn gather_inline(&self, sges: &[Sge], out: &mut Vec<u8>) -> Result<u64, WcStatus> {
+        let t = self.tables.read();
+        let mut total = 0u64;
+        for s in sges {
+            let len = u64::from(s.length);
+            if len == 0 {
+                continue;
+            }
+            let registered = t
+                .by_lkey
+                .get(&s.lkey.0)
+                .is_some_and(|mr| mr.permits(s.addr, len, AccessFlags::empty()));
+            if registered {
+                // SAFETY: the SGE lies inside a live registration (checked just above); the read
+                // lock keeps it registered (and its memory allocated) until this returns.
+                unsafe { append_raw(out, s.addr, s.length as usize) };
+            } else {
+                crate::provider::own_memory::read_own(s.addr, s.length as usize, out)
+                    .map_err(|_| WcStatus::LocalProtection)?;
+            }
+            total += len;
+        }
+        Ok(total)
+    }
+
     /// Scatter `data` over `sges` in order. `LocalLength` if the SGEs hold fewer bytes than
     /// `data`; `LocalProtection` if one names memory this table does not grant LOCAL_WRITE on.
     /// On error no byte is written. Returns the bytes placed.

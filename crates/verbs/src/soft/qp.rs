@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::cq::SoftCq;
-use super::mr::{append_raw, Dest, MemKey, MrTable};
+use super::mr::{Dest, MemKey, MrTable};
 use super::requester::{EntryKind, Fault, Requester, SqEntry};
 use super::responder::{Placement, ReadRef, RecvSource, Responder, ResponderEnv};
 use super::rq::{RecvQueue, SoftSrq};
@@ -486,11 +486,8 @@ impl QpCore {
             match kind {
                 EntryKind::Acked if inline => {
                     w.buf().extend_from_slice(wr.inline_data);
-                    for s in wr.sg_list {
-                        // SAFETY: INLINE's contract (crate::SendFlags::INLINE): the SGEs name
-                        // readable memory of the caller for the duration of post_send; lkeys are
-                        // not consulted, as with verbs.
-                        unsafe { append_raw(w.buf(), s.addr, s.length as usize) };
+                    if let Err(status) = self.cfg.table.gather_inline(wr.sg_list, w.buf()) {
+                        failed = Some(status);
                     }
                 }
                 EntryKind::Acked => {

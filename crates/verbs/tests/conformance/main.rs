@@ -58,6 +58,7 @@ macro_rules! conformance_tests {
             ops::rc_inline_send_copies_payload_at_post_time,
             ops::rc_inline_above_max_inline_is_refused,
             ops::rc_inline_data_goes_ahead_of_the_sge_list,
+            ops::rc_inline_sge_of_unreadable_memory_is_an_error,
             ops::rc_unsignaled_requests_complete_silently,
             ops::rc_sq_sig_all_signals_every_request,
             ops::rc_write_then_send_data_visible_at_receive_completion,

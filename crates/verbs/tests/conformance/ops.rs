@@ -764,6 +764,59 @@ pub fn rc_inline_send_copies_payload_at_post_time<P: TestProvider>(env: &Env<P>)
     Ok(())
 }
 
+/// An INLINE request whose SGE names memory this process cannot read (verbs does not look at
+/// an INLINE SGE's lkey, so nothing was checked at registration) is refused at post time or
+/// completes with LocalProtection: a typed error, never a fault of the caller's process.
+pub fn rc_inline_sge_of_unreadable_memory_is_an_error<P: TestProvider>(env: &Env<P>) -> TestResult {
+    if !env.has(Capabilities::INLINE | Capabilities::SEND) {
+        return Ok(());
+    }
+    let inline = env.attr.max_inline_data.min(64);
+    if inline < 8 {
+        return Ok(());
+    }
+    let (node, mut peer) = connected_with_inline(env, inline)?;
+    let rmr = peer.reg_mr(4096, AccessFlags::LOCAL_WRITE)?;
+    peer.post_recv(
+        1,
+        &[PeerSge {
+            mr: rmr.id,
+            offset: 0,
+            len: 256,
+        }],
+    )?;
+    // The first page of the address space is never mapped (vm.mmap_min_addr).
+    let sge = [Sge {
+        addr: 16,
+        length: 8,
+        lkey: Lkey(0),
+    }];
+    match node
+        .qp
+        .post_send(&[SendWr::new(5, &sge, WrOpcode::Send)
+            .with_flags(SendFlags::SIGNALED | SendFlags::INLINE)])
+    {
+        Err(e) if e.index == 0 => return Ok(()),
+        Err(e) => return Err(fail(format!("refusal names index {}, expected 0", e.index))),
+        Ok(()) => {}
+    }
+    let wc = node.cq.wait(1)?[0];
+    expect_wc(
+        &wc,
+        5,
+        WcStatus::LocalProtection,
+        "INLINE SEND from unreadable memory",
+    )?;
+    if peer
+        .poll_ready()?
+        .iter()
+        .any(|c| c.status == WcStatus::Success)
+    {
+        return Err(fail("the peer received a message from unreadable memory"));
+    }
+    Ok(())
+}
+
 /// Inline data (`SendWr::with_inline_data`: bytes of ordinary memory, no SGE) arrives ahead of
 /// the SGE list's bytes, copied at post time, on SEND and on WRITE; with nothing else the
 /// request is the inline data alone; a READ with inline data is refused at post time.

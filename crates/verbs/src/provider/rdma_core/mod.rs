@@ -518,7 +518,11 @@ impl ContextOps for Ctx {
         if raw.is_null() {
             return Err(errno_err("ibv_alloc_pd"));
         }
-        Ok(Arc::new(Pd(Arc::new(PdInner { ctx, raw }))))
+        Ok(Arc::new(Pd(Arc::new(PdInner {
+            ctx,
+            raw,
+            regions: Default::default(),
+        }))))
     }
 
     fn create_cq(&self, cqe: u32) -> Result<Arc<dyn CqOps>> {

@@ -7,6 +7,17 @@ use super::*;
 pub(super) struct PdInner {
     pub(super) ctx: Arc<CtxInner>,
     pub(super) raw: *mut IbvPd,
+    /// The live registrations of this PD by lkey: (address, length). An INLINE request's SGE
+    /// inside one of them is handed to libibverbs, which reads it at post time; any other is
+    /// read through the kernel first (see `Qp::post_send`).
+    pub(super) regions: parking_lot::RwLock<HashMap<u32, (u64, u64)>>,
+}
+
+/// Whether `[addr, addr + len)` lies in the registration `lkey` of `regions`.
+pub(super) fn covers(regions: &HashMap<u32, (u64, u64)>, lkey: u32, addr: u64, len: u64) -> bool {
+    regions.get(&lkey).is_some_and(|&(base, rlen)| {
+        addr >= base && addr.checked_add(len).is_some_and(|end| end <= base + rlen)
+    })
 }
 
 // SAFETY: see `CtxInner`.
@@ -48,6 +59,7 @@ unsafe impl Sync for Mr {}
 
 impl Drop for Mr {
     fn drop(&mut self) {
+        self.pd.regions.write().remove(&self.info.lkey.0);
         // SAFETY: registered once, deregistered once; the keys stop working here.
         unsafe { (self.pd.ctx.v.dereg_mr)(self.raw) };
         if let Some((addr, len)) = self.owned {
@@ -87,6 +99,7 @@ impl Pd {
         }
         // SAFETY: live MR.
         let (lkey, rkey) = unsafe { ((*raw).lkey, (*raw).rkey) };
+        self.regions.write().insert(lkey, (addr as u64, len as u64));
         Ok(Box::new(Mr {
             pd: self.0.clone(),
             raw,

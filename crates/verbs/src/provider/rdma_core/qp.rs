@@ -3,7 +3,9 @@
 
 #![allow(unsafe_code)]
 
+use super::pd::covers;
 use super::*;
+use crate::provider::own_memory::read_own;
 
 pub(super) struct Srq {
     pub(super) pd: Arc<PdInner>,
@@ -440,6 +442,41 @@ impl QpOps for Qp {
                 n + 1
             } else {
                 to_sges(wr.sg_list, max_sge, &mut sges).map_err(fail)?
+            };
+            // INLINE: libibverbs reads the SGEs at post time without looking at their lkeys.
+            // Those inside a live registration of this PD go as they are (no registration can
+            // end before the post returns: `_held`); otherwise the whole payload is read through
+            // the kernel first, so memory this process cannot read is a post error, not a fault.
+            let mut gathered = Vec::new();
+            let mut n = n;
+            let _held = if wr.is_inline() && wr.sg_list.iter().any(|s| s.length > 0) {
+                let regions = self.pd.regions.read();
+                let registered = wr.sg_list.iter().all(|s| {
+                    s.length == 0 || covers(&regions, s.lkey.0, s.addr, u64::from(s.length))
+                });
+                if !registered {
+                    gathered.extend_from_slice(wr.inline_data);
+                    for s in wr.sg_list {
+                        read_own(s.addr, s.length as usize, &mut gathered).map_err(|e| {
+                            fail(VerbsError::InvalidArgument(format!(
+                                "INLINE SGE at {:#x} ({} bytes) names memory this process \
+                                 cannot read: {e}",
+                                s.addr, s.length
+                            )))
+                        })?;
+                    }
+                    sges[0] = IbvSge {
+                        addr: gathered.as_ptr() as u64,
+                        length: u32::try_from(gathered.len()).map_err(|_| {
+                            fail(VerbsError::LimitExceeded("inline data above 4 GiB".into()))
+                        })?,
+                        lkey: 0,
+                    };
+                    n = 1;
+                }
+                Some(regions)
+            } else {
+                None
             };
             let mut flags = 0;
             if wr.flags.contains(SendFlags::SIGNALED) {

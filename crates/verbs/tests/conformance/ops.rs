@@ -12,7 +12,7 @@ use fabriq_verbs::{
 use crate::harness::{
     expect_wc, fail, pattern, read_mr, wait_until, Env, Node, NodeOpts, TestProvider, TestResult,
 };
-use crate::peer::{connected, Peer, PeerSetup, PeerSge};
+use crate::peer::{connected, MrDesc, Peer, PeerSetup, PeerSge};
 
 const LOCAL_ALL: AccessFlags = AccessFlags::ALL;
 
@@ -692,23 +692,48 @@ fn connected_with_inline<P: TestProvider>(
     )
 }
 
+/// What [`inline_setup`] builds: the pair, the peer's region and the inline size asked for.
+type InlineSetup = (Node, Peer, MrDesc, u32);
+
+/// The INLINE tests' set-up, when the device has INLINE and SEND with at least `min_inline`
+/// bytes of it: a connected pair whose node's QP asks for up to 64 bytes of inline data, and in
+/// the peer a 4 KiB region with `access` and a 256-byte receive posted at each
+/// `(wr_id, offset)` of `receives`; with the inline size asked for.
+fn inline_setup<P: TestProvider>(
+    env: &Env<P>,
+    min_inline: u32,
+    access: AccessFlags,
+    receives: &[(u64, usize)],
+) -> Result<Option<InlineSetup>, Box<dyn std::error::Error>> {
+    if !env.has(Capabilities::INLINE | Capabilities::SEND) {
+        return Ok(None);
+    }
+    let inline = env.attr.max_inline_data.min(64);
+    if inline < min_inline {
+        return Ok(None);
+    }
+    let (node, mut peer) = connected_with_inline(env, inline)?;
+    let rmr = peer.reg_mr(4096, access)?;
+    for &(id, offset) in receives {
+        peer.post_recv(
+            id,
+            &[PeerSge {
+                mr: rmr.id,
+                offset,
+                len: 256,
+            }],
+        )?;
+    }
+    Ok(Some((node, peer, rmr, inline)))
+}
+
 /// An INLINE send (and write) copies the payload at post time: its SGE needs no registered
 /// memory, and changing the buffer right after `post_send` does not change what arrives.
 pub fn rc_inline_send_copies_payload_at_post_time<P: TestProvider>(env: &Env<P>) -> TestResult {
-    if !env.has(Capabilities::INLINE | Capabilities::SEND) {
+    let write = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE;
+    let Some((node, mut peer, rmr, inline)) = inline_setup(env, 0, write, &[(1, 0)])? else {
         return Ok(());
-    }
-    let inline = env.attr.max_inline_data.min(64);
-    let (node, mut peer) = connected_with_inline(env, inline)?;
-    let rmr = peer.reg_mr(4096, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE)?;
-    peer.post_recv(
-        1,
-        &[PeerSge {
-            mr: rmr.id,
-            offset: 0,
-            len: 256,
-        }],
-    )?;
+    };
     let len = inline as usize;
     let mut buf = pattern(11, len);
     let sge = [Sge {
@@ -768,23 +793,11 @@ pub fn rc_inline_send_copies_payload_at_post_time<P: TestProvider>(env: &Env<P>)
 /// an INLINE SGE's lkey, so nothing was checked at registration) is refused at post time or
 /// completes with LocalProtection: a typed error, never a fault of the caller's process.
 pub fn rc_inline_sge_of_unreadable_memory_is_an_error<P: TestProvider>(env: &Env<P>) -> TestResult {
-    if !env.has(Capabilities::INLINE | Capabilities::SEND) {
+    let Some((node, mut peer, _rmr, _)) =
+        inline_setup(env, 8, AccessFlags::LOCAL_WRITE, &[(1, 0)])?
+    else {
         return Ok(());
-    }
-    let inline = env.attr.max_inline_data.min(64);
-    if inline < 8 {
-        return Ok(());
-    }
-    let (node, mut peer) = connected_with_inline(env, inline)?;
-    let rmr = peer.reg_mr(4096, AccessFlags::LOCAL_WRITE)?;
-    peer.post_recv(
-        1,
-        &[PeerSge {
-            mr: rmr.id,
-            offset: 0,
-            len: 256,
-        }],
-    )?;
+    };
     // The first page of the address space is never mapped (vm.mmap_min_addr).
     let sge = [Sge {
         addr: 16,
@@ -821,25 +834,10 @@ pub fn rc_inline_sge_of_unreadable_memory_is_an_error<P: TestProvider>(env: &Env
 /// the SGE list's bytes, copied at post time, on SEND and on WRITE; with nothing else the
 /// request is the inline data alone; a READ with inline data is refused at post time.
 pub fn rc_inline_data_goes_ahead_of_the_sge_list<P: TestProvider>(env: &Env<P>) -> TestResult {
-    if !env.has(Capabilities::INLINE | Capabilities::SEND) {
+    let write = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE;
+    let Some((node, mut peer, rmr, _)) = inline_setup(env, 32, write, &[(1, 0), (2, 256)])? else {
         return Ok(());
-    }
-    let inline = env.attr.max_inline_data.min(64);
-    if inline < 32 {
-        return Ok(());
-    }
-    let (node, mut peer) = connected_with_inline(env, inline)?;
-    let rmr = peer.reg_mr(4096, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE)?;
-    for (id, offset) in [(1, 0), (2, 256)] {
-        peer.post_recv(
-            id,
-            &[PeerSge {
-                mr: rmr.id,
-                offset,
-                len: 256,
-            }],
-        )?;
-    }
+    };
     let mut head = pattern(21, 12);
     let mut body = pattern(22, 20);
     let sge = [Sge {

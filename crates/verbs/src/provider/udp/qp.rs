@@ -88,34 +88,28 @@ struct Side {
     tx: TxBatch,
     /// The counters of the last connection, kept when it is dropped.
     last_stats: Option<fabriq_mpath::Stats>,
-    /// Our connection generation (bumped at every RTR; never 0).
+    /// Our connection's generation ([`generation_of`] our initial PSN at RTR).
     generation: u16,
-    /// Highest peer generation seen so far, and the value it had at our last RTR: only
-    /// datagrams of a later generation belong to the current connection.
-    peer_gen_seen: Option<u16>,
-    peer_gen_floor: Option<u16>,
+    /// The peer's connection generation, from the initial PSN of the endpoint given at RTR:
+    /// datagrams of another generation (an earlier connection of the same QP pair, before a
+    /// RESET, still on the way) are dropped.
+    peer_generation: Option<u16>,
     /// In ERROR with the connection still open: when the linger ends.
     closing_at: Option<Instant>,
 }
 
-/// `a` is after `b` in 16-bit serial order.
-fn gen_after(a: u16, b: u16) -> bool {
-    let d = a.wrapping_sub(b);
-    d != 0 && d < 0x8000
+impl Side {
+    /// Whether a datagram of generation `g` from the peer belongs to the current connection.
+    fn accept_generation(&self, g: u16) -> bool {
+        self.peer_generation == Some(g)
+    }
 }
 
-impl Side {
-    /// Whether a datagram of generation `g` from the peer belongs to the current connection;
-    /// records it if so.
-    fn accept_generation(&mut self, g: u16) -> bool {
-        if self.peer_gen_floor.is_some_and(|f| !gen_after(g, f)) {
-            return false;
-        }
-        if self.peer_gen_seen.map_or(true, |s| gen_after(g, s)) {
-            self.peer_gen_seen = Some(g);
-        }
-        true
-    }
+/// The generation a connection's datagrams carry: the low bits of the sender's initial PSN,
+/// which every RESET draws anew and the endpoint tells the peer before its RTR — so each end
+/// knows the exact generation of the peer's current connection, whatever it saw before.
+pub(crate) fn generation_of(initial_psn: u32) -> u16 {
+    (initial_psn ^ (initial_psn >> 16)) as u16
 }
 
 /// A QP of the `udp` provider.
@@ -174,8 +168,7 @@ impl UdpQp {
                 tx: TxBatch::default(),
                 last_stats: None,
                 generation: 0,
-                peer_gen_seen: None,
-                peer_gen_floor: None,
+                peer_generation: None,
                 closing_at: None,
             }),
         });
@@ -490,8 +483,8 @@ impl SoftQpDriver for UdpQp {
         side.sync_flags.clear();
         side.last_request_psn = None;
         side.closing_at = None;
-        side.generation = side.generation.wrapping_add(1).max(1);
-        side.peer_gen_floor = side.peer_gen_seen;
+        side.generation = generation_of(side.core.initial_psn());
+        side.peer_generation = Some(generation_of(remote.psn));
         self.pump(&mut side, now);
         Ok(())
     }

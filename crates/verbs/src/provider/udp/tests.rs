@@ -188,3 +188,67 @@ fn unreachable_peer_fails_outstanding_requests() {
     assert_eq!((wc.wr_id, wc.status), (1, WcStatus::WrFlushed));
     assert_eq!(a.qp.state(), QpState::Error);
 }
+
+#[test]
+fn a_close_of_the_peers_earlier_connection_is_not_taken_for_the_new_one() {
+    use super::qp::generation_of;
+    use super::wire::{Header, Kind};
+    let a = side(&open(&[]));
+    let b = side(&open(&[]));
+    // A first connection over which nothing is sent: `a` sees none of `b`'s datagrams.
+    let old_b = b.qp.endpoint();
+    connect_with(&a, &b, QpAttr::rts);
+    a.qp.modify(&QpAttr::reset()).unwrap();
+    b.qp.modify(&QpAttr::reset()).unwrap();
+    let new_b = b.qp.endpoint();
+    assert_ne!(generation_of(old_b.psn), generation_of(new_b.psn));
+    connect_with(&a, &b, QpAttr::rts);
+    // A CLOSE of `b`'s first connection, late (as one still queued at a RESET would be),
+    // from `b`'s address.
+    let to: std::net::SocketAddr = a.qp.endpoint().address.parse().unwrap();
+    let from = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    let close = |psn: u32| {
+        Header {
+            kind: Kind::Close,
+            dst_qpn: a.qp.qp_num().0,
+            src_qpn: b.qp.qp_num().0,
+            path: 0,
+            generation: generation_of(psn),
+        }
+        .encode()
+    };
+    from.send_to(&close(old_b.psn), to).unwrap();
+    // The connection works both ways after it, and `a` stays in RTS.
+    let (ma, mb) = (
+        a.pd.alloc_mr(64, AccessFlags::ALL).unwrap(),
+        b.pd.alloc_mr(64, AccessFlags::ALL).unwrap(),
+    );
+    for (from_side, to_side, src, dst) in [(&b, &a, &mb, &ma), (&a, &b, &ma, &mb)] {
+        to_side
+            .qp
+            .post_recv(&[RecvWr::new(1, &[dst.sge(0, 8).unwrap()])])
+            .unwrap();
+        from_side
+            .qp
+            .post_send(&[SendWr::new(2, &[src.sge(0, 8).unwrap()], WrOpcode::Send)])
+            .unwrap();
+        assert_eq!(wait(&from_side.cq, 1)[0].status, WcStatus::Success);
+        assert_eq!(wait(&to_side.cq, 1)[0].status, WcStatus::Success);
+    }
+    std::thread::sleep(std::time::Duration::from_millis(100));
+    assert_eq!(
+        a.qp.state(),
+        QpState::Rts,
+        "a stale CLOSE ended the new connection"
+    );
+    // A CLOSE of the current connection is taken (the same way in, so the one above was read).
+    from.send_to(&close(new_b.psn), to).unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while a.qp.state() != QpState::Error {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the peer's CLOSE was not taken"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+}

@@ -4,18 +4,18 @@
 //! | offset | size | field                                                  |
 //! |-------:|-----:|--------------------------------------------------------|
 //! | 0      | 2    | magic `0x4651` ("FQ")                                  |
-//! | 2      | 1    | version (1)                                            |
+//! | 2      | 1    | version (2)                                            |
 //! | 3      | 1    | kind: 0 = mpath datagram follows, 1 = CLOSE            |
 //! | 4      | 4    | destination QP number (the receiver's)                 |
 //! | 8      | 4    | source QP number (the sender's)                        |
 //! | 12     | 2    | virtual path the sender stamped (echoed by mpath ACKs) |
-//! | 14     | 2    | generation of the sender's connection (1, 2, … per RTR) |
+//! | 14     | 2    | generation of the sender's connection (from its initial PSN) |
 #![deny(clippy::indexing_slicing, clippy::unwrap_used, clippy::panic)]
 
 /// Header length.
 pub(crate) const HEADER_LEN: usize = 16;
 const MAGIC: u16 = 0x4651;
-const VERSION: u8 = 1;
+const VERSION: u8 = 2;
 
 /// What follows the header.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -57,7 +57,7 @@ impl Header {
         b
     }
 
-    /// Decode; `None` for anything that is not a version-1 fabriq udp datagram.
+    /// Decode; `None` for anything that is not a fabriq udp datagram of this version.
     pub fn decode(buf: &[u8]) -> Option<(Header, &[u8])> {
         let (h, rest) = buf.split_first_chunk::<HEADER_LEN>()?;
         let [m0, m1, version, kind, d0, d1, d2, d3, s0, s1, s2, s3, p0, p1, g0, g1] = *h;

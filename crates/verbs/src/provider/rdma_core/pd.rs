@@ -16,7 +16,10 @@ pub(super) struct PdInner {
 /// Whether `[addr, addr + len)` lies in the registration `lkey` of `regions`.
 pub(super) fn covers(regions: &HashMap<u32, (u64, u64)>, lkey: u32, addr: u64, len: u64) -> bool {
     regions.get(&lkey).is_some_and(|&(base, rlen)| {
-        addr >= base && addr.checked_add(len).is_some_and(|end| end <= base + rlen)
+        addr >= base
+            && addr
+                .checked_add(len)
+                .is_some_and(|end| end <= base.saturating_add(rlen))
     })
 }
 

@@ -697,10 +697,20 @@ fn receive_too_small_is_local_length_at_receiver() {
     .unwrap();
     a.qp.post_send(&[SendWr::new(3, &[src.sge(0, 16).unwrap()], WrOpcode::Send)])
         .unwrap();
-    assert_eq!(wait_one(&a.cq).status, WcStatus::RemoteInvalidRequest);
+    expect_receive_failed(
+        &a,
+        &b,
+        WcStatus::RemoteInvalidRequest,
+        WcStatus::LocalLength,
+    );
+}
+
+/// The SEND just posted from `a` failed with `sender` and took `b`'s receive 1 with
+/// `receiver`; `b`'s QP went to ERROR, so its receive 2 is flushed.
+fn expect_receive_failed(a: &Side, b: &Side, sender: WcStatus, receiver: WcStatus) {
+    assert_eq!(wait_one(&a.cq).status, sender);
     let r = wait_one(&b.cq);
-    assert_eq!((r.wr_id, r.status), (1, WcStatus::LocalLength));
-    // The receiver's QP went to ERROR: its other receive is flushed.
+    assert_eq!((r.wr_id, r.status), (1, receiver));
     let r = wait_one(&b.cq);
     assert_eq!((r.wr_id, r.status), (2, WcStatus::WrFlushed));
     assert_eq!(b.qp.state(), QpState::Error);
@@ -717,12 +727,7 @@ fn receive_into_a_deregistered_buffer_fails_both_ends() {
     drop(dst);
     a.qp.post_send(&[SendWr::new(3, &[src.sge(0, 8).unwrap()], WrOpcode::Send)])
         .unwrap();
-    assert_eq!(wait_one(&a.cq).status, WcStatus::RemoteOperation);
-    let r = wait_one(&b.cq);
-    assert_eq!((r.wr_id, r.status), (1, WcStatus::LocalProtection));
-    let r = wait_one(&b.cq);
-    assert_eq!((r.wr_id, r.status), (2, WcStatus::WrFlushed));
-    assert_eq!(b.qp.state(), QpState::Error);
+    expect_receive_failed(&a, &b, WcStatus::RemoteOperation, WcStatus::LocalProtection);
 }
 
 #[test]

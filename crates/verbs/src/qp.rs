@@ -340,12 +340,13 @@ pub(crate) fn random_psn() -> u32 {
     rand::random::<u32>() & 0x00ff_ffff
 }
 
-/// The initial PSN a QP takes at RESET: random, and never the one it had (`old`), so that its
-/// next connection cannot start where the previous one did.
+/// The initial PSN a QP takes at RESET: random, and differing from the one it had (`old`) in
+/// its low 16 bits, so that its next connection cannot start where the previous one did, nor
+/// carry the previous one's generation on the udp provider (those bits).
 pub(crate) fn next_psn(old: u32) -> u32 {
     loop {
         let psn = random_psn();
-        if psn != old {
+        if psn & 0xffff != old & 0xffff {
             return psn;
         }
     }

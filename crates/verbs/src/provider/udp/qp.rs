@@ -105,11 +105,12 @@ impl Side {
     }
 }
 
-/// The generation a connection's datagrams carry: the low bits of the sender's initial PSN,
-/// which every RESET draws anew and the endpoint tells the peer before its RTR — so each end
-/// knows the exact generation of the peer's current connection, whatever it saw before.
+/// The generation a connection's datagrams carry: the low 16 bits of the sender's initial PSN,
+/// which every RESET draws anew (never the same bits twice in a row, `crate::next_psn`) and
+/// the endpoint tells the peer before its RTR — so each end knows the exact generation of the
+/// peer's current connection, whatever it saw before.
 pub(crate) fn generation_of(initial_psn: u32) -> u16 {
-    (initial_psn ^ (initial_psn >> 16)) as u16
+    (initial_psn & 0xffff) as u16
 }
 
 /// A QP of the `udp` provider.

@@ -1,8 +1,8 @@
-//! Reading memory of this process that only a raw address names, with nothing vouching for it:
-//! the SGEs of an INLINE request, which verbs lets name memory outside every registration. The
-//! bytes are read through the kernel (`process_vm_readv` on this process), so an address that
-//! is not readable here is an error the provider turns into a completion or a post error, never
-//! a fault of the caller's process.
+//! Reading memory by address through the kernel (`process_vm_readv`), so that an address
+//! that cannot be read is an error, never a fault: the private memory of another process (shm),
+//! and memory of this process that only a raw address names, with nothing vouching for it (the
+//! SGEs of an INLINE request, which verbs lets name memory outside every registration), which
+//! the providers turn into a completion or a post error.
 
 use std::io;
 
@@ -11,21 +11,35 @@ use std::io;
 pub(crate) fn read_own(addr: u64, len: usize, out: &mut Vec<u8>) -> io::Result<()> {
     out.reserve(len);
     let start = out.len();
-    let spare = out.spare_capacity_mut();
+    vm_read(
+        std::process::id() as i32,
+        addr,
+        out.spare_capacity_mut().as_mut_ptr().cast(),
+        len,
+    )?;
+    // SAFETY: `vm_read` wrote all `len` bytes after `start` (it returns `Ok` only then), inside
+    // the capacity reserved above.
+    unsafe { out.set_len(start + len) };
+    Ok(())
+}
+
+/// Copy `len` bytes from address `src` of process `pid` (this one or another) to local `dst`,
+/// which must be writable for `len` bytes.
+pub(crate) fn vm_read(pid: i32, src: u64, dst: *mut u8, len: usize) -> io::Result<()> {
     let mut done = 0usize;
     while done < len {
         let local = libc::iovec {
-            iov_base: spare[done..].as_mut_ptr().cast(),
+            iov_base: dst.wrapping_add(done).cast(),
             iov_len: len - done,
         };
         let remote = libc::iovec {
-            iov_base: (addr as usize).wrapping_add(done) as *mut libc::c_void,
+            iov_base: (src as usize).wrapping_add(done) as *mut libc::c_void,
             iov_len: len - done,
         };
-        // SAFETY: `local` covers `len - done` bytes of `out`'s spare capacity (reserved above),
-        // writable and owned by `out`; the kernel checks `remote` against this process's
-        // mappings and fails with EFAULT rather than touching anything unmapped or unreadable.
-        let n = unsafe { libc::process_vm_readv(libc::getpid(), &local, 1, &remote, 1, 0) };
+        // SAFETY: `local` covers writable memory of this process (the caller's `dst`); the
+        // kernel checks `remote` against the mappings of `pid` and reports EFAULT rather than
+        // touching anything unmapped or unreadable.
+        let n = unsafe { libc::process_vm_readv(pid, &local, 1, &remote, 1, 0) };
         if n < 0 {
             return Err(io::Error::last_os_error());
         }
@@ -34,9 +48,6 @@ pub(crate) fn read_own(addr: u64, len: usize, out: &mut Vec<u8>) -> io::Result<(
         }
         done += n as usize;
     }
-    // SAFETY: the kernel wrote all `len` bytes after `start` (the loop ends only then), inside
-    // the capacity reserved above.
-    unsafe { out.set_len(start + len) };
     Ok(())
 }
 

@@ -31,6 +31,7 @@ use super::qp::{
 use super::ring::{Ring, RingError};
 use super::segment::{QpSlot, Segment, MAILBOX_SLOTS, QP_INDEX_BITS};
 use super::sys;
+use crate::provider::own_memory::vm_read;
 use crate::{AccessFlags, QpState, SendFlags, Sge, WcOpcode, WcStatus, WrOpcode};
 
 /// What happened to a work request.
@@ -210,7 +211,7 @@ pub(crate) fn gather_inline<'b>(
                 // by `_hold`; `dst` is a distinct stack buffer of `len` bytes.
                 unsafe { std::ptr::copy_nonoverlapping(p, dst_ptr, len) };
             }
-            _ => sys::vm_read(sys::getpid(), s.addr, dst_ptr, len)
+            _ => vm_read(sys::getpid(), s.addr, dst_ptr, len)
                 .map_err(|_| WcStatus::LocalProtection)?,
         }
         at = end;
@@ -293,7 +294,7 @@ fn copy_chunk(src: Loc, so: u64, dst: Loc, doff: u64, n: u64) -> Result<(), Copy
             n_us,
         )
         .map_err(map),
-        (Loc::Remote { pid, addr }, Loc::Direct(d)) => sys::vm_read(
+        (Loc::Remote { pid, addr }, Loc::Direct(d)) => vm_read(
             pid,
             addr.wrapping_add(so),
             d.wrapping_add(doff as usize),

@@ -1,6 +1,6 @@
 //! Thin, safe wrappers over the Linux system calls the `shm` provider needs: memfd segments and
 //! their mappings, pidfds (liveness and fd duplication), eventfds, epoll, and cross-memory
-//! attach (`process_vm_readv`/`writev`).
+//! attach (`process_vm_writev`; reads: `provider::own_memory`).
 //!
 //! Every call returns `io::Error` on failure; nothing here knows about verbs. The raw pointers
 //! handed out by [`map_shared`] are owned by `segment`, which unmaps them.
@@ -266,31 +266,6 @@ pub(crate) fn vm_write(pid: i32, src: *const u8, dst: u64, len: usize) -> io::Re
         }
         if n == 0 {
             return Err(io::Error::from(io::ErrorKind::WriteZero));
-        }
-        done += n as usize;
-    }
-    Ok(())
-}
-
-/// Copy `len` bytes from address `src` of process `pid` to local `dst`.
-pub(crate) fn vm_read(pid: i32, src: u64, dst: *mut u8, len: usize) -> io::Result<()> {
-    let mut done = 0usize;
-    while done < len {
-        let local = libc::iovec {
-            iov_base: dst.wrapping_add(done).cast(),
-            iov_len: len - done,
-        };
-        let remote = libc::iovec {
-            iov_base: (src as usize).wrapping_add(done) as *mut libc::c_void,
-            iov_len: len - done,
-        };
-        // SAFETY: as in `vm_write`; `local` covers writable memory of this process.
-        let n = unsafe { libc::process_vm_readv(pid, &local, 1, &remote, 1, 0) };
-        if n < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        if n == 0 {
-            return Err(io::Error::from(io::ErrorKind::UnexpectedEof));
         }
         done += n as usize;
     }

@@ -135,6 +135,18 @@ fn messages_flow_both_ways_right_after_the_handshake_and_qps_are_reused() {
                 .unwrap_or_else(|e| panic!("{device} round {round}: {e}"));
             assert_eq!(est.qp.state(), QpState::Rts);
             assert_eq!(est.reused_qp, round > 0, "{device} round {round}");
+            if device == "tcp0" {
+                // The server reached RTR first and said so, and the client was given its
+                // endpoint as read after that RTR: from the second round on, it names the data
+                // connection kept from the round before, which both QPs take with no greeting.
+                let extra = &est.peer.endpoint.extra;
+                assert_eq!(extra.get("rtr_first").map(String::as_str), Some("1"));
+                assert_eq!(
+                    extra.contains_key("kept_from"),
+                    round > 0,
+                    "{device} round {round}: {extra:?}"
+                );
+            }
             // Send at once: the server posted its receives before its QP reached RTR.
             let mut msg = pool.alloc(11).unwrap();
             msg.copy_from_slice(b"hello world");

@@ -214,6 +214,13 @@ pub struct QpAttr {
     pub min_rnr_timer: Option<u8>,
     /// RTR: max outstanding READ/atomic as target.
     pub max_dest_rd_atomic: Option<u8>,
+    /// RTR: this QP reaches RTR before its peer, and the peer's RTR is given this QP's
+    /// endpoint as read after this RTR ([`crate::QueuePair::endpoint`]) — a promise of the
+    /// application, such as a connection manager that answers with the endpoint after its
+    /// RTR (see [`QpAttr::before_peer`]). A provider may then settle at this RTR what would
+    /// otherwise wait for both ends; one with nothing to settle ignores it. A peer whose
+    /// endpoint says it was first too makes the RTR fail (`InvalidArgument`).
+    pub rtr_before_peer: bool,
     /// RTS: send PSN.
     pub sq_psn: Option<u32>,
     /// RTS: local ACK timeout code: 4.096 µs × 2^timeout (0 = infinite), see [`ack_timeout`].
@@ -246,6 +253,13 @@ impl QpAttr {
             max_dest_rd_atomic: Some(16),
             ..Default::default()
         }
+    }
+    /// RTR, marked as reached before the peer's ([`QpAttr::rtr_before_peer`]). On `tcp0` the
+    /// peer then opens the data connection, or takes the one kept from the pair's last use
+    /// without a greeting on it.
+    pub fn before_peer(mut self) -> Self {
+        self.rtr_before_peer = true;
+        self
     }
     /// RTR → RTS with common defaults (timeout 14 ≈ 67 ms, retry 6, rnr_retry 7 = forever).
     ///
@@ -395,7 +409,9 @@ impl QueuePair {
         self.ops.query()
     }
 
-    /// What a peer needs to connect to this QP.
+    /// What a peer needs to connect to this QP. Read it after RESET to reconnect a reused QP;
+    /// read after RTR, it may also carry what that RTR settled for the peer's (see
+    /// [`QpAttr::rtr_before_peer`]).
     pub fn endpoint(&self) -> QpEndpoint {
         self.ops.endpoint()
     }

@@ -877,27 +877,47 @@ impl PendingConn {
         let cfg = &mgr.inner.cfg;
         let spin = mgr.spin_for(stream.is_local());
         let step = |phase| Step::new(self.peer_addr, phase, cfg.handshake_timeout, spin);
-        let run = |stream: &mut Stream| -> Result<(), ConnError> {
+        // Ok: the server's hello-ack as written (its QP's endpoint read after RTR).
+        let run = |stream: &mut Stream| -> Result<Option<Hello>, ConnError> {
             if qp.state() == QpState::Reset {
                 qp.modify(&QpAttr::init(cfg.access))?;
             }
             let remote = reached_at(&self.peer.endpoint, self.peer_addr);
-            qp.modify(&QpAttr::rtr(remote))?;
+            // The server reaches RTR first, and the client's RTR is given the endpoint the
+            // hello-ack carries, read after it (below).
+            let rtr = match self.role {
+                Role::Server => QpAttr::rtr(remote).before_peer(),
+                Role::Client => QpAttr::rtr(remote),
+            };
+            qp.modify(&rtr)?;
             let rts = match cfg.rnr_retry {
                 Some(n) => QpAttr::rts().with_rnr_retry(n),
                 None => QpAttr::rts(),
             };
             qp.modify(&rts)?;
             match self.role {
-                Role::Client if complete => step("ready").write_msg(stream, &Message::Ready),
-                Role::Client => Ok(()), // owed by the control stream
+                Role::Client if complete => step("ready")
+                    .write_msg(stream, &Message::Ready)
+                    .map(|()| None),
+                Role::Client => Ok(None), // owed by the control stream
                 Role::Server => {
-                    step("hello-ack").write_msg(stream, &Message::HelloAck(self.local.clone()))?;
+                    // The endpoint read after RTR tells the peer what the RTR settled (a tcp
+                    // QP names the kept data connection it took, so the peer takes it without
+                    // a greeting on it).
+                    let ack = Hello {
+                        endpoint: qp.endpoint(),
+                        ..self.local.clone()
+                    };
+                    let msg = Message::HelloAck(ack);
+                    step("hello-ack").write_msg(stream, &msg)?;
+                    let Message::HelloAck(ack) = msg else {
+                        unreachable!("built as a hello-ack above")
+                    };
                     if !complete {
-                        return Ok(());
+                        return Ok(Some(ack));
                     }
                     match step("ready").read_msg(stream, false)? {
-                        Some(Message::Ready) => Ok(()),
+                        Some(Message::Ready) => Ok(Some(ack)),
                         Some(Message::Reject(r)) => {
                             Err(rejected(self.peer_addr, &mgr.inner.provider, r))
                         }
@@ -915,7 +935,10 @@ impl PendingConn {
             }
         };
         match run(&mut stream) {
-            Ok(()) => {
+            Ok(ack) => {
+                if let Some(ack) = ack {
+                    self.local = ack;
+                }
                 let mut control = None;
                 match (self.role, keep_stream) {
                     (Role::Client, false) => mgr.put_idle_stream(self.peer_addr, stream),

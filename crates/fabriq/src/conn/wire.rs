@@ -20,8 +20,10 @@ pub const MAGIC: u32 = 0x4642_5251;
 /// The handshake version this build speaks. It names the data-path protocol too: version 2
 /// carries streams (the channel wire format `0xFB02`), so a peer of another version is refused
 /// at the handshake, not at its first message. Version 4: the hello names the sender's local
-/// control socket ([`Hello::local_control`]).
-pub const VERSION: u16 = 4;
+/// control socket ([`Hello::local_control`]). Version 5: the server reaches RTR first and says
+/// so (`QpAttr::before_peer`), and its hello-ack carries its QP's endpoint as read after that
+/// RTR, which the client's RTR must be given.
+pub const VERSION: u16 = 5;
 /// Largest frame body accepted from a peer, bytes.
 pub const MAX_FRAME_LEN: usize = 16 * 1024;
 /// Largest string field accepted from a peer, bytes.

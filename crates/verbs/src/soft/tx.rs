@@ -150,6 +150,17 @@ impl TxQueue {
         r
     }
 
+    /// Put `bytes` before everything queued, if nothing was sent of it yet (false otherwise,
+    /// and nothing changes).
+    pub fn prepend(&mut self, bytes: Vec<u8>) -> bool {
+        if self.head_sent > 0 {
+            return false;
+        }
+        self.pending += bytes.len();
+        self.segments.push_front(Segment::Owned(bytes));
+        true
+    }
+
     /// Drop everything (connection closed).
     pub fn clear(&mut self) {
         self.segments.clear();

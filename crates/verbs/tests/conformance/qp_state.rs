@@ -505,6 +505,52 @@ pub fn qp_reset_gives_a_new_initial_psn<P: TestProvider>(env: &Env<P>) -> TestRe
     Ok(())
 }
 
+/// A QP that reaches RTR first and says so ([`QpAttr::before_peer`]), its peer connected to
+/// the endpoint read after that RTR, carries SENDs both ways; reset and connected again the same
+/// way, the pair does so again (a provider that keeps something of the pair's last connection
+/// may take it at these RTRs).
+pub fn qp_rtr_before_peer_carries_traffic<P: TestProvider>(env: &Env<P>) -> TestResult {
+    if !env.has(Capabilities::SEND) {
+        return Ok(());
+    }
+    let lab = Lab::new(env)?;
+    let a = lab.qp(QpCaps::default())?;
+    let b = lab.qp(QpCaps::default())?;
+    let o = ConnectOpts::default();
+    for round in 0..3u8 {
+        if round > 0 {
+            a.modify(&QpAttr::reset())?;
+            b.modify(&QpAttr::reset())?;
+        }
+        a.modify(&QpAttr::init(o.access))?;
+        a.modify(&QpAttr::rtr(b.endpoint()).before_peer())?;
+        a.modify(&QpAttr::rts())?;
+        drive_to_rts(&b, &a.endpoint(), &o)?;
+        for (dir, (from, to)) in [(&a, &b), (&b, &a)].into_iter().enumerate() {
+            let seed = round * 2 + dir as u8 + 1;
+            let id = u64::from(seed);
+            let (src, dst) = (256 * dir, 1024 + 256 * dir);
+            lab.mr.write_at(src, &pattern(seed, 100))?;
+            to.post_recv(&[RecvWr::new(id, &[lab.mr.sge(dst, 100)?])])?;
+            from.post_send(&[SendWr::new(id, &[lab.mr.sge(src, 100)?], WrOpcode::Send)])?;
+            for wc in lab.cq.wait(2)? {
+                expect_wc(
+                    &wc,
+                    id,
+                    WcStatus::Success,
+                    &format!("round {round}, SEND {dir}"),
+                )?;
+            }
+            let mut got = vec![0u8; 100];
+            lab.mr.read_at(dst, &mut got)?;
+            if got != pattern(seed, 100) {
+                return Err(fail(format!("round {round}, SEND {dir}: wrong bytes")));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Posting more sends than the send queue holds fails with QueueFull at the first request that
 /// does not fit; once the queue drains, posting works again.
 pub fn qp_full_send_queue_is_back_pressure<P: TestProvider>(env: &Env<P>) -> TestResult {

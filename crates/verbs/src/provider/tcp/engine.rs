@@ -147,6 +147,9 @@ pub(crate) struct Engine {
     pub conns_reused: AtomicU64,
     /// Kept connections on which a QP found the peer's HELLO at its RTR (so wrote none).
     pub hellos_found: AtomicU64,
+    /// Kept connections a QP took at RTR with no HELLO written or found: an accepting QP (it
+    /// owes one until it writes), or an opening QP whose peer's endpoint named the connection.
+    pub hellos_spared: AtomicU64,
     /// Busy mode: microseconds since the poller epoch of the last `drive` (0: never).
     last_drive_us: AtomicU64,
     /// Busy mode: QPs whose readiness the thread left to an active poller; their one-shot
@@ -187,6 +190,7 @@ impl Engine {
             conns_opened: AtomicU64::new(0),
             conns_reused: AtomicU64::new(0),
             hellos_found: AtomicU64::new(0),
+            hellos_spared: AtomicU64::new(0),
             last_drive_us: AtomicU64::new(0),
             deferred: Mutex::new(Vec::new()),
             acks_held: AtomicBool::new(false),

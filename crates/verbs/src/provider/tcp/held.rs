@@ -17,10 +17,12 @@
 //!   its `opener`) to any QP of this context. When the two QPs (the opener from a cache) are
 //!   connected again, the connection carries the new use — no TCP handshake, no accept and
 //!   fewer system calls on both sides. A new QP always opens its own connection.
-//! - The next use starts with a HELLO from whichever end reaches RTR first: at RTR a QP reads
-//!   the kept connection; if the peer's HELLO for this pair is there, it takes the connection
-//!   without writing one, else it writes its own. If both write (both reached RTR before either
-//!   HELLO arrived), each skips the other's as the first frame of the use.
+//! - At RTR a QP reads the kept connection; if the peer's HELLO for this pair is there, it takes
+//!   the connection without writing one. Else an accepting QP takes it and owes its HELLO,
+//!   written in front of its first frame unless the peer speaks first (its endpoint meanwhile
+//!   names the connection); an opening QP given that endpoint takes it without a HELLO too, and
+//!   one given none writes its own. If both write, each skips the other's as the first frame
+//!   of the use.
 //! - A clean kept connection is not watched for input, only for the peer closing: nothing is
 //!   read from it until a QP reaches RTR on it, so a HELLO written to it wakes no thread. Except
 //!   on the accepting end when a QP reached RTR towards its opener before the connection was

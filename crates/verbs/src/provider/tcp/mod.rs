@@ -6,11 +6,14 @@
 //! moves bytes, drives time, and maps connection events onto QPs.
 //!
 //! - One TCP connection per connected QP pair. At RTR, the side whose `(address, qpn)` is
-//!   smaller connects to the other's listener and sends a HELLO naming the target QP; the
-//!   listener side attaches the accepted stream to that QP (parking it until RTR if needed).
+//!   smaller — or the side that did not reach RTR first, when one says it did
+//!   (`QpAttr::before_peer`) — connects to the other's listener and sends a HELLO naming the
+//!   target QP; the listener side attaches the accepted stream to that QP (parking it until
+//!   RTR if needed).
 //! - A QP pair that leaves a healthy connection says BYE on it, and the connection outlives
-//!   the pair ([`held`]): the QP that opened it sends its next HELLO on it when it connects
-//!   again to a QP of the same context (a QP from a cache), instead of opening another.
+//!   the pair ([`held`]): the QP that opened it takes it again when it connects again to a QP
+//!   of the same context (a QP from a cache), instead of opening another — with a HELLO on it,
+//!   or none when the accepting QP reached RTR first and its endpoint names the connection.
 //! - Progress: a thread per context waits on epoll (accepts, readable and writable sockets,
 //!   timers). Requests are written straight from the posting thread. With
 //!   `progress = "busy"` a `poll` on a CQ also reads the sockets, so a spinning poller sees

@@ -62,6 +62,13 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 const ACK_HOLD: Duration = Duration::from_micros(100);
 /// The endpoint key naming the QP's incarnation.
 pub(crate) const INCARNATION_KEY: &str = "incarnation";
+/// The endpoint key of an accepting QP that took a kept connection at RTR without a HELLO:
+/// the address that connection's opening end has (its local address), so that the opening
+/// QP, reading the endpoint for its own RTR, takes the connection without one too.
+pub(crate) const KEPT_FROM_KEY: &str = "kept_from";
+/// The endpoint key of a QP that reached RTR first ([`QpAttr::rtr_before_peer`]): it accepts
+/// the data connection, and its peer opens it.
+pub(crate) const FIRST_KEY: &str = "rtr_first";
 /// Accepted connections kept for a QP that has not reached RTR yet, at most.
 const MAX_PARKED: usize = 4;
 
@@ -82,6 +89,9 @@ struct Attached {
     /// A kept connection this QP wrote its HELLO on: the peer's HELLO may come first (both
     /// reached RTR before either arrived), and is skipped.
     hello_due: bool,
+    /// A kept connection this QP took without a HELLO either way: it writes one before its
+    /// first frame if the peer has said nothing by then ([`Side::hello_owed`]).
+    hello_owed: bool,
 }
 
 /// What the HELLO of an accepted connection says about both ends.
@@ -144,6 +154,28 @@ fn remote_incarnation(remote: &QpEndpoint) -> Result<Option<u32>> {
     }
 }
 
+/// The opening end's address of the kept connection a remote endpoint says its QP took
+/// without a HELLO ([`KEPT_FROM_KEY`]), if it says so.
+fn kept_from(remote: &QpEndpoint) -> Result<Option<SocketAddr>> {
+    match remote.extra.get(KEPT_FROM_KEY) {
+        None => Ok(None),
+        Some(v) => v.parse().map(Some).map_err(|_| {
+            VerbsError::InvalidArgument(format!("remote endpoint {KEPT_FROM_KEY} = {v:?}"))
+        }),
+    }
+}
+
+/// Whether a remote endpoint says its QP reached RTR first ([`FIRST_KEY`]).
+fn remote_first(remote: &QpEndpoint) -> Result<bool> {
+    match remote.extra.get(FIRST_KEY).map(String::as_str) {
+        None => Ok(false),
+        Some("1") => Ok(true),
+        Some(v) => Err(VerbsError::InvalidArgument(format!(
+            "remote endpoint {FIRST_KEY} = {v:?}"
+        ))),
+    }
+}
+
 /// How `drive_rx` takes the read lock.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Lock {
@@ -176,6 +208,15 @@ struct Side {
     /// [`Attached::hello_due`]); and, on the accepting end, the peer may give the connection up
     /// unused ([`TcpQp::leave_unused_kept`]).
     hello_due: bool,
+    /// Accepting end: this QP took the kept connection at RTR without writing a HELLO. Until
+    /// the peer's first frame arrives, whatever this QP writes first on it is preceded by the
+    /// HELLO, so that a peer that has not reached RTR yet finds it there as before; the
+    /// endpoint meanwhile names the connection ([`KEPT_FROM_KEY`]), so that a peer reading
+    /// it takes the connection without a HELLO too.
+    hello_owed: bool,
+    /// This incarnation reached RTR first ([`QpAttr::rtr_before_peer`]): the endpoint says so
+    /// ([`FIRST_KEY`]).
+    first: bool,
 }
 
 impl Side {
@@ -288,6 +329,8 @@ impl TcpQp {
                 out_armed: false,
                 held_at: None,
                 hello_due: false,
+                hello_owed: false,
+                first: false,
             }),
             ack_held: AtomicBool::new(false),
             out_waiting: AtomicBool::new(false),
@@ -305,6 +348,15 @@ impl TcpQp {
         if side.conn.is_some() {
             let Side { core, tx, .. } = side;
             core.poll_transmit(now, tx);
+            if side.hello_owed && !side.tx.is_empty() {
+                side.hello_owed = false;
+                let hello = self.hello_of_use(side);
+                if !side.tx.prepend(hello) {
+                    // Unreachable: nothing of this use was written before the HELLO.
+                    side.core
+                        .fail("output began before the connection's HELLO".to_string());
+                }
+            }
             self.flush_tx(side);
         }
         if side.core.state() == QpState::Error {
@@ -563,6 +615,10 @@ impl TcpQp {
                     Ok(Some((frame, n))) => {
                         *peek_next = false;
                         let first = std::mem::take(&mut side.hello_due);
+                        if first {
+                            // The peer took the connection for this use: no HELLO is owed.
+                            side.hello_owed = false;
+                        }
                         match frame {
                             // Both ends wrote a HELLO on a kept connection: the peer's is
                             // the first frame.
@@ -693,6 +749,7 @@ impl TcpQp {
                     opened_to: None,
                     watched: true,
                     hello_due: false,
+                    hello_owed: false,
                 };
                 self.attach(&mut rx, &mut side, a);
             }
@@ -746,6 +803,7 @@ impl TcpQp {
             opened_to,
             watched,
             hello_due,
+            hello_owed,
         } = a;
         let opts = &self.engine.opts;
         // Best effort: a refused size leaves the kernel's autotuning in place.
@@ -767,6 +825,7 @@ impl TcpQp {
         rx.conn = Some(stream.clone());
         rx.reset(&mut side.core);
         side.hello_due = hello_due;
+        side.hello_owed = hello_owed;
         side.conn = Some(stream);
         side.opened_to = opened_to;
         side.tx.clear();
@@ -794,7 +853,11 @@ impl TcpQp {
             && (rx.lowat == 1 || crate::soft::poller::set_rcvlowat(conn.as_fd(), 1).is_ok());
         let opened_to = side.opened_to.take();
         let kept = idle && {
-            let mut bye = Vec::with_capacity(wire::HEADER_LEN + 8);
+            // A HELLO still owed goes first, so that the peer's end reads the use it ends.
+            let mut bye = match side.hello_owed {
+                true => self.hello_of_use(side),
+                false => Vec::with_capacity(wire::HEADER_LEN + 8),
+            };
             wire::encode(
                 &Frame::Bye {
                     dst_qpn: side.core.remote().map_or(0, |r| r.qp_num.0),
@@ -822,6 +885,15 @@ impl TcpQp {
             let _ = conn.shutdown(Shutdown::Both);
         }
         close_side(side);
+    }
+
+    /// The HELLO of this QP's current use of its connection, for the peer named at RTR.
+    fn hello_of_use(&self, side: &Side) -> Vec<u8> {
+        let dst = side.core.remote().map_or(0, |r| r.qp_num.0);
+        hello_frame(
+            (dst, side.remote_incarnation.unwrap_or(0)),
+            (self.qp_num.0, side.incarnation),
+        )
     }
 }
 
@@ -899,6 +971,7 @@ fn close_side(side: &mut Side) {
     side.out_armed = false;
     side.held_at = None;
     side.hello_due = false;
+    side.hello_owed = false;
 }
 
 /// Ensure the buffer has room for the next read: compact, and grow to hold the frame being
@@ -960,14 +1033,29 @@ impl SoftQpDriver for TcpQp {
     }
 
     fn current_endpoint(&self) -> QpEndpoint {
-        let (incarnation, psn) = {
+        let (incarnation, psn, kept_from, first) = {
             let side = self.side.lock();
-            (side.incarnation, side.core.initial_psn())
+            let kept_from = match (&side.conn, side.hello_owed) {
+                (Some(c), true) => c.peer_addr().ok(),
+                _ => None,
+            };
+            (
+                side.incarnation,
+                side.core.initial_psn(),
+                kept_from,
+                side.first,
+            )
         };
         let mut ep = self.endpoint.clone();
         ep.psn = psn;
         ep.extra
             .insert(INCARNATION_KEY.to_string(), incarnation.to_string());
+        if first {
+            ep.extra.insert(FIRST_KEY.to_string(), "1".to_string());
+        }
+        if let Some(a) = kept_from {
+            ep.extra.insert(KEPT_FROM_KEY.to_string(), a.to_string());
+        }
         ep
     }
 
@@ -1002,24 +1090,44 @@ impl SoftQpDriver for TcpQp {
         }
         let dst = (remote.qp_num.0, remote_inc.unwrap_or(0));
         let src = (self.qp_num.0, incarnation);
+        // Who opens the data connection: the end that was not first at RTR, when one says it
+        // was; else the lower (address, QP number), as both ends order the pair alike.
+        let peer_first = remote_first(remote)?;
+        if attr.rtr_before_peer && peer_first {
+            return Err(VerbsError::InvalidArgument(
+                "both ends of the QP pair say they reached RTR first".into(),
+            ));
+        }
+        let opener = match (attr.rtr_before_peer, peer_first) {
+            (true, _) => false,
+            (false, true) => true,
+            (false, false) => me < peer,
+        };
+        let kept_from = match opener {
+            true => kept_from(remote)?,
+            false => None,
+        };
         // The connection of the pair's last use, kept at both ends: by the opening end for the
         // QP that opened it (reused towards the same peer context only; a QP that accepts now
         // gives its own up), by the accepting end for the peer's next use.
         let opened = self
             .engine
-            .take_opened((me < peer).then_some(raddr), self.qp_num.0);
-        let kept = match me < peer {
+            .take_opened(opener.then_some(raddr), self.qp_num.0);
+        let kept = match opener {
             true => opened,
             false => self
                 .engine
                 .take_accepted(raddr, remote.qp_num.0, self.qp_num.0),
         };
         // Its next use starts with the HELLO of the end that reaches RTR first: the peer's,
-        // found on it, or this QP's, written now (then the peer's may still follow).
+        // found on it, or this QP's, written now (then the peer's may still follow) — except
+        // that an accepting end takes it without writing one (owing it until it writes
+        // anything), and an opening end whose peer's endpoint says it took this connection so
+        // takes it without one too.
         let kept = kept.and_then(|k| match k.hello {
             Some(ids) if hello_is_from(ids, remote.qp_num.0, remote_inc, incarnation) => {
                 self.engine.hellos_found.fetch_add(1, Ordering::Relaxed);
-                Some((k.stream, false))
+                Some((k.stream, false, false))
             }
             Some(_) => {
                 tracing::debug!(
@@ -1029,10 +1137,18 @@ impl SoftQpDriver for TcpQp {
                 let _ = k.stream.shutdown(Shutdown::Both);
                 None
             }
-            None => introduce(k.stream, dst, src).ok().map(|s| (s, true)),
+            None if !opener => {
+                self.engine.hellos_spared.fetch_add(1, Ordering::Relaxed);
+                Some((k.stream, true, true))
+            }
+            None if kept_from.is_some() && k.stream.local_addr().ok() == kept_from => {
+                self.engine.hellos_spared.fetch_add(1, Ordering::Relaxed);
+                Some((k.stream, true, false))
+            }
+            None => introduce(k.stream, dst, src).ok().map(|s| (s, true, false)),
         });
-        let stream = match (kept, me < peer) {
-            (Some((stream, hello_due)), opener) => {
+        let stream = match (kept, opener) {
+            (Some((stream, hello_due, hello_owed)), opener) => {
                 if opener {
                     self.engine.conns_reused.fetch_add(1, Ordering::Relaxed);
                 }
@@ -1041,6 +1157,7 @@ impl SoftQpDriver for TcpQp {
                     opened_to: opener.then_some(raddr),
                     watched: true,
                     hello_due,
+                    hello_owed,
                 })
             }
             (None, true) => {
@@ -1051,6 +1168,7 @@ impl SoftQpDriver for TcpQp {
                     opened_to: Some(raddr),
                     watched: false,
                     hello_due: false,
+                    hello_owed: false,
                 })
             }
             (None, false) => None,
@@ -1063,6 +1181,7 @@ impl SoftQpDriver for TcpQp {
             ));
         }
         side.core.modify(attr)?;
+        side.first = attr.rtr_before_peer;
         side.remote_incarnation = remote_inc;
         side.remote_addr = Some(raddr);
         let parked = std::mem::take(&mut side.parked);
@@ -1094,6 +1213,7 @@ impl SoftQpDriver for TcpQp {
                     opened_to: None,
                     watched: false,
                     hello_due: false,
+                    hello_owed: false,
                 };
                 self.attach(&mut rx, &mut side, a);
             }
@@ -1108,6 +1228,7 @@ impl SoftQpDriver for TcpQp {
             Transition::Reset => {
                 self.release(&mut rx, &mut side, false);
                 side.incarnation = next_incarnation(side.incarnation);
+                side.first = false;
                 side.remote_incarnation = None;
                 side.remote_addr = None;
                 rx.reset(&mut side.core);

@@ -204,33 +204,96 @@ fn a_qp_that_reached_rtr_before_its_connection_was_kept_gets_the_hello_written_o
     assert_eq!(engine(&hi).quiet_conns(), 0);
 }
 
-/// The next use of a kept connection starts with the HELLO of the end that reaches RTR first;
-/// it lies unread — no thread of the other context wakes for it — until the QP there reaches
-/// RTR and finds it, and writes none itself. Either end may be first.
+/// Kept connections a QP of `ctx` took at RTR with no HELLO written or found.
+fn spared(ctx: &Context) -> u64 {
+    engine(ctx).hellos_spared.load(Ordering::Relaxed)
+}
+
+/// The next use of a kept connection: an opening end first at RTR writes the HELLO, which lies
+/// unread — no thread of the other context wakes for it — until the QP there reaches RTR and
+/// finds it. An accepting end first at RTR writes none: an opening QP given the accepting
+/// QP's endpoint as read after that RTR (it names the connection) takes the connection
+/// without one either; given the endpoint from before, it writes its HELLO, which the
+/// accepting QP skips; and if the accepting QP posts a request before the opening one reached
+/// RTR, its HELLO goes first, and the opening QP finds it at RTR.
 #[test]
-fn the_first_end_at_rtr_writes_the_hello_and_the_other_finds_it_at_its_own() {
+fn the_first_end_at_rtr_greets_unless_it_accepts_and_the_peer_reads_its_endpoint_after() {
     let (lo, hi, a, b) = used_pair();
-    for round in 1..=6u64 {
+    const ROUNDS: u64 = 8;
+    for round in 1..=ROUNDS {
         // Clean at both ends: nothing is watched for until the next use.
         leave_clean(&lo, &hi, &a, &b);
-        let (first, second, second_ctx) = match round % 2 {
-            0 => (&a, &b, &hi),
-            _ => (&b, &a, &lo),
+        let before = (found(&lo), found(&hi), spared(&lo), spared(&hi));
+        let delta = || {
+            (
+                found(&lo) - before.0,
+                found(&hi) - before.1,
+                spared(&lo) - before.2,
+                spared(&hi) - before.3,
+            )
         };
-        let before = found(second_ctx);
-        reach_rts(first, second);
-        std::thread::sleep(std::time::Duration::from_millis(20));
-        assert_eq!(
-            engine(second_ctx).quiet_conns(),
-            1,
-            "round {round}: the HELLO lies unread until the RTR"
-        );
-        reach_rts(second, first);
-        assert_eq!(found(second_ctx), before + 1, "round {round}: found at RTR");
-        exchange(&a, &b, round);
+        match round % 4 {
+            0 => {
+                // The opening end first: its HELLO waits, found by the accepting end's RTR.
+                reach_rts(&a, &b);
+                std::thread::sleep(std::time::Duration::from_millis(20));
+                assert_eq!(engine(&hi).quiet_conns(), 1, "round {round}: unread");
+                reach_rts(&b, &a);
+                assert_eq!(delta(), (0, 1, 0, 0), "round {round}");
+                exchange(&a, &b, round);
+            }
+            1 | 2 => {
+                // The accepting end first: nothing is written on the connection.
+                let early = a.qp.endpoint();
+                let b_before = b.qp.endpoint();
+                reach_rts(&b, &a);
+                assert!(!b_before.extra.contains_key(super::qp::KEPT_FROM_KEY));
+                let named = b.qp.endpoint();
+                assert!(
+                    named.extra.contains_key(super::qp::KEPT_FROM_KEY),
+                    "round {round}: the endpoint after RTR names the connection"
+                );
+                std::thread::sleep(std::time::Duration::from_millis(20));
+                assert_eq!(engine(&lo).quiet_conns(), 1, "round {round}: nothing came");
+                if round % 4 == 1 {
+                    reach_rts_towards(&a, named);
+                    assert_eq!(delta(), (0, 0, 1, 1), "round {round}: no HELLO either way");
+                } else {
+                    // The endpoint as read before: a writes its HELLO, b skips it.
+                    reach_rts_towards(&a, b_before);
+                    assert_eq!(delta(), (0, 0, 0, 1), "round {round}: a's HELLO");
+                }
+                assert_eq!(early.qp_num, a.qp.qp_num());
+                exchange(&a, &b, round);
+            }
+            _ => {
+                // The accepting end first, and it sends before the opening end's RTR: its HELLO
+                // precedes the SEND, and the opening end finds it.
+                reach_rts(&b, &a);
+                let id = round * 2;
+                b.mr.write_at(0, &id.to_le_bytes()).unwrap();
+                b.qp.post_send(&[SendWr::new(id, &[b.mr.sge(0, 8).unwrap()], WrOpcode::Send)])
+                    .unwrap();
+                std::thread::sleep(std::time::Duration::from_millis(20));
+                a.qp.modify(&QpAttr::init(AccessFlags::ALL)).unwrap();
+                a.qp.post_recv(&[RecvWr::new(id, &[a.mr.sge(1024, 8).unwrap()])])
+                    .unwrap();
+                a.qp.modify(&QpAttr::rtr(b.qp.endpoint())).unwrap();
+                a.qp.modify(&QpAttr::rts()).unwrap();
+                assert_eq!(delta(), (1, 0, 0, 1), "round {round}: b's HELLO found");
+                let (sent, got) = (wait(&b.cq, 1)[0], wait(&a.cq, 1)[0]);
+                assert_eq!(
+                    (sent.wr_id, sent.status, got.wr_id, got.status, got.byte_len),
+                    (id, WcStatus::Success, id, WcStatus::Success, 8)
+                );
+                let mut back = [0u8; 8];
+                a.mr.read_at(1024, &mut back).unwrap();
+                assert_eq!(u64::from_le_bytes(back), id);
+                exchange(&a, &b, round);
+            }
+        }
     }
-    assert_eq!(counts(&lo), (1, 6), "one connection all along");
-    assert_eq!((found(&lo), found(&hi)), (3, 3));
+    assert_eq!(counts(&lo), (1, ROUNDS), "one connection all along");
 }
 
 /// Both ends reach RTR before either HELLO arrives: both write one, and each skips the
@@ -483,24 +546,49 @@ fn the_accepting_end_skips_what_preceded_the_bye_and_takes_the_next_hello() {
     std::thread::sleep(std::time::Duration::from_millis(20));
     s.write_all(rest).unwrap();
     s.write_all(&bye(b.qp.qp_num().0, PEER_QPN)).unwrap();
-    // Reset and connected again, the QP at RTR first: it writes the HELLO of the next use on
-    // the same connection; the test's own, written as if at once, is skipped.
+    // Reset and connected again, the QP at RTR first: it takes the same connection without
+    // writing anything, and its endpoint names the connection by the test's address.
     b.qp.modify(&QpAttr::reset()).unwrap();
     wait_quiet(&ctx, 1);
     rtr(8);
-    match read_frame(&mut s, wire::HEADER_LEN + 16) {
+    assert_eq!(
+        b.qp.endpoint().extra.get(super::qp::KEPT_FROM_KEY),
+        Some(&s.local_addr().unwrap().to_string())
+    );
+    s.set_read_timeout(Some(std::time::Duration::from_millis(20)))
+        .unwrap();
+    assert!(s.read(&mut [0u8; 1]).is_err(), "nothing written at RTR");
+    s.set_read_timeout(Some(WAIT)).unwrap();
+    // Its first frame comes after the HELLO it owes; the test's own HELLO, written as if at
+    // once, is skipped.
+    b.qp.modify(&QpAttr::rts()).unwrap();
+    b.qp.post_send(&[SendWr::new(9, &[], WrOpcode::Send)])
+        .unwrap();
+    match read_next(&mut s) {
         Frame::Hello {
             dst_qpn, src_qpn, ..
         } => assert_eq!((dst_qpn, src_qpn), (PEER_QPN, b.qp.qp_num().0)),
         f => panic!("expected HELLO, got {f:?}"),
     }
+    match read_next(&mut s) {
+        Frame::Request(wire::Request {
+            op: wire::RequestOp::Send { .. },
+            ..
+        }) => {}
+        f => panic!("expected the SEND, got {f:?}"),
+    }
+    assert!(!b.qp.endpoint().extra.contains_key(super::qp::KEPT_FROM_KEY));
     s.write_all(&hello(8, incarnation())).unwrap();
     b.qp.post_recv(&[RecvWr::new(2, &[])]).unwrap();
-    assert_eq!(b.qp.state(), QpState::Rtr);
+    assert_eq!(b.qp.state(), QpState::Rts);
     // Attached: the test closing it now fails the QP.
     drop(s);
-    let wc = wait(&b.cq, 1)[0];
-    assert_eq!((wc.wr_id, wc.status), (2, WcStatus::WrFlushed));
+    let mut ids: Vec<(u64, bool)> = wait(&b.cq, 2)
+        .iter()
+        .map(|wc| (wc.wr_id, wc.status == WcStatus::Success))
+        .collect();
+    ids.sort_unstable();
+    assert_eq!(ids, [(2, false), (9, false)]);
     wait_state(&b.qp, QpState::Error);
 
     // Bytes after the BYE that are not a HELLO close the connection.
@@ -679,8 +767,8 @@ fn read_next(s: &mut TcpStream) -> Frame<'static> {
 }
 
 /// The test is the opening end (its QP 77 "lives" at 127.0.0.1:1, below the context). The QP
-/// reaches RTR first, writes the HELLO of the next use on the kept connection and posts a SEND
-/// over it; the test then does what an opening end does that finds the connection not clean at
+/// reaches RTR first, takes the kept connection and posts a SEND over it (the HELLO it owes
+/// first); the test then does what an opening end does that finds the connection not clean at
 /// its own RTR (the QP's BYE still on the way): it gives the connection up unread and opens a
 /// new one. The QP does not fail: it takes the new connection and sends its SEND again over
 /// it — whether the old connection's end (here a reset: the test left bytes unread) or the new
@@ -767,4 +855,68 @@ fn an_accepting_end_whose_kept_connection_the_opener_gives_up_unused_takes_its_n
     g.write_all(&empty_send(&b.qp)).unwrap();
     let wc = wait(&b.cq, 1)[0];
     assert_eq!((wc.wr_id, wc.status), (5, WcStatus::Success));
+}
+
+/// A QP that reaches RTR first and says so (`QpAttr::before_peer`) accepts the data connection
+/// whatever the addresses: its peer opens it (here the context with the higher address, which
+/// would accept by the address order), and at the pair's next connections takes it again with
+/// no HELLO either way. A peer's endpoint that says it was first too, or names a connection in
+/// a form no endpoint has, is refused at RTR.
+#[test]
+fn the_end_first_at_rtr_accepts_and_its_peer_opens_whatever_their_addresses() {
+    use super::qp::{FIRST_KEY, KEPT_FROM_KEY};
+    let (lo, hi) = contexts();
+    let (a, b) = (side(&lo), side(&hi));
+    let first = |s: &Side, remote: QpEndpoint| {
+        s.qp.modify(&QpAttr::init(AccessFlags::ALL)).unwrap();
+        s.qp.modify(&QpAttr::rtr(remote).before_peer()).unwrap();
+        s.qp.modify(&QpAttr::rts()).unwrap();
+    };
+    const ROUNDS: u64 = 4;
+    for round in 0..ROUNDS {
+        if round > 0 {
+            leave_clean(&lo, &hi, &a, &b);
+        }
+        let before = (spared(&lo), spared(&hi));
+        first(&a, b.qp.endpoint());
+        let named = a.qp.endpoint();
+        assert_eq!(named.extra.get(FIRST_KEY).map(String::as_str), Some("1"));
+        assert_eq!(named.extra.contains_key(KEPT_FROM_KEY), round > 0);
+        reach_rts_towards(&b, named);
+        exchange(&a, &b, round);
+        let spared_now = (spared(&lo) - before.0, spared(&hi) - before.1);
+        let want = if round > 0 { (1, 1) } else { (0, 0) };
+        assert_eq!(spared_now, want, "round {round}");
+    }
+    assert_eq!(
+        counts(&hi),
+        (1, ROUNDS - 1),
+        "the peer opened the one connection"
+    );
+    assert_eq!(counts(&lo), (0, 0));
+
+    // Both ends say they were first.
+    leave_clean(&lo, &hi, &a, &b);
+    first(&a, b.qp.endpoint());
+    b.qp.modify(&QpAttr::init(AccessFlags::ALL)).unwrap();
+    let refused = |remote: QpEndpoint, attr: fn(QpEndpoint) -> QpAttr| {
+        match b.qp.modify(&attr(remote)) {
+            Err(VerbsError::InvalidArgument(_)) => {}
+            r => panic!("expected InvalidArgument, got {r:?}"),
+        }
+        assert_eq!(b.qp.state(), QpState::Init);
+    };
+    refused(a.qp.endpoint(), |r| QpAttr::rtr(r).before_peer());
+    let mut bad = a.qp.endpoint();
+    bad.extra.insert(FIRST_KEY.into(), "yes".into());
+    refused(bad, QpAttr::rtr);
+    let mut bad = a.qp.endpoint();
+    bad.extra.insert(KEPT_FROM_KEY.into(), "somewhere".into());
+    refused(bad, QpAttr::rtr);
+    // The endpoint as it is still connects, over the kept connection: the refusals took
+    // nothing from it.
+    b.qp.modify(&QpAttr::rtr(a.qp.endpoint())).unwrap();
+    b.qp.modify(&QpAttr::rts()).unwrap();
+    exchange(&a, &b, ROUNDS);
+    assert_eq!(counts(&hi), (1, ROUNDS));
 }

@@ -121,15 +121,21 @@ fn exchange(a: &Side, b: &Side, tag: u64) {
                 WrOpcode::Send,
             )])
             .unwrap();
-        let (sent, got) = (wait(&from.cq, 1)[0], wait(&to.cq, 1)[0]);
-        assert_eq!(
-            (sent.wr_id, sent.status, got.wr_id, got.status, got.byte_len),
-            (id, WcStatus::Success, id, WcStatus::Success, 8)
-        );
-        let mut back = [0u8; 8];
-        to.mr.read_at(1024, &mut back).unwrap();
-        assert_eq!(back, bytes, "message {id}");
+        expect_delivered(from, to, id);
     }
+}
+
+/// The 8-byte SEND `id` (carrying `id`) from `from` completed at both ends, into `to`'s
+/// receive at offset 1024, byte for byte.
+fn expect_delivered(from: &Side, to: &Side, id: u64) {
+    let (sent, got) = (wait(&from.cq, 1)[0], wait(&to.cq, 1)[0]);
+    assert_eq!(
+        (sent.wr_id, sent.status, got.wr_id, got.status, got.byte_len),
+        (id, WcStatus::Success, id, WcStatus::Success, 8)
+    );
+    let mut back = [0u8; 8];
+    to.mr.read_at(1024, &mut back).unwrap();
+    assert_eq!(u64::from_le_bytes(back), id, "message {id}");
 }
 
 #[test]
@@ -281,14 +287,7 @@ fn the_first_end_at_rtr_greets_unless_it_accepts_and_the_peer_reads_its_endpoint
                 a.qp.modify(&QpAttr::rtr(b.qp.endpoint())).unwrap();
                 a.qp.modify(&QpAttr::rts()).unwrap();
                 assert_eq!(delta(), (1, 0, 0, 1), "round {round}: b's HELLO found");
-                let (sent, got) = (wait(&b.cq, 1)[0], wait(&a.cq, 1)[0]);
-                assert_eq!(
-                    (sent.wr_id, sent.status, got.wr_id, got.status, got.byte_len),
-                    (id, WcStatus::Success, id, WcStatus::Success, 8)
-                );
-                let mut back = [0u8; 8];
-                a.mr.read_at(1024, &mut back).unwrap();
-                assert_eq!(u64::from_le_bytes(back), id);
+                expect_delivered(&b, &a, id);
                 exchange(&a, &b, round);
             }
         }

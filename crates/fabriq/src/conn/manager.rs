@@ -877,8 +877,7 @@ impl PendingConn {
         let cfg = &mgr.inner.cfg;
         let spin = mgr.spin_for(stream.is_local());
         let step = |phase| Step::new(self.peer_addr, phase, cfg.handshake_timeout, spin);
-        // Ok: the server's hello-ack as written (its QP's endpoint read after RTR).
-        let run = |stream: &mut Stream| -> Result<Option<Hello>, ConnError> {
+        let mut run = |stream: &mut Stream| -> Result<(), ConnError> {
             if qp.state() == QpState::Reset {
                 qp.modify(&QpAttr::init(cfg.access))?;
             }
@@ -896,28 +895,19 @@ impl PendingConn {
             };
             qp.modify(&rts)?;
             match self.role {
-                Role::Client if complete => step("ready")
-                    .write_msg(stream, &Message::Ready)
-                    .map(|()| None),
-                Role::Client => Ok(None), // owed by the control stream
+                Role::Client if complete => step("ready").write_msg(stream, &Message::Ready),
+                Role::Client => Ok(()), // owed by the control stream
                 Role::Server => {
                     // The endpoint read after RTR tells the peer what the RTR settled (a tcp
                     // QP names the kept data connection it took, so the peer takes it without
                     // a greeting on it).
-                    let ack = Hello {
-                        endpoint: qp.endpoint(),
-                        ..self.local.clone()
-                    };
-                    let msg = Message::HelloAck(ack);
-                    step("hello-ack").write_msg(stream, &msg)?;
-                    let Message::HelloAck(ack) = msg else {
-                        unreachable!("built as a hello-ack above")
-                    };
+                    self.local.endpoint = qp.endpoint();
+                    step("hello-ack").write_msg(stream, &Message::HelloAck(self.local.clone()))?;
                     if !complete {
-                        return Ok(Some(ack));
+                        return Ok(());
                     }
                     match step("ready").read_msg(stream, false)? {
-                        Some(Message::Ready) => Ok(Some(ack)),
+                        Some(Message::Ready) => Ok(()),
                         Some(Message::Reject(r)) => {
                             Err(rejected(self.peer_addr, &mgr.inner.provider, r))
                         }
@@ -935,10 +925,7 @@ impl PendingConn {
             }
         };
         match run(&mut stream) {
-            Ok(ack) => {
-                if let Some(ack) = ack {
-                    self.local = ack;
-                }
+            Ok(()) => {
                 let mut control = None;
                 match (self.role, keep_stream) {
                     (Role::Client, false) => mgr.put_idle_stream(self.peer_addr, stream),

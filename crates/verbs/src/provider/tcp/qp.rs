@@ -156,7 +156,7 @@ fn remote_incarnation(remote: &QpEndpoint) -> Result<Option<u32>> {
 
 /// The opening end's address of the kept connection a remote endpoint says its QP took
 /// without a HELLO ([`KEPT_FROM_KEY`]), if it says so.
-fn kept_from(remote: &QpEndpoint) -> Result<Option<SocketAddr>> {
+fn remote_kept_from(remote: &QpEndpoint) -> Result<Option<SocketAddr>> {
     match remote.extra.get(KEPT_FROM_KEY) {
         None => Ok(None),
         Some(v) => v.parse().map(Some).map_err(|_| {
@@ -1104,7 +1104,7 @@ impl SoftQpDriver for TcpQp {
             (false, false) => me < peer,
         };
         let kept_from = match opener {
-            true => kept_from(remote)?,
+            true => remote_kept_from(remote)?,
             false => None,
         };
         // The connection of the pair's last use, kept at both ends: by the opening end for the

@@ -12,7 +12,10 @@
 //! `cargo run --release -p fabriq --example connect_spin_ab -- [device] [rounds] [budgets]`,
 //! e.g. `-- shm0 2000 0,50,200`. `AB_BLOCK` (default 50): rounds per turn; `AB_GAP_US`: an
 //! untimed pause before each connect (e.g. 2000: every spin budget has run out and the
-//! server's acceptor sleeps when the hello arrives); `AB_MODES` = `cold,cached` (default);
+//! server's acceptor sleeps when the hello arrives); `AB_SETTLE_US`: after the QPs of a round
+//! are back, yield this long before the next round's untimed gap and connect (the close's last
+//! frames are handled and every thread of both endpoints is back asleep, as in a connect after
+//! a pause, without the thread of the test going to sleep itself); `AB_MODES` = `cold,cached` (default);
 //! `AB_IDLE_SPIN_US`: the workers' `idle_spin_us` (default: the `Config` default).
 
 use std::time::{Duration, Instant};
@@ -65,7 +68,7 @@ fn pair(device: &str, cached: bool, spin_us: u64) -> Result<Pair, String> {
     })
 }
 
-fn round(p: &mut Pair, gap: Option<Duration>) -> Result<(), String> {
+fn round(p: &mut Pair, gap: Option<Duration>, settle: Option<Duration>) -> Result<(), String> {
     if let Some(g) = gap {
         std::thread::sleep(g);
     }
@@ -100,6 +103,12 @@ fn round(p: &mut Pair, gap: Option<Duration>) -> Result<(), String> {
             std::thread::yield_now();
         }
     }
+    if let Some(settle) = settle {
+        let until = Instant::now() + settle;
+        while Instant::now() < until {
+            std::thread::yield_now();
+        }
+    }
     Ok(())
 }
 
@@ -125,6 +134,9 @@ fn main() -> Result<(), String> {
     let gap = env("AB_GAP_US")
         .and_then(|v| v.parse().ok())
         .map(Duration::from_micros);
+    let settle = env("AB_SETTLE_US")
+        .and_then(|v| v.parse().ok())
+        .map(Duration::from_micros);
     let modes = env("AB_MODES").unwrap_or_else(|| "cold,cached".into());
     let mut pairs = Vec::new();
     for mode in modes.split(',') {
@@ -135,7 +147,7 @@ fn main() -> Result<(), String> {
     for _ in 0..rounds.div_ceil(block) {
         for p in pairs.iter_mut() {
             for _ in 0..block {
-                round(p, gap)?;
+                round(p, gap, settle)?;
             }
         }
     }

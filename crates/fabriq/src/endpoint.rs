@@ -890,6 +890,67 @@ mod tests {
         assert_eq!(named.fabric_for("192.0.2.1:9".parse().unwrap()), 0);
     }
 
+    /// An endpoint built on a thread confined to one CPU tells its workers so (their spins
+    /// and its waiters' step aside at every round), and channels and RPC work there in both
+    /// progress modes, with every thread of both ends on that CPU; one built where the
+    /// process has more CPUs spins as before.
+    #[test]
+    fn an_endpoint_built_on_one_cpu_steps_aside_and_still_serves() {
+        use crate::{Config, Progress};
+        use std::time::Duration;
+        const WAIT: Duration = Duration::from_secs(10);
+        let Some(core) = core_affinity::get_core_ids().and_then(|ids| ids.last().copied()) else {
+            println!("SKIP: the CPUs of this process cannot be read");
+            return;
+        };
+        let one_cpu = |ep: &super::Endpoint| {
+            ep.inner.fabrics[0]
+                .workers
+                .iter()
+                .all(|w| w.shared.one_cpu())
+        };
+        let wide = super::Endpoint::new(Config {
+            device: "shm0".into(),
+            ..Config::default()
+        })
+        .expect("endpoint");
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        assert_eq!(one_cpu(&wide), cpus <= 1, "{cpus} CPUs");
+        drop(wide);
+        for progress in [Progress::Thread, Progress::Caller] {
+            std::thread::spawn(move || {
+                assert!(core_affinity::set_for_current(core), "pin to {core:?}");
+                let cfg = Config {
+                    device: "shm0".into(),
+                    workers: 1,
+                    progress,
+                    ..Config::default()
+                };
+                let a = super::Endpoint::new(cfg.clone()).expect("a");
+                let b = super::Endpoint::new(cfg).expect("b");
+                assert!(one_cpu(&a) && one_cpu(&b), "{progress:?}");
+                b.serve("echo", |req| Ok(req.to_vec()));
+                let listener = b.listen("127.0.0.1:0").expect("listen");
+                let ca = a.connect(listener.local_addr()).expect("connect");
+                let cb = listener.accept_timeout(WAIT).expect("accept");
+                for i in 0..200u64 {
+                    ca.send_timeout(&i.to_le_bytes(), WAIT).expect("send");
+                    let m = cb.recv_timeout(WAIT).expect("recv");
+                    assert_eq!(m[..], i.to_le_bytes(), "{progress:?} message {i}");
+                    cb.send_timeout(&m, WAIT).expect("echo");
+                    assert_eq!(ca.recv_timeout(WAIT).expect("reply")[..], m[..]);
+                }
+                let rpc = crate::Rpc::new(ca);
+                for i in 0..200u64 {
+                    let reply = rpc.call("echo", &i.to_le_bytes(), WAIT).expect("call");
+                    assert_eq!(reply[..], i.to_le_bytes(), "{progress:?} call {i}");
+                }
+            })
+            .join()
+            .expect("pinned endpoints");
+        }
+    }
+
     /// A reader in caller mode whose own pass delivers its stream's next message takes it
     /// straight from the pass (no delivery queue); such reads still count as consumed, so a
     /// one-way stream of many windows' worth keeps flowing, and messages stay in order

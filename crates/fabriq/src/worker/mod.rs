@@ -483,7 +483,17 @@ pub(crate) fn spawn(
         clock: PassClock::default(),
         handoff: Handoff::default(),
     };
-    shared.install(worker, buffers, cq_peek, cfg.progress, cfg.idle_spin);
+    // Read here, on the thread that builds the endpoint: the worker thread inherits its CPUs.
+    let cpus = cpus_here();
+    let yield_every = idle_yield_every(cfg.pin_cpu.is_some(), cpus);
+    shared.install(
+        worker,
+        buffers,
+        cq_peek,
+        cfg.progress,
+        cfg.idle_spin,
+        cpus <= 1,
+    );
     let name = format!("fabriq-worker-{}", shared.id);
     std::thread::Builder::new()
         .name(name)
@@ -495,15 +505,36 @@ pub(crate) fn spawn(
                 }
             }
             match cfg.progress {
-                Progress::Thread => run_thread(&shared, cfg.idle_spin),
+                Progress::Thread => run_thread(&shared, cfg.idle_spin, yield_every),
                 Progress::Caller => run_backstop(&shared),
             }
         })
         .map_err(|e| ChannelError::Verbs(fabriq_verbs::VerbsError::io("spawn worker", e)))
 }
 
-/// Thread mode: busy-poll while work arrives, sleep in epoll after `idle_spin` without work.
-fn run_thread(shared: &WorkerShared, idle_spin: Duration) {
+/// The CPUs the calling thread may use (its affinity, within the cgroup's quota), which the
+/// threads it spawns inherit.
+fn cpus_here() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+/// Idle rounds of a worker thread's spin per `sched_yield` (the other rounds only pause the
+/// core): a worker that shares the process's one CPU with every other thread of it (not pinned,
+/// and one CPU allowed: `taskset`, a cpuset of one) yields at every round, since what it waits
+/// for comes from a thread that runs only when it steps aside — spinning there held the CPU
+/// for the rest of the budget while the application's connect or reply waited. Otherwise every
+/// 128th round, so that a spin on a CPU of its own costs no system call per round.
+fn idle_yield_every(pinned: bool, cpus: usize) -> u64 {
+    if !pinned && cpus <= 1 {
+        1
+    } else {
+        128
+    }
+}
+
+/// Thread mode: busy-poll while work arrives, sleep in epoll after `idle_spin` without work;
+/// the spin yields the CPU every `yield_every` rounds ([`idle_yield_every`]).
+fn run_thread(shared: &WorkerShared, idle_spin: Duration, yield_every: u64) {
     let mut idle_since: Option<Instant> = None;
     // The idle round's clock reading, for the next pass (`progress_at`): the pass that finds a
     // completion does not read the clock again.
@@ -526,7 +557,7 @@ fn run_thread(shared: &WorkerShared, idle_spin: Duration) {
         let since = *idle_since.get_or_insert(t);
         if t.saturating_duration_since(since) < idle_spin {
             spins = spins.wrapping_add(1);
-            if spins % 128 == 0 {
+            if spins % yield_every == 0 {
                 // The core may be away for a while: the next pass reads its own clock.
                 std::thread::yield_now();
                 recent = None;
@@ -1911,4 +1942,39 @@ pub(crate) fn is_one_sided_opcode(op: WcOpcode) -> bool {
         op,
         WcOpcode::RdmaWrite | WcOpcode::RdmaRead | WcOpcode::CompSwap | WcOpcode::FetchAdd
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{cpus_here, idle_yield_every};
+
+    /// A worker thread alone on the process's one CPU steps aside at every idle round; pinned,
+    /// or with CPUs to spare, it spins and yields only now and then.
+    #[test]
+    fn a_worker_sharing_one_cpu_yields_at_every_idle_round() {
+        assert_eq!(idle_yield_every(false, 1), 1);
+        assert_eq!(idle_yield_every(false, 0), 1);
+        assert_eq!(idle_yield_every(true, 1), 128);
+        assert_eq!(idle_yield_every(false, 2), 128);
+        assert_eq!(idle_yield_every(true, 16), 128);
+    }
+
+    /// The count the workers' spin follows is the spawning thread's: a thread confined to one
+    /// CPU (as under `taskset -c N`) reads one, and its workers yield at every idle round.
+    #[test]
+    fn a_thread_confined_to_one_cpu_counts_one() {
+        let Some(core) = core_affinity::get_core_ids().and_then(|ids| ids.last().copied()) else {
+            eprintln!("skipped: the CPUs of this process cannot be read");
+            return;
+        };
+        let (cpus, every) = std::thread::spawn(move || {
+            assert!(core_affinity::set_for_current(core), "pin to {core:?}");
+            let cpus = cpus_here();
+            (cpus, idle_yield_every(false, cpus))
+        })
+        .join()
+        .expect("pinned thread");
+        assert_eq!(cpus, 1);
+        assert_eq!(every, 1);
+    }
 }

@@ -137,6 +137,9 @@ pub(crate) struct WorkerShared {
     holder: AtomicU64,
     caller_mode: AtomicBool,
     idle_spin_ns: AtomicU64,
+    /// The endpoint was built where the process may use one CPU only: a spinning waiter steps
+    /// aside at every round (what it waits for runs only then).
+    one_cpu: AtomicBool,
     /// A thread is in the epoll sleep of [`WorkerShared::poll_sleep`].
     poller: AtomicBool,
     /// An application thread spins in [`WorkerShared::wait_for`].
@@ -184,6 +187,7 @@ impl WorkerShared {
             holder: AtomicU64::new(0),
             caller_mode: AtomicBool::new(false),
             idle_spin_ns: AtomicU64::new(50_000),
+            one_cpu: AtomicBool::new(false),
             poller: AtomicBool::new(false),
             spinner: AtomicBool::new(false),
             parked: AtomicUsize::new(0),
@@ -204,8 +208,10 @@ impl WorkerShared {
         cq: fabriq_verbs::CompletionQueue,
         progress: Progress,
         idle_spin: Duration,
+        one_cpu: bool,
     ) {
         let _ = self.cq.set(cq);
+        self.one_cpu.store(one_cpu, Ordering::Relaxed);
         self.caller_mode
             .store(progress == Progress::Caller, Ordering::Relaxed);
         self.idle_spin_ns.store(
@@ -219,6 +225,11 @@ impl WorkerShared {
     /// True in [`Progress::Caller`] mode.
     pub(crate) fn is_caller_mode(&self) -> bool {
         self.caller_mode.load(Ordering::Relaxed)
+    }
+
+    /// True when the endpoint was built where the process may use one CPU only.
+    pub(crate) fn one_cpu(&self) -> bool {
+        self.one_cpu.load(Ordering::Relaxed)
     }
 
     pub(crate) fn idle_spin(&self) -> Duration {
@@ -532,6 +543,7 @@ impl WorkerShared {
         self.enter_caller();
         let budget = self.idle_spin();
         let caller_mode = self.is_caller_mode();
+        let one_cpu = self.one_cpu();
         let mut spinner = self.take_spinner();
         // The spin rounds run on the worker's clock, so that the pass of a round can use the
         // round's reading (`try_progress_at`).
@@ -562,6 +574,9 @@ impl WorkerShared {
                     && now.saturating_duration_since(last_work) < budget
                     && !self.may_have_work()
                 {
+                    if one_cpu {
+                        std::thread::yield_now();
+                    }
                     continue;
                 }
                 // A round right after one that did work (handlers may have run for a while)
@@ -576,7 +591,7 @@ impl WorkerShared {
                     }
                 }
                 if now.saturating_duration_since(last_work) < budget {
-                    if spins % 256 == 0 {
+                    if one_cpu || spins % 256 == 0 {
                         std::thread::yield_now();
                         // Away for a while, maybe: the next pass runs on a fresh reading.
                         now = super::now();

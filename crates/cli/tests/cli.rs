@@ -186,6 +186,66 @@ fn perf_unknown_device_option_is_reported() {
     assert!(stderr.contains("nosuchoption"), "{stderr}");
 }
 
+/// The first CPU this test process may run on (`Cpus_allowed_list` of /proc/self/status).
+fn first_allowed_cpu() -> Option<String> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let list = status
+        .lines()
+        .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))?;
+    let first = list.trim().split([',', '-']).next()?;
+    first.parse::<usize>().ok().map(|c| c.to_string())
+}
+
+/// Under `taskset` to one CPU the client, its `--local` server and the providers' threads share
+/// that CPU: the report says so (and its waits step aside at every idle round, so the figures
+/// are the software's, not scheduler time slices); every layer's run still completes cleanly.
+/// Without the restriction, on a host of two CPUs or more, the report says the opposite.
+#[test]
+fn perf_on_one_cpu_says_so_and_completes() {
+    let Some(cpu) = first_allowed_cpu() else {
+        println!("SKIP: /proc/self/status names no allowed CPU");
+        return;
+    };
+    let taskset = std::process::Command::new("taskset").arg("-V").output();
+    if !taskset.is_ok_and(|o| o.status.success()) {
+        println!("SKIP: no taskset (util-linux)");
+        return;
+    }
+    let _one_at_a_time = PERF.lock().unwrap_or_else(|e| e.into_inner());
+    let runs: [&[&str]; 3] = [
+        &["-d", "tcp0", "-t", "send_lat", "-n", "300"],
+        &["-d", "shm0", "-t", "write_lat", "-n", "300"],
+        &["--layer", "rpc", "-d", "shm0", "-t", "rpc_lat", "-n", "300"],
+    ];
+    for args in runs {
+        let mut all = vec!["-c", cpu.as_str(), env!("CARGO_BIN_EXE_fabriq"), "perf"];
+        all.extend_from_slice(&["--local", "--json"]);
+        all.extend_from_slice(args);
+        let out = std::process::Command::new("taskset")
+            .args(&all)
+            .output()
+            .expect("spawn taskset");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{all:?}: {}\n{stderr}", out.status);
+        let v: Value = serde_json::from_slice(&out.stdout).expect("JSON report");
+        assert_eq!(v["one_cpu"], true, "{all:?}: {v}");
+        assert_eq!(v["errors"], 0, "{v}");
+        assert_eq!(v["results"][0]["iters"], 300, "{v}");
+    }
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let wide = perf_json_unlocked(&["-d", "shm0", "-t", "send_lat", "-n", "200"]);
+    assert_eq!(wide["one_cpu"], cpus == 1, "{cpus} CPUs: {wide}");
+}
+
+/// [`perf_json`] for a caller that holds [`PERF`] already.
+fn perf_json_unlocked(args: &[&str]) -> Value {
+    let mut all = vec!["perf", "--local", "--json"];
+    all.extend_from_slice(args);
+    let out = fabriq(&all);
+    assert!(out.status.success(), "{all:?}: {}", out.status);
+    serde_json::from_slice(&out.stdout).expect("JSON report")
+}
+
 #[test]
 fn perf_tcp_baseline_runs() {
     let v = perf_json(&["--tcp-baseline", "-n", "200"]);

@@ -35,6 +35,15 @@ pub fn available() -> Vec<usize> {
     }
 }
 
+/// True when the process started with one CPU (`taskset -c N`, a cpuset of one): the
+/// benchmark thread, the peer of a `--local` run and the providers' helper threads then share
+/// it, and a busy wait steps aside at every empty poll, or the peer it waits for would run only
+/// when the wait's time slice ends.
+pub fn one_cpu() -> bool {
+    static ONE: OnceLock<bool> = OnceLock::new();
+    *ONE.get_or_init(|| available().len() == 1)
+}
+
 /// Pin the calling thread (and the threads it spawns later, outside [`unpinned`]) to `cpu`.
 pub fn pin(cpu: usize) -> Result<()> {
     let ids = available();

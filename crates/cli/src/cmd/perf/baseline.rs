@@ -92,6 +92,8 @@ impl BaselineSocket {
                             ));
                         }
                         std::thread::yield_now();
+                    } else if super::affinity::one_cpu() {
+                        std::thread::yield_now();
                     }
                 }
                 Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {

@@ -190,6 +190,7 @@ pub fn run(plan: &ClientPlan) -> Result<PerfReport> {
         local: plan.local,
         client_cpu: plan.client_cpu,
         server_cpu,
+        one_cpu: super::affinity::one_cpu(),
         latency: test.latency_kind(),
         results,
         errors,

@@ -222,10 +222,8 @@ pub fn write_lat(
             if spins % 4096 == 0 {
                 poller.check_stall(&mut since, "waiting for the peer's write")?;
                 check_qp(rig)?;
-                std::thread::yield_now();
-            } else {
-                std::hint::spin_loop();
             }
+            poller.pause(spins);
         }
     };
 
@@ -342,6 +340,8 @@ pub fn serve_passive(rig: &Rig, mode: Mode, control: &mut Control) -> Result<()>
                 Mode::Busy => std::thread::yield_now(),
                 Mode::Event => std::thread::sleep(std::time::Duration::from_micros(100)),
             }
+        } else if mode == Mode::Busy && poller.polite() {
+            std::thread::yield_now();
         } else {
             std::hint::spin_loop();
         }

@@ -416,6 +416,7 @@ pub fn run_client(plan: &ClientPlan) -> Result<PerfReport> {
         local: plan.local,
         client_cpu: plan.client_cpu,
         server_cpu: plan.server_cpu,
+        one_cpu: super::affinity::one_cpu(),
         latency: plan.test.latency_kind(),
         results,
         errors,

@@ -182,6 +182,10 @@ pub struct PerfReport {
     pub client_cpu: Option<usize>,
     /// CPU the server ran on, if pinned.
     pub server_cpu: Option<usize>,
+    /// The client's process had one CPU (`taskset -c N`, a cpuset of one), shared by the
+    /// client, a `--local` server and the providers' threads: its busy waits (and the
+    /// middleware's) stepped aside at every idle round.
+    pub one_cpu: bool,
     /// Latency tests: what the latency figures mean.
     pub latency: Option<LatencyKind>,
     /// One entry per size.
@@ -209,9 +213,14 @@ pub fn render_text(r: &PerfReport) -> String {
     let cpu = |c: Option<usize>| c.map(|c| c.to_string()).unwrap_or_else(|| "-".into());
     let _ = writeln!(
         out,
-        " client cpu {}  server cpu {}",
+        " client cpu {}  server cpu {}{}",
         cpu(r.client_cpu),
-        cpu(r.server_cpu)
+        cpu(r.server_cpu),
+        if r.one_cpu {
+            "  (one CPU for the whole process: waits yield at every idle round)"
+        } else {
+            ""
+        }
     );
     if let Some(kind) = r.latency {
         let what = match kind {
@@ -377,6 +386,7 @@ mod tests {
             local: true,
             client_cpu: Some(0),
             server_cpu: Some(1),
+            one_cpu: false,
             latency: Some(LatencyKind::OneWay),
             results: vec![RunResult::Latency(LatStats::from_rtt(
                 8,

@@ -254,6 +254,8 @@ pub struct Poller {
     mode: Mode,
     stall: Duration,
     wcs: Vec<WorkCompletion>,
+    /// Step aside at every idle round ([`super::affinity::one_cpu`]).
+    polite: bool,
 }
 
 impl Poller {
@@ -264,6 +266,7 @@ impl Poller {
             mode,
             stall,
             wcs: vec![WorkCompletion::EMPTY; 32],
+            polite: super::affinity::one_cpu(),
         }
     }
 
@@ -303,10 +306,8 @@ impl Poller {
                     spins = spins.wrapping_add(1);
                     if spins % 4096 == 0 {
                         self.check_stall(&mut since, what)?;
-                        std::thread::yield_now();
-                    } else {
-                        std::hint::spin_loop();
                     }
+                    self.pause(spins);
                 }
             }
             Mode::Event => loop {
@@ -331,6 +332,21 @@ impl Poller {
                     .ack_events()
                     .verbs("acknowledge completion events")?;
             },
+        }
+    }
+
+    /// True where the process has one CPU: busy waits step aside at every idle round.
+    pub fn polite(&self) -> bool {
+        self.polite
+    }
+
+    /// One idle round of a busy wait (`spins` counts them): the CPU is given up every 4096th
+    /// round, or at every round where the process has one CPU.
+    pub fn pause(&self, spins: u32) {
+        if self.polite || spins % 4096 == 0 {
+            std::thread::yield_now();
+        } else {
+            std::hint::spin_loop();
         }
     }
 

@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{fabriq, perf_json, PERF};
+use common::{fabriq, perf_json, perf_json_held, PERF};
 use serde_json::Value;
 
 fn assert_latency(v: &Value, test: &str, device: &str, iters: u64, kind: &str) {
@@ -233,17 +233,8 @@ fn perf_on_one_cpu_says_so_and_completes() {
         assert_eq!(v["results"][0]["iters"], 300, "{v}");
     }
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let wide = perf_json_unlocked(&["-d", "shm0", "-t", "send_lat", "-n", "200"]);
+    let wide = perf_json_held(&["-d", "shm0", "-t", "send_lat", "-n", "200"]);
     assert_eq!(wide["one_cpu"], cpus == 1, "{cpus} CPUs: {wide}");
-}
-
-/// [`perf_json`] for a caller that holds [`PERF`] already.
-fn perf_json_unlocked(args: &[&str]) -> Value {
-    let mut all = vec!["perf", "--local", "--json"];
-    all.extend_from_slice(args);
-    let out = fabriq(&all);
-    assert!(out.status.success(), "{all:?}: {}", out.status);
-    serde_json::from_slice(&out.stdout).expect("JSON report")
 }
 
 #[test]

@@ -15,8 +15,8 @@
 //! server's acceptor sleeps when the hello arrives); `AB_SETTLE_US`: after the QPs of a round
 //! are back, yield this long before the next round's untimed gap and connect (the close's last
 //! frames are handled and every thread of both endpoints is back asleep, as in a connect after
-//! a pause, without the thread of the test going to sleep itself); `AB_MODES` = `cold,cached` (default);
-//! `AB_IDLE_SPIN_US`: the workers' `idle_spin_us` (default: the `Config` default).
+//! a pause, without the thread of the test going to sleep itself); `AB_MODES` =
+//! `cold,cached` (default); `AB_IDLE_SPIN_US`: the workers' `idle_spin_us` (default: the `Config` default).
 
 use std::time::{Duration, Instant};
 

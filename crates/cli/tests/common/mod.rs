@@ -21,6 +21,11 @@ pub fn fabriq(args: &[&str]) -> Output {
 /// `fabriq perf --local --json ARGS`: must succeed without a panic and print JSON.
 pub fn perf_json(args: &[&str]) -> Value {
     let _one_at_a_time = PERF.lock().unwrap_or_else(|e| e.into_inner());
+    perf_json_held(args)
+}
+
+/// [`perf_json`] for a caller that holds [`PERF`] already.
+pub fn perf_json_held(args: &[&str]) -> Value {
     let mut all = vec!["perf", "--local", "--json"];
     all.extend_from_slice(args);
     let out = fabriq(&all);

@@ -1964,7 +1964,7 @@ mod tests {
     #[test]
     fn a_thread_confined_to_one_cpu_counts_one() {
         let Some(core) = core_affinity::get_core_ids().and_then(|ids| ids.last().copied()) else {
-            eprintln!("skipped: the CPUs of this process cannot be read");
+            println!("SKIP: the CPUs of this process cannot be read");
             return;
         };
         let (cpus, every) = std::thread::spawn(move || {

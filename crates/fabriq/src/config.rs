@@ -150,9 +150,9 @@ pub struct Config {
     pub progress: Progress,
     /// Pin worker `i` to CPU `i`.
     pub pin_workers: bool,
-    /// Busy-poll budget after the last piece of work, microseconds. A worker thread that
-    /// shares the process's only CPU (not pinned, one CPU allowed) yields the CPU at every
-    /// round of it instead of holding it.
+    /// Busy-poll budget after the last piece of work, microseconds. Where the endpoint was
+    /// built with one CPU allowed, its threads share that CPU and yield it at every round of
+    /// the spin instead of holding it.
     pub idle_spin_us: u64,
     /// Default RPC deadline, milliseconds.
     pub rpc_timeout_ms: u64,

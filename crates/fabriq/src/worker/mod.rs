@@ -485,7 +485,7 @@ pub(crate) fn spawn(
     };
     // Read here, on the thread that builds the endpoint: the worker thread inherits its CPUs.
     let cpus = cpus_here();
-    let yield_every = idle_yield_every(cfg.pin_cpu.is_some(), cpus);
+    let yield_every = idle_yield_every(cpus);
     shared.install(
         worker,
         buffers,
@@ -519,13 +519,14 @@ fn cpus_here() -> usize {
 }
 
 /// Idle rounds of a worker thread's spin per `sched_yield` (the other rounds only pause the
-/// core): a worker that shares the process's one CPU with every other thread of it (not pinned,
-/// and one CPU allowed: `taskset`, a cpuset of one) yields at every round, since what it waits
-/// for comes from a thread that runs only when it steps aside — spinning there held the CPU
-/// for the rest of the budget while the application's connect or reply waited. Otherwise every
-/// 128th round, so that a spin on a CPU of its own costs no system call per round.
-fn idle_yield_every(pinned: bool, cpus: usize) -> u64 {
-    if !pinned && cpus <= 1 {
+/// core): where the endpoint was built with one CPU (`taskset`, a cpuset of one; a pinned
+/// worker is pinned within that set, so to the same CPU) every thread of the process shares it,
+/// and the worker yields at every round, since what it waits for comes from a thread that runs
+/// only when it steps aside — spinning there held the CPU for the rest of the budget while the
+/// application's connect or reply waited. Otherwise every 128th round, so that a spin on a CPU
+/// of its own costs no system call per round.
+fn idle_yield_every(cpus: usize) -> u64 {
+    if cpus <= 1 {
         1
     } else {
         128
@@ -1948,15 +1949,14 @@ pub(crate) fn is_one_sided_opcode(op: WcOpcode) -> bool {
 mod tests {
     use super::{cpus_here, idle_yield_every};
 
-    /// A worker thread alone on the process's one CPU steps aside at every idle round; pinned,
-    /// or with CPUs to spare, it spins and yields only now and then.
+    /// A worker thread on the process's one CPU steps aside at every idle round; with CPUs to
+    /// spare it spins and yields only now and then.
     #[test]
     fn a_worker_sharing_one_cpu_yields_at_every_idle_round() {
-        assert_eq!(idle_yield_every(false, 1), 1);
-        assert_eq!(idle_yield_every(false, 0), 1);
-        assert_eq!(idle_yield_every(true, 1), 128);
-        assert_eq!(idle_yield_every(false, 2), 128);
-        assert_eq!(idle_yield_every(true, 16), 128);
+        assert_eq!(idle_yield_every(1), 1);
+        assert_eq!(idle_yield_every(0), 1);
+        assert_eq!(idle_yield_every(2), 128);
+        assert_eq!(idle_yield_every(16), 128);
     }
 
     /// The count the workers' spin follows is the spawning thread's: a thread confined to one
@@ -1970,7 +1970,7 @@ mod tests {
         let (cpus, every) = std::thread::spawn(move || {
             assert!(core_affinity::set_for_current(core), "pin to {core:?}");
             let cpus = cpus_here();
-            (cpus, idle_yield_every(false, cpus))
+            (cpus, idle_yield_every(cpus))
         })
         .join()
         .expect("pinned thread");

@@ -483,16 +483,15 @@ pub(crate) fn spawn(
         clock: PassClock::default(),
         handoff: Handoff::default(),
     };
-    // Read here, on the thread that builds the endpoint: the worker thread inherits its CPUs.
-    let cpus = cpus_here();
-    let yield_every = idle_yield_every(cpus);
+    // Read here, on the thread that builds the endpoint: the worker thread inherits its CPUs
+    // (and `pin_workers` pins within them).
     shared.install(
         worker,
         buffers,
         cq_peek,
         cfg.progress,
         cfg.idle_spin,
-        cpus <= 1,
+        cpus_here() <= 1,
     );
     let name = format!("fabriq-worker-{}", shared.id);
     std::thread::Builder::new()
@@ -505,7 +504,7 @@ pub(crate) fn spawn(
                 }
             }
             match cfg.progress {
-                Progress::Thread => run_thread(&shared, cfg.idle_spin, yield_every),
+                Progress::Thread => run_thread(&shared, cfg.idle_spin),
                 Progress::Caller => run_backstop(&shared),
             }
         })
@@ -518,24 +517,14 @@ fn cpus_here() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
-/// Idle rounds of a worker thread's spin per `sched_yield` (the other rounds only pause the
-/// core): where the endpoint was built with one CPU (`taskset`, a cpuset of one; a pinned
-/// worker is pinned within that set, so to the same CPU) every thread of the process shares it,
-/// and the worker yields at every round, since what it waits for comes from a thread that runs
-/// only when it steps aside — spinning there held the CPU for the rest of the budget while the
-/// application's connect or reply waited. Otherwise every 128th round, so that a spin on a CPU
-/// of its own costs no system call per round.
-fn idle_yield_every(cpus: usize) -> u64 {
-    if cpus <= 1 {
-        1
-    } else {
-        128
-    }
-}
-
-/// Thread mode: busy-poll while work arrives, sleep in epoll after `idle_spin` without work;
-/// the spin yields the CPU every `yield_every` rounds ([`idle_yield_every`]).
-fn run_thread(shared: &WorkerShared, idle_spin: Duration, yield_every: u64) {
+/// Thread mode: busy-poll while work arrives, sleep in epoll after `idle_spin` without work.
+/// The spin yields the CPU every 128th round, or at every round where the endpoint was built
+/// with one CPU ([`WorkerShared::one_cpu`]): every thread of the process shares it then, and
+/// what the worker waits for comes from a thread that runs only when it steps aside — spinning
+/// there held the CPU for the rest of the budget while the application's connect or reply
+/// waited.
+fn run_thread(shared: &WorkerShared, idle_spin: Duration) {
+    let every_round = shared.one_cpu();
     let mut idle_since: Option<Instant> = None;
     // The idle round's clock reading, for the next pass (`progress_at`): the pass that finds a
     // completion does not read the clock again.
@@ -558,7 +547,7 @@ fn run_thread(shared: &WorkerShared, idle_spin: Duration, yield_every: u64) {
         let since = *idle_since.get_or_insert(t);
         if t.saturating_duration_since(since) < idle_spin {
             spins = spins.wrapping_add(1);
-            if spins % yield_every == 0 {
+            if every_round || spins % 128 == 0 {
                 // The core may be away for a while: the next pass reads its own clock.
                 std::thread::yield_now();
                 recent = None;
@@ -1947,34 +1936,23 @@ pub(crate) fn is_one_sided_opcode(op: WcOpcode) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use super::{cpus_here, idle_yield_every};
-
-    /// A worker thread on the process's one CPU steps aside at every idle round; with CPUs to
-    /// spare it spins and yields only now and then.
-    #[test]
-    fn a_worker_sharing_one_cpu_yields_at_every_idle_round() {
-        assert_eq!(idle_yield_every(1), 1);
-        assert_eq!(idle_yield_every(0), 1);
-        assert_eq!(idle_yield_every(2), 128);
-        assert_eq!(idle_yield_every(16), 128);
-    }
+    use super::cpus_here;
 
     /// The count the workers' spin follows is the spawning thread's: a thread confined to one
-    /// CPU (as under `taskset -c N`) reads one, and its workers yield at every idle round.
+    /// CPU (as under `taskset -c N`) reads one, so the endpoint it builds steps aside at every
+    /// idle round.
     #[test]
     fn a_thread_confined_to_one_cpu_counts_one() {
         let Some(core) = core_affinity::get_core_ids().and_then(|ids| ids.last().copied()) else {
             println!("SKIP: the CPUs of this process cannot be read");
             return;
         };
-        let (cpus, every) = std::thread::spawn(move || {
+        let cpus = std::thread::spawn(move || {
             assert!(core_affinity::set_for_current(core), "pin to {core:?}");
-            let cpus = cpus_here();
-            (cpus, idle_yield_every(cpus))
+            cpus_here()
         })
         .join()
         .expect("pinned thread");
         assert_eq!(cpus, 1);
-        assert_eq!(every, 1);
     }
 }

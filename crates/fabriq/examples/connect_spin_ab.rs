@@ -16,7 +16,10 @@
 //! are back, yield this long before the next round's untimed gap and connect (the close's last
 //! frames are handled and every thread of both endpoints is back asleep, as in a connect after
 //! a pause, without the thread of the test going to sleep itself); `AB_MODES` =
-//! `cold,cached` (default); `AB_IDLE_SPIN_US`: the workers' `idle_spin_us` (default: the `Config` default).
+//! `cold,cached` (default); `AB_IDLE_SPIN_US`: the workers' `idle_spin_us` (default: the `Config` default);
+//! `AB_MARK=1`: a `getppid` system call just before each timed part starts and just after it
+//! ends, so that a system-call trace can tell the connect's calls from the rest
+//! (`bench/connect_syscalls.sh`).
 
 use std::time::{Duration, Instant};
 
@@ -68,9 +71,19 @@ fn pair(device: &str, cached: bool, spin_us: u64) -> Result<Pair, String> {
     })
 }
 
-fn round(p: &mut Pair, gap: Option<Duration>, settle: Option<Duration>) -> Result<(), String> {
+fn round(
+    p: &mut Pair,
+    gap: Option<Duration>,
+    settle: Option<Duration>,
+    mark: bool,
+) -> Result<(), String> {
     if let Some(g) = gap {
         std::thread::sleep(g);
+    }
+    if mark {
+        // A system call of its own (`getppid`, which nothing else here calls) opens the timed part in a
+        // system-call trace.
+        std::hint::black_box(std::os::unix::process::parent_id());
     }
     let start = Instant::now();
     let c = p
@@ -83,6 +96,9 @@ fn round(p: &mut Pair, gap: Option<Duration>, settle: Option<Duration>) -> Resul
         .accept_timeout(TIMEOUT)
         .map_err(|e| e.to_string())?;
     let both = start.elapsed();
+    if mark {
+        std::hint::black_box(std::os::unix::process::parent_id());
+    }
     p.rounds += 1;
     p.client_only.push(connected.as_secs_f64() * 1e6);
     p.both.push(both.as_secs_f64() * 1e6);
@@ -137,6 +153,7 @@ fn main() -> Result<(), String> {
     let settle = env("AB_SETTLE_US")
         .and_then(|v| v.parse().ok())
         .map(Duration::from_micros);
+    let mark = env("AB_MARK").is_some_and(|v| v == "1");
     let modes = env("AB_MODES").unwrap_or_else(|| "cold,cached".into());
     let mut pairs = Vec::new();
     for mode in modes.split(',') {
@@ -147,7 +164,7 @@ fn main() -> Result<(), String> {
     for _ in 0..rounds.div_ceil(block) {
         for p in pairs.iter_mut() {
             for _ in 0..block {
-                round(p, gap, settle)?;
+                round(p, gap, settle, mark)?;
             }
         }
     }

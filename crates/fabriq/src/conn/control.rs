@@ -210,14 +210,17 @@ impl ControlStream {
                 self.state = State::Broken;
                 continue;
             };
+            // Not past the end of the frame (the next connection's hello may follow a
+            // `Close`), and a `Ready` or a `Close` in one receive.
             let want = match self.rx.get(..4) {
-                None => 4 - self.rx.len(),
+                None => wire::MIN_FRAME_LEN - self.rx.len(),
                 Some(prefix) => {
                     let mut p = [0u8; 4];
                     p.copy_from_slice(prefix);
-                    match wire::frame_len(p) {
-                        Ok(len) => 4 + len - self.rx.len(),
-                        Err(_) => {
+                    // (Read past a frame shorter than the shortest: it failed to decode.)
+                    match wire::frame_len(p).map(|len| (4 + len).checked_sub(self.rx.len())) {
+                        Ok(Some(want)) if want > 0 => want,
+                        _ => {
                             self.state = State::Broken;
                             continue;
                         }

@@ -197,6 +197,22 @@ impl Step {
         }
     }
 
+    /// [`Step::read_frames`] once what had arrived was read and was not the awaited frame (a
+    /// stray `Close` on a kept stream): the receive that took it emptied the socket, so
+    /// without a spin budget the thread waits for the stream to be readable before receiving,
+    /// instead of a receive that finds nothing first.
+    pub fn read_more_frames(
+        &self,
+        s: &mut Stream,
+        eof_ok: bool,
+    ) -> Result<Option<Vec<Message>>, ConnError> {
+        if self.spin.is_zero() {
+            let left = remaining(self.deadline, self.allowed, self.peer, self.phase)?;
+            wait_ready(s, rustix::event::PollFlags::IN, left).map_err(|e| self.io_error(e))?;
+        }
+        self.read_frames(s, eof_ok)
+    }
+
     /// The frame announced by `prefix`, of whose body `have` arrived: the rest is read exactly.
     fn read_body(
         &self,

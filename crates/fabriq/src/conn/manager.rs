@@ -467,17 +467,26 @@ impl ConnManager {
                 allowed: timeout,
                 spin: self.spin_for(local),
             };
+            let mut stray = false;
             let reply = step("hello")
                 .write_msg(&mut stream, &hello)
                 .and_then(|()| loop {
-                    let msgs = match step("hello-ack").read_frames(&mut stream, from_idle) {
+                    let ack = step("hello-ack");
+                    let read = match stray {
+                        true => ack.read_more_frames(&mut stream, from_idle),
+                        false => ack.read_frames(&mut stream, from_idle),
+                    };
+                    let msgs = match read {
                         Ok(Some(msgs)) => msgs,
                         other => break other.map(|_| None),
                     };
                     // A reused stream may still hold the peer's Close of the previous
                     // connection.
                     let mut msgs = msgs.into_iter().skip_while(|m| *m == Message::Close);
-                    let Some(reply) = msgs.next() else { continue };
+                    let Some(reply) = msgs.next() else {
+                        stray = true;
+                        continue;
+                    };
                     // The server sends nothing more until this side's Ready or Close.
                     break match msgs.next() {
                         None => Ok(Some(reply)),

@@ -1026,6 +1026,67 @@ fn a_control_stream_reports_a_vanished_peer_and_garbage() {
     cli.release(est);
 }
 
+/// The owner of an accepted control stream reads the peer's `Ready` and `Close` and not a byte
+/// more, whole frames in one receive each (never past the end of one): the next connection's
+/// hello, written behind them in one write, is served on the stream given back.
+#[test]
+fn an_owned_control_stream_reads_up_to_the_close_and_serves_the_hello_behind_it() {
+    let (srv, _) = manager(ConnConfig::default());
+    let listener = srv.listen("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr();
+    let frame = |m: Message| wire::encode(&m);
+    let mut c = raw_client(addr, &frame(Message::Hello(some_hello("heap"))));
+    let (est, mut control) = listener
+        .accept_pending(Some(LONG))
+        .unwrap()
+        .finish_accepting()
+        .unwrap();
+    control.set_nonblocking(true).unwrap();
+    assert!(matches!(read_frame(&mut c), Some(Message::HelloAck(_))));
+    let mut all = frame(Message::Ready);
+    all.extend(frame(Message::Close));
+    all.extend(frame(Message::Hello(some_hello("heap"))));
+    c.write_all(&all).unwrap();
+    assert_eq!(wait_peer(&mut control), ControlEvent::PeerClosed);
+    assert!(
+        control.take_ready(),
+        "the Ready in front of the Close was read"
+    );
+    drop(control);
+    srv.release(est);
+    let next = serve(listener, 1);
+    assert!(matches!(read_frame(&mut c), Some(Message::HelloAck(_))));
+    c.write_all(&frame(Message::Ready)).unwrap();
+    assert!(next.join().unwrap().iter().all(Result::is_ok));
+    assert_eq!(srv.stats().failed, 0);
+}
+
+/// A frame shorter than the shortest a peer can send breaks the control stream (it is not
+/// read past, nor taken for the start of a longer one).
+#[test]
+fn a_frame_shorter_than_any_breaks_the_control_stream() {
+    let (srv, _) = manager(ConnConfig::default());
+    let listener = srv.listen("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr();
+    let mut c = raw_client(addr, &wire::encode(&Message::Hello(some_hello("heap"))));
+    let (est, mut control) = listener
+        .accept_pending(Some(LONG))
+        .unwrap()
+        .finish_accepting()
+        .unwrap();
+    control.set_nonblocking(true).unwrap();
+    assert!(matches!(read_frame(&mut c), Some(Message::HelloAck(_))));
+    // A prefix that announces 2 bytes, then a whole Ready.
+    let mut bad = 2u32.to_be_bytes().to_vec();
+    bad.extend([0xAB, 0xCD]);
+    bad.extend(wire::encode(&Message::Ready));
+    c.write_all(&bad).unwrap();
+    assert_eq!(wait_peer(&mut control), ControlEvent::Gone);
+    assert!(!control.take_ready());
+    drop(control);
+    srv.release(est);
+}
+
 /// Wait (bounded) until `probe` says the connection ended.
 fn wait_ended(probe: &HangupProbe) -> bool {
     let deadline = std::time::Instant::now() + LONG;

@@ -24,6 +24,10 @@ pub const MAGIC: u32 = 0x4642_5251;
 /// so (`QpAttr::before_peer`), and its hello-ack carries its QP's endpoint as read after that
 /// RTR, which the client's RTR must be given.
 pub const VERSION: u16 = 5;
+/// Shortest frame a peer can send, bytes: the length prefix, then a body of at least the
+/// magic, the version and the kind (a `Ready`, a `Close`). A reader that does not know the
+/// length yet may ask for this many without reading past the end of the first frame.
+pub const MIN_FRAME_LEN: usize = 4 + 4 + 2 + 1;
 /// Largest frame body accepted from a peer, bytes.
 pub const MAX_FRAME_LEN: usize = 16 * 1024;
 /// Largest string field accepted from a peer, bytes.

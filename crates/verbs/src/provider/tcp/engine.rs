@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 use rustix::event::epoll;
 
+use super::data_conn::DataConn;
 use super::held::{Held, Owner, Step, ACCEPTED_REUSE, HELLO_TIMEOUT};
 use super::qp::{HelloIds, Lock, TcpQp};
 use super::{Options, DEVICE};
@@ -382,7 +383,10 @@ impl Engine {
                         continue;
                     }
                     let _ = stream.set_nodelay(true);
-                    self.hold(Held::accepted(Arc::new(stream), Instant::now()));
+                    self.hold(Held::accepted(
+                        Arc::new(DataConn::accepted(stream, peer)),
+                        Instant::now(),
+                    ));
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
@@ -449,7 +453,7 @@ impl Engine {
     }
 
     /// A QP lets go of its connection after sending a BYE on it (see [`super::held`]).
-    pub fn keep_released(&self, stream: Arc<TcpStream>, owner: Owner, bye_read: bool) {
+    pub fn keep_released(&self, stream: Arc<DataConn>, owner: Owner, bye_read: bool) {
         self.hold(Held::released(stream, owner, bye_read, Instant::now()));
     }
 
@@ -610,12 +614,12 @@ impl Engine {
 
 /// A kept connection a QP takes at RTR, and the peer's HELLO if it was on it.
 pub(super) struct Kept {
-    pub stream: Arc<TcpStream>,
+    pub stream: Arc<DataConn>,
     pub hello: Option<HelloIds>,
 }
 
 impl Kept {
-    fn new(stream: Arc<TcpStream>, hello: Option<HelloIds>) -> Kept {
+    fn new(stream: Arc<DataConn>, hello: Option<HelloIds>) -> Kept {
         Kept { stream, hello }
     }
 }

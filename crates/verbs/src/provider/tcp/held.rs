@@ -38,10 +38,11 @@
 //!   the next connect then opens a new one.
 
 use std::io::Read;
-use std::net::{SocketAddr, TcpStream};
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::data_conn::DataConn;
 use super::qp::HelloIds;
 use crate::soft::wire::{self, Opcode};
 
@@ -107,7 +108,7 @@ pub(super) enum Step {
 pub(super) struct Held {
     /// Shared only for a moment: a QP that read the peer's BYE lets go of the connection while
     /// its reader still holds a handle.
-    pub stream: Arc<TcpStream>,
+    pub stream: Arc<DataConn>,
     pub owner: Owner,
     reading: Reading,
     deadline: Instant,
@@ -123,7 +124,7 @@ pub(super) struct Held {
 
 impl Held {
     /// A connection the listener just accepted.
-    pub fn accepted(stream: Arc<TcpStream>, now: Instant) -> Held {
+    pub fn accepted(stream: Arc<DataConn>, now: Instant) -> Held {
         Held {
             stream,
             owner: Owner::Accepted { opener: None },
@@ -141,7 +142,7 @@ impl Held {
 
     /// A connection a QP let go of after sending its BYE; `bye_read`: the peer's BYE was read
     /// already (it was the last frame the QP read), so the connection is clean.
-    pub fn released(stream: Arc<TcpStream>, owner: Owner, bye_read: bool, now: Instant) -> Held {
+    pub fn released(stream: Arc<DataConn>, owner: Owner, bye_read: bool, now: Instant) -> Held {
         let reading = if bye_read {
             Reading::Clean {
                 buf: [0; HELLO_LEN],
@@ -232,7 +233,7 @@ impl Held {
                 // Unreachable: every state asks for at least one byte.
                 return Step::Close(Some("reader state asked for no bytes".into()));
             }
-            match (&*self.stream).read(dst) {
+            match (&**self.stream).read(dst) {
                 Ok(0) => return Step::Close(None),
                 Ok(n) => {
                     if let Some(step) = self.consumed(n) {

@@ -31,6 +31,7 @@
 //! Bind address: `DeviceConfig::bind_addr`, else `FABRIQ_TCP_BIND`, else `127.0.0.1:0`.
 //! See `docs/arch/tcp.md`.
 
+mod data_conn;
 mod engine;
 mod held;
 mod qp;

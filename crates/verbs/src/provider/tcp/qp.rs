@@ -29,6 +29,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Mutex, MutexGuard};
 
+use super::data_conn::DataConn;
 use super::engine::{Engine, ProgressMode, BUSY_GRACE};
 use super::held::Owner;
 use super::PROVIDER;
@@ -76,12 +77,12 @@ const MAX_PARKED: usize = 4;
 struct Parked {
     src_qpn: u32,
     src_incarnation: u32,
-    stream: Arc<TcpStream>,
+    stream: Arc<DataConn>,
 }
 
 /// A connection a QP takes.
 struct Attached {
-    stream: Arc<TcpStream>,
+    stream: Arc<DataConn>,
     /// The listener this QP opened it to (else it was accepted).
     opened_to: Option<SocketAddr>,
     /// In the engine's epoll set already.
@@ -187,7 +188,7 @@ pub(crate) enum Lock {
 
 struct Side {
     core: QpCore,
-    conn: Option<Arc<TcpStream>>,
+    conn: Option<Arc<DataConn>>,
     /// The listener `conn` was opened to, when this QP opened it (else it was accepted).
     opened_to: Option<SocketAddr>,
     /// Accepted connections for this incarnation that arrived before it knew its peer.
@@ -227,7 +228,7 @@ impl Side {
 }
 
 struct Rx {
-    conn: Option<Arc<TcpStream>>,
+    conn: Option<Arc<DataConn>>,
     buf: Vec<u8>,
     start: usize,
     end: usize,
@@ -514,7 +515,7 @@ impl TcpQp {
                 break;
             };
             let room = dst.len();
-            match (&*stream).read(dst) {
+            match (&**stream).read(dst) {
                 Ok(0) => {
                     closed = Some("peer closed the connection".to_string());
                     break;
@@ -712,7 +713,7 @@ impl TcpQp {
 
     /// The listener accepted a connection whose HELLO names this QP (still in the engine's
     /// epoll set; dropping it closes it, which takes it out of the set).
-    pub fn accept_incoming(&self, hello: HelloIds, stream: Arc<TcpStream>) {
+    pub fn accept_incoming(&self, hello: HelloIds, stream: Arc<DataConn>) {
         let mut rx = self.rx.lock();
         let mut side = self.side.lock();
         let src_qpn = hello.src_qpn;
@@ -868,7 +869,7 @@ impl TcpQp {
             );
             // Nothing waits for socket room: a frame this short is taken whole in practice;
             // anything else gives the connection up.
-            matches!((&*conn).write(&bye), Ok(n) if n == bye.len())
+            matches!((&**conn).write(&bye), Ok(n) if n == bye.len())
         };
         if kept {
             let owner = match opened_to {
@@ -929,13 +930,9 @@ fn connect(addr: SocketAddr, dst: (u32, u32), src: (u32, u32)) -> Result<TcpStre
 /// Send the HELLO of a next use on a clean kept connection (non-blocking: the frame goes
 /// whole, or the connection is not used — the socket may still be full of the last use's
 /// frames that the other end is skipping).
-fn introduce(
-    s: Arc<TcpStream>,
-    dst: (u32, u32),
-    src: (u32, u32),
-) -> std::io::Result<Arc<TcpStream>> {
+fn introduce(s: Arc<DataConn>, dst: (u32, u32), src: (u32, u32)) -> std::io::Result<Arc<DataConn>> {
     let hello = hello_frame(dst, src);
-    match (&*s).write(&hello) {
+    match (&**s).write(&hello) {
         Ok(n) if n == hello.len() => Ok(s),
         Ok(_) => {
             let _ = s.shutdown(Shutdown::Both);
@@ -1036,7 +1033,7 @@ impl SoftQpDriver for TcpQp {
         let (incarnation, psn, kept_from, first) = {
             let side = self.side.lock();
             let kept_from = match (&side.conn, side.hello_owed) {
-                (Some(c), true) => c.peer_addr().ok(),
+                (Some(c), true) => c.opener(),
                 _ => None,
             };
             (
@@ -1141,7 +1138,7 @@ impl SoftQpDriver for TcpQp {
                 self.engine.hellos_spared.fetch_add(1, Ordering::Relaxed);
                 Some((k.stream, true, true))
             }
-            None if kept_from.is_some() && k.stream.local_addr().ok() == kept_from => {
+            None if kept_from.is_some() && k.stream.opener() == kept_from => {
                 self.engine.hellos_spared.fetch_add(1, Ordering::Relaxed);
                 Some((k.stream, true, false))
             }
@@ -1164,7 +1161,7 @@ impl SoftQpDriver for TcpQp {
                 let s = connect(raddr, dst, src)?;
                 self.engine.conns_opened.fetch_add(1, Ordering::Relaxed);
                 Some(Attached {
-                    stream: Arc::new(s),
+                    stream: Arc::new(DataConn::opened(s)),
                     opened_to: Some(raddr),
                     watched: false,
                     hello_due: false,

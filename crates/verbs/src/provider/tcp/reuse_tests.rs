@@ -692,7 +692,7 @@ fn kept_connections_are_closed_after_their_idle_time() {
         far_ends.push(far);
         let kept_since = Instant::now().checked_sub(age).unwrap();
         engine.hold(Held::released(
-            Arc::new(near),
+            Arc::new(super::data_conn::DataConn::opened(near)),
             Owner::Opened { peer, qpn },
             true,
             kept_since,

@@ -17,6 +17,15 @@ use crate::{Result, WorkCompletion};
 #[derive(Clone)]
 pub struct CompletionQueue {
     pub(crate) ops: Arc<dyn CqOps>,
+    /// Created on a thread with one CPU to run on (see [`CompletionQueue::one_cpu`]).
+    one_cpu: bool,
+}
+
+/// Whether the calling thread may run on one CPU only (its affinity, within the cgroup's
+/// quota): every thread it spawns shares that CPU, and a peer of the same process runs only
+/// when it steps aside.
+fn one_cpu_here() -> bool {
+    std::thread::available_parallelism().map_or(1, |n| n.get()) <= 1
 }
 
 impl std::fmt::Debug for CompletionQueue {
@@ -30,7 +39,19 @@ impl std::fmt::Debug for CompletionQueue {
 impl CompletionQueue {
     /// Wrap a provider's CQ. For provider implementations.
     pub fn from_ops(ops: Arc<dyn CqOps>) -> Self {
-        CompletionQueue { ops }
+        CompletionQueue {
+            ops,
+            one_cpu: one_cpu_here(),
+        }
+    }
+
+    /// True when the queue was created on a thread with one CPU to run on (a `taskset -c N`,
+    /// a container's cpuset of one): [`CompletionQueue::poll_blocking`] then yields the CPU
+    /// at every empty poll of its spin instead of every 256th, since what it waits for comes
+    /// from a thread (the peer's, a provider's progress thread) that runs on the same CPU
+    /// only when this one steps aside.
+    pub fn one_cpu(&self) -> bool {
+        self.one_cpu
     }
 
     /// Provider-side object, for downcasting inside a provider.
@@ -81,11 +102,13 @@ impl CompletionQueue {
     }
 
     /// Poll until at least one completion arrives or `timeout` passes, arming and sleeping
-    /// between polls when the provider supports events. Returns the number polled (0 on
-    /// timeout).
+    /// between polls when the provider supports events (after 2 048 empty polls, yielding the
+    /// CPU every 256th — every one where the queue was created with one CPU,
+    /// [`CompletionQueue::one_cpu`]). Returns the number polled (0 on timeout).
     pub fn poll_blocking(&self, wc: &mut [WorkCompletion], timeout: Duration) -> Result<usize> {
         let deadline = std::time::Instant::now() + timeout;
         let mut spins = 0u32;
+        let mut step_aside = self.one_cpu;
         loop {
             let n = self.poll(wc)?;
             if n > 0 {
@@ -96,10 +119,14 @@ impl CompletionQueue {
                 return Ok(0);
             }
             spins += 1;
+            if spins == 1 {
+                step_aside &= !self.ops.completed_by_provider_thread();
+            }
             if spins < 2048 || self.event_fd().is_none() {
-                std::hint::spin_loop();
-                if spins % 256 == 0 {
+                if step_aside || spins % 256 == 0 {
                     std::thread::yield_now();
+                } else {
+                    std::hint::spin_loop();
                 }
                 continue;
             }

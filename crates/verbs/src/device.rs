@@ -263,8 +263,6 @@ impl Context {
                 attr.max_cqe
             )));
         }
-        Ok(CompletionQueue {
-            ops: self.ops.create_cq(cqe)?,
-        })
+        Ok(CompletionQueue::from_ops(self.ops.create_cq(cqe)?))
     }
 }

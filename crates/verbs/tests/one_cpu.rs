@@ -1,0 +1,127 @@
+//! A completion queue created on a thread that may run on one CPU says so, and its blocking
+//! poll steps aside at every empty poll unless a provider thread of its own fills it: a
+//! ping-pong between two threads on that one CPU, each waiting in `poll_blocking`, completes on
+//! shm0 and tcp0. Created where the thread has several CPUs, it does not say so.
+
+use std::time::Duration;
+
+use fabriq_verbs::{
+    AccessFlags, Context, QpAttr, QpInitAttr, QueuePair, RecvWr, SendWr, WcOpcode, WcStatus,
+    WorkCompletion, WrOpcode,
+};
+
+const ROUNDS: u64 = 200;
+const WAIT: Duration = Duration::from_secs(20);
+
+/// Connect two QPs of one context to each other.
+fn pair(a: &QueuePair, b: &QueuePair) {
+    for q in [a, b] {
+        q.modify(&QpAttr::init(AccessFlags::LOCAL_WRITE))
+            .expect("init");
+    }
+    let (ea, eb) = (a.endpoint(), b.endpoint());
+    a.modify(&QpAttr::rtr(eb)).expect("rtr a");
+    b.modify(&QpAttr::rtr(ea)).expect("rtr b");
+    a.modify(&QpAttr::rts()).expect("rts a");
+    b.modify(&QpAttr::rts()).expect("rts b");
+}
+
+/// `ROUNDS` 8-byte SENDs from `a` to `b` and back, each side on its own thread (both on the
+/// calling thread's CPUs), each waiting in `poll_blocking`; returns whether the CQs were
+/// created with one CPU.
+fn ping_pong(device: &str) -> bool {
+    let ctx = Context::open(device).expect("device");
+    let pd = ctx.alloc_pd().expect("pd");
+    let cqs = [0, 1].map(|_| ctx.create_cq(64).expect("cq"));
+    let qps = [0, 1].map(|i| pd.create_qp(&QpInitAttr::new(&cqs[i])).expect("qp"));
+    pair(&qps[0], &qps[1]);
+    let one_cpu = cqs.iter().all(|c| c.one_cpu());
+    assert_eq!(one_cpu, cqs[0].one_cpu() || cqs[1].one_cpu(), "both alike");
+    std::thread::scope(|s| {
+        for side in 0..2 {
+            let (cq, qp, pd) = (&cqs[side], &qps[side], &pd);
+            s.spawn(move || {
+                let mr = pd.alloc_mr(4096, AccessFlags::LOCAL_WRITE).expect("mr");
+                let src = [mr.sge(0, 8).expect("sge")];
+                let mut wcs = [WorkCompletion::default(); 4];
+                // Completions taken but not waited for yet, by kind (SEND, RECV).
+                let mut early = [0u32; 2];
+                let mut wait = |want: WcOpcode| {
+                    let slot = |op: WcOpcode| usize::from(op != WcOpcode::Send);
+                    let deadline = std::time::Instant::now() + WAIT;
+                    while early[slot(want)] == 0 {
+                        assert!(
+                            std::time::Instant::now() < deadline,
+                            "{device}: no {want:?}"
+                        );
+                        let n = cq.poll_blocking(&mut wcs, WAIT).expect("poll");
+                        for wc in &wcs[..n] {
+                            assert_eq!(wc.status, WcStatus::Success, "{device}");
+                            early[slot(wc.opcode)] += 1;
+                        }
+                    }
+                    early[slot(want)] -= 1;
+                };
+                for round in 0..ROUNDS {
+                    qp.post_recv(&[RecvWr::new(round, &[mr.sge(64, 64).expect("sge")])])
+                        .expect("recv");
+                    if side == 0 {
+                        qp.post_send(&[SendWr::new(round, &src, WrOpcode::Send)])
+                            .expect("send");
+                        wait(WcOpcode::Send);
+                        wait(WcOpcode::Recv);
+                    } else {
+                        wait(WcOpcode::Recv);
+                        qp.post_send(&[SendWr::new(round, &src, WrOpcode::Send)])
+                            .expect("send");
+                        wait(WcOpcode::Send);
+                    }
+                }
+            });
+        }
+    });
+    one_cpu
+}
+
+#[test]
+fn a_cq_created_on_one_cpu_says_so_and_its_blocking_polls_complete() {
+    let Some(core) = core_affinity::get_core_ids().and_then(|ids| ids.last().copied()) else {
+        println!("SKIP: the CPUs of this process cannot be read");
+        return;
+    };
+    for device in ["shm0", "tcp0"] {
+        let one_cpu = std::thread::spawn(move || {
+            assert!(core_affinity::set_for_current(core), "pin to {core:?}");
+            ping_pong(device)
+        })
+        .join()
+        .expect("pinned thread");
+        assert!(one_cpu, "{device}: created on one CPU");
+        if std::thread::available_parallelism().map_or(1, |n| n.get()) > 1 {
+            assert!(!ping_pong(device), "{device}: created with several CPUs");
+        } else {
+            println!("SKIP (part): this process has one CPU; the case of several is not run");
+        }
+    }
+}
+
+/// Which queues step aside at every empty poll on one CPU: those whose completions come from
+/// the threads that post and poll (shm; tcp in busy mode, where a poll reads the sockets), not
+/// those filled by the provider's progress thread (tcp in thread mode, the default).
+#[test]
+fn only_queues_filled_by_a_provider_thread_keep_their_spin() {
+    use fabriq_verbs::DeviceConfig;
+    let cq_of = |device: &str, progress: Option<&str>| {
+        let mut cfg = DeviceConfig::default();
+        if let Some(p) = progress {
+            cfg.options.insert("progress".into(), p.into());
+        }
+        let ctx = Context::open_with(device, &cfg).expect("device");
+        let cq = ctx.create_cq(8).expect("cq");
+        cq.ops().completed_by_provider_thread()
+    };
+    assert!(!cq_of("shm0", None), "shm0");
+    assert!(cq_of("tcp0", None), "tcp0, thread mode");
+    assert!(cq_of("tcp0", Some("thread")), "tcp0, thread mode");
+    assert!(!cq_of("tcp0", Some("busy")), "tcp0, busy mode");
+}

@@ -46,12 +46,19 @@ impl CompletionQueue {
     }
 
     /// True when the queue was created on a thread with one CPU to run on (a `taskset -c N`,
-    /// a container's cpuset of one): [`CompletionQueue::poll_blocking`] then yields the CPU
-    /// at every empty poll of its spin instead of every 256th, since what it waits for comes
-    /// from a thread (the peer's, a provider's progress thread) that runs on the same CPU
-    /// only when this one steps aside.
+    /// a container's cpuset of one): every thread that thread spawns shares it.
     pub fn one_cpu(&self) -> bool {
         self.one_cpu
+    }
+
+    /// Whether a thread that waits on this queue should yield the CPU at every empty poll:
+    /// the queue was created with one CPU ([`CompletionQueue::one_cpu`]) and what fills it
+    /// needs that CPU — the peer's thread that posts, a poll that drives the transport — rather
+    /// than only a progress thread of the provider's own
+    /// ([`crate::provider::CqOps::completed_by_provider_thread`]), which yields at every poll
+    /// would keep waiting (the spinning threads hand the CPU to each other first).
+    pub fn steps_aside(&self) -> bool {
+        self.one_cpu && !self.ops.completed_by_provider_thread()
     }
 
     /// Provider-side object, for downcasting inside a provider.
@@ -103,12 +110,12 @@ impl CompletionQueue {
 
     /// Poll until at least one completion arrives or `timeout` passes, arming and sleeping
     /// between polls when the provider supports events (after 2 048 empty polls, yielding the
-    /// CPU every 256th — every one where the queue was created with one CPU,
-    /// [`CompletionQueue::one_cpu`]). Returns the number polled (0 on timeout).
+    /// CPU every 256th — every one where [`CompletionQueue::steps_aside`]). Returns the number
+    /// polled (0 on timeout).
     pub fn poll_blocking(&self, wc: &mut [WorkCompletion], timeout: Duration) -> Result<usize> {
         let deadline = std::time::Instant::now() + timeout;
         let mut spins = 0u32;
-        let mut step_aside = self.one_cpu;
+        let mut step_aside = false;
         loop {
             let n = self.poll(wc)?;
             if n > 0 {
@@ -120,7 +127,7 @@ impl CompletionQueue {
             }
             spins += 1;
             if spins == 1 {
-                step_aside &= !self.ops.completed_by_provider_thread();
+                step_aside = self.steps_aside();
             }
             if spins < 2048 || self.event_fd().is_none() {
                 if step_aside || spins % 256 == 0 {

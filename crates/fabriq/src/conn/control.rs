@@ -467,3 +467,122 @@ impl QpLease {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::io::{Read, Write};
+    use std::os::unix::net::UnixStream;
+
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::conn::stream::Stream;
+
+    /// What a peer may write on a live control stream.
+    #[derive(Debug, Clone)]
+    enum Item {
+        Ready,
+        Close,
+        /// A frame whose body is not one (bad magic), of this body length.
+        BadMagic(u8),
+        /// A prefix announcing fewer bytes than any frame has, and that many.
+        Short(u8),
+        /// A well-formed frame that has no place on a live stream.
+        Reject,
+    }
+
+    fn encode(item: &Item) -> Vec<u8> {
+        match item {
+            Item::Ready => wire::encode(&Message::Ready),
+            Item::Close => wire::encode(&Message::Close),
+            Item::BadMagic(n) => {
+                let n = usize::from(*n).max(wire::MIN_FRAME_LEN - 4);
+                let mut f = (n as u32).to_be_bytes().to_vec();
+                f.extend(vec![0xEE; n]);
+                f
+            }
+            Item::Short(n) => {
+                let n = usize::from(*n) % (wire::MIN_FRAME_LEN - 4);
+                let mut f = (n as u32).to_be_bytes().to_vec();
+                f.extend(vec![0x11; n]);
+                f
+            }
+            Item::Reject => wire::encode(&Message::Reject(wire::Reject {
+                code: wire::RejectCode::Internal,
+                version: wire::VERSION,
+                provider: "shm".into(),
+                reason: "no".into(),
+            })),
+        }
+    }
+
+    fn item() -> impl Strategy<Value = Item> {
+        prop_oneof![
+            4 => Just(Item::Ready),
+            2 => Just(Item::Close),
+            1 => any::<u8>().prop_map(Item::BadMagic),
+            1 => any::<u8>().prop_map(Item::Short),
+            1 => Just(Item::Reject),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+
+        /// Whatever a peer writes, however the bytes are split, the owner's reads end as the
+        /// frames say: `Ready`s are taken, a `Close` ends the stream with every byte behind it
+        /// left unread in the socket, anything else breaks it — never a panic, never a read
+        /// past the `Close`.
+        #[test]
+        fn poll_peer_reads_frames_however_they_are_split(
+            items in proptest::collection::vec(item(), 1..8),
+            cuts in proptest::collection::vec(1usize..24, 1..40),
+        ) {
+            let (ours, mut peer) = UnixStream::pair().expect("socket pair");
+            ours.set_nonblocking(true).expect("non-blocking");
+            let reader = ours.try_clone().expect("clone");
+            let addr: SocketAddr = "127.0.0.1:1".parse().expect("addr");
+            let mut c = ControlStream::new(Stream::Local(ours), addr, Home::Server(None), false);
+            // What the frames say, and the bytes after a Close.
+            let mut want_ready = false;
+            let mut want = ControlEvent::Open;
+            let mut after_close = Vec::new();
+            for it in &items {
+                match (&want, it) {
+                    (ControlEvent::PeerClosed, _) => after_close.extend(encode(it)),
+                    (ControlEvent::Gone, _) => {}
+                    (_, Item::Ready) => want_ready = true,
+                    (_, Item::Close) => want = ControlEvent::PeerClosed,
+                    _ => want = ControlEvent::Gone,
+                }
+            }
+            let bytes: Vec<u8> = items.iter().flat_map(encode).collect();
+            let mut at = 0;
+            let mut seen = ControlEvent::Open;
+            for cut in cuts.iter().cycle() {
+                if at == bytes.len() {
+                    break;
+                }
+                let end = (at + cut).min(bytes.len());
+                peer.write_all(&bytes[at..end]).expect("write");
+                at = end;
+                seen = c.poll_peer();
+                if seen != ControlEvent::Open {
+                    break;
+                }
+            }
+            prop_assert_eq!(seen, want);
+            if want == ControlEvent::PeerClosed {
+                prop_assert!(want_ready == c.take_ready());
+                // Write what is left, then read the socket: exactly the bytes after the Close.
+                peer.write_all(&bytes[at..]).expect("write rest");
+                drop(peer);
+                let mut rest = Vec::new();
+                let mut r = reader;
+                r.set_nonblocking(false).expect("blocking");
+                r.read_to_end(&mut rest).expect("read rest");
+                prop_assert_eq!(rest, after_close);
+            }
+        }
+    }
+}

@@ -376,3 +376,45 @@ pub(crate) fn check_peer_hello(
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write;
+    use std::os::unix::net::UnixStream;
+    use std::time::Duration;
+
+    use super::*;
+    use crate::conn::stream::Stream;
+
+    /// After a read that took only a stray `Close`, the next read waits for the stream (no
+    /// spin budget) and returns the frame that comes later; with nothing coming, it ends at
+    /// the deadline with a timeout, as a first read does.
+    #[test]
+    fn a_read_after_a_stray_close_waits_for_the_next_frame() {
+        let (ours, mut peer) = UnixStream::pair().expect("socket pair");
+        ours.set_nonblocking(true).expect("non-blocking");
+        let mut s = Stream::Local(ours);
+        let addr: SocketAddr = "127.0.0.1:1".parse().expect("addr");
+        let step = Step::new(addr, "hello-ack", Duration::from_secs(5), Duration::ZERO);
+        peer.write_all(&wire::encode(&Message::Close))
+            .expect("close");
+        let first = step.read_frames(&mut s, false).expect("read");
+        assert_eq!(first, Some(vec![Message::Close]));
+        let writer = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(30));
+            peer.write_all(&wire::encode(&Message::Ready))
+                .expect("ready");
+            peer
+        });
+        let next = step.read_more_frames(&mut s, false).expect("read more");
+        assert_eq!(next, Some(vec![Message::Ready]));
+        let _peer = writer.join().expect("writer");
+        let short = Step::new(addr, "hello-ack", Duration::from_millis(50), Duration::ZERO);
+        match short.read_more_frames(&mut s, false) {
+            Err(ConnError::Timeout {
+                phase: "hello-ack", ..
+            }) => {}
+            other => panic!("expected a timeout: {other:?}"),
+        }
+    }
+}

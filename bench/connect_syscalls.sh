@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # bench/connect_syscalls.sh — system calls per connect through `Endpoint`, counted by strace:
-# the same count run after run (up to the few calls of spins that end early or late), so it
-# tells what a change of the connect path does on a noisy machine where a timed A/B cannot.
+# on an otherwise idle host the same count run after run (to a few hundredths; under load
+# wake-ups come later and receives find nothing more often), so it tells what a change of the
+# connect path does where a timed A/B drowns in the host's noise.
 #
 # Runs `examples/connect_spin_ab` under `strace -f` with `AB_MARK=1` (a getppid call opens and
 # closes each timed part: `connect` on the client plus the server's `accept` returning),
@@ -20,16 +21,8 @@ DEVICE=${1:-tcp0}
 ROUNDS=${2:-200}
 MODE=${3:-cached}
 
-if ! command -v strace >/dev/null 2>&1; then
-    if [ "$(id -u)" = 0 ]; then
-        echo "== installing strace" >&2
-        apt-get update -qq >/dev/null 2>&1 || true
-        DEBIAN_FRONTEND=noninteractive apt-get install -y -q strace >/dev/null
-    else
-        echo "strace is missing (apt-get install strace)" >&2
-        exit 1
-    fi
-fi
+. bench/need.sh
+need strace
 
 cargo build --release -p fabriq --example connect_spin_ab >&2
 bin=${CARGO_TARGET_DIR:-target}/release/examples/connect_spin_ab

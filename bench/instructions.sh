@@ -28,16 +28,8 @@ while [ $# -gt 0 ]; do
     esac
 done
 
-if ! command -v valgrind >/dev/null 2>&1; then
-    if [ "$(id -u)" = 0 ]; then
-        echo "== installing valgrind" >&2
-        apt-get update -qq >/dev/null 2>&1 || true
-        DEBIAN_FRONTEND=noninteractive apt-get install -y -q valgrind >/dev/null
-    else
-        echo "valgrind is missing (apt-get install valgrind)" >&2
-        exit 1
-    fi
-fi
+. bench/need.sh
+need valgrind
 
 # FABRIQ_CLOCK=monotonic: the worker reads CLOCK_MONOTONIC instead of calibrating the CPU
 # counter at start (a calibration runs until it converges: its length would differ between the

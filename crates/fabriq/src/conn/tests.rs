@@ -1026,23 +1026,31 @@ fn a_control_stream_reports_a_vanished_peer_and_garbage() {
     cli.release(est);
 }
 
-/// The owner of an accepted control stream reads the peer's `Ready` and `Close` and not a byte
-/// more, whole frames in one receive each (never past the end of one): the next connection's
-/// hello, written behind them in one write, is served on the stream given back.
-#[test]
-fn an_owned_control_stream_reads_up_to_the_close_and_serves_the_hello_behind_it() {
+/// A connection a client made by hand (its hello written, the hello-ack read), accepted with
+/// `finish_accepting`: the server's manager and listener, the client's socket, and the server's
+/// side with its control stream non-blocking, as a worker owns it.
+fn accepted_by_hand() -> (ConnManager, Listener, TcpStream, Established, ControlStream) {
     let (srv, _) = manager(ConnConfig::default());
     let listener = srv.listen("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr();
-    let frame = |m: Message| wire::encode(&m);
-    let mut c = raw_client(addr, &frame(Message::Hello(some_hello("heap"))));
-    let (est, mut control) = listener
+    let hello = wire::encode(&Message::Hello(some_hello("heap")));
+    let mut c = raw_client(listener.local_addr(), &hello);
+    let (est, control) = listener
         .accept_pending(Some(LONG))
         .unwrap()
         .finish_accepting()
         .unwrap();
     control.set_nonblocking(true).unwrap();
     assert!(matches!(read_frame(&mut c), Some(Message::HelloAck(_))));
+    (srv, listener, c, est, control)
+}
+
+/// The owner of an accepted control stream reads the peer's `Ready` and `Close` and not a byte
+/// more, whole frames in one receive each (never past the end of one): the next connection's
+/// hello, written behind them in one write, is served on the stream given back.
+#[test]
+fn an_owned_control_stream_reads_up_to_the_close_and_serves_the_hello_behind_it() {
+    let (srv, listener, mut c, est, mut control) = accepted_by_hand();
+    let frame = |m: Message| wire::encode(&m);
     let mut all = frame(Message::Ready);
     all.extend(frame(Message::Close));
     all.extend(frame(Message::Hello(some_hello("heap"))));
@@ -1065,17 +1073,7 @@ fn an_owned_control_stream_reads_up_to_the_close_and_serves_the_hello_behind_it(
 /// read past, nor taken for the start of a longer one).
 #[test]
 fn a_frame_shorter_than_any_breaks_the_control_stream() {
-    let (srv, _) = manager(ConnConfig::default());
-    let listener = srv.listen("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr();
-    let mut c = raw_client(addr, &wire::encode(&Message::Hello(some_hello("heap"))));
-    let (est, mut control) = listener
-        .accept_pending(Some(LONG))
-        .unwrap()
-        .finish_accepting()
-        .unwrap();
-    control.set_nonblocking(true).unwrap();
-    assert!(matches!(read_frame(&mut c), Some(Message::HelloAck(_))));
+    let (srv, _listener, mut c, est, mut control) = accepted_by_hand();
     // A prefix that announces 2 bytes, then a whole Ready.
     let mut bad = 2u32.to_be_bytes().to_vec();
     bad.extend([0xAB, 0xCD]);

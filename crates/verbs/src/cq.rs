@@ -53,10 +53,10 @@ impl CompletionQueue {
 
     /// Whether a thread that waits on this queue should yield the CPU at every empty poll:
     /// the queue was created with one CPU ([`CompletionQueue::one_cpu`]) and what fills it
-    /// needs that CPU — the peer's thread that posts, a poll that drives the transport — rather
-    /// than only a progress thread of the provider's own
-    /// ([`crate::provider::CqOps::completed_by_provider_thread`]), which yields at every poll
-    /// would keep waiting (the spinning threads hand the CPU to each other first).
+    /// needs that CPU — the peer's thread that posts, a poll that drives the transport. Not
+    /// where only a progress thread of the provider's own fills it
+    /// ([`crate::provider::CqOps::completed_by_provider_thread`]): that thread would wait
+    /// while the spinning threads hand the CPU to each other.
     pub fn steps_aside(&self) -> bool {
         self.one_cpu && !self.ops.completed_by_provider_thread()
     }

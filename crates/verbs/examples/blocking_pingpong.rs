@@ -1,16 +1,19 @@
 //! Two threads of one process in an 8-byte SEND ping-pong over a QP pair of one context, each
-//! waiting for its completions in `CompletionQueue::poll_blocking`: prints the mean one-way
-//! time in µs. Run under `taskset -c N` it shows what the blocking poll's spin does where every
-//! thread shares one CPU (`docs/arch/soft.md`).
+//! waiting for its receives in `CompletionQueue::poll_blocking` (16 receives posted ahead, one
+//! reposted per message): prints the mean one-way time in µs. Run under `taskset -c N` it
+//! shows what the blocking poll's spin does where every thread shares one CPU
+//! (`docs/arch/soft.md`).
 //!
 //! `cargo run --release -p fabriq-verbs --example blocking_pingpong -- [DEVICE] [ROUNDS]`;
-//! `PP_PROGRESS=busy|thread` sets the tcp/udp providers' progress mode.
+//! `PP_PROGRESS=busy|thread` sets the tcp provider's progress mode.
+
+use std::time::{Duration, Instant};
 
 use fabriq_verbs::{
     AccessFlags, Context, DeviceConfig, QpAttr, QpInitAttr, RecvWr, SendWr, WcOpcode,
     WorkCompletion, WrOpcode,
 };
-use std::time::{Duration, Instant};
+
 fn main() {
     let device = std::env::args().nth(1).unwrap_or("shm0".into());
     let rounds: u64 = std::env::args()
@@ -33,42 +36,50 @@ fn main() {
     qps[1].modify(&QpAttr::rtr(e0)).unwrap();
     qps[0].modify(&QpAttr::rts()).unwrap();
     qps[1].modify(&QpAttr::rts()).unwrap();
+    // Receives are posted ahead (a ring of them, one reposted per message), as a real
+    // receiver does: a single receive posted just before each message would leave the sender
+    // without credit until the peer says it reposted, which measures the transport's credit
+    // recovery instead of the wait.
+    const POSTED: u64 = 16;
+    let mrs = [0, 1].map(|_| pd.alloc_mr(4096, AccessFlags::LOCAL_WRITE).unwrap());
+    for (qp, mr) in qps.iter().zip(&mrs) {
+        for r in 0..POSTED {
+            qp.post_recv(&[RecvWr::new(r, &[mr.sge(64, 64).unwrap()])])
+                .unwrap();
+        }
+    }
     let t = Instant::now();
     std::thread::scope(|s| {
         for side in 0..2 {
-            let (cq, qp, pd) = (&cqs[side], &qps[side], &pd);
+            let (cq, qp, mr) = (&cqs[side], &qps[side], &mrs[side]);
             s.spawn(move || {
-                let mr = pd.alloc_mr(4096, AccessFlags::LOCAL_WRITE).unwrap();
                 let src = [mr.sge(0, 8).unwrap()];
                 let mut wcs = [WorkCompletion::default(); 4];
-                // Completions taken but not waited for yet: SEND, RECV.
-                let mut early = [0u32; 2];
-                let mut wait = |want: WcOpcode| {
-                    let slot = |op: WcOpcode| usize::from(op != WcOpcode::Send);
-                    while early[slot(want)] == 0 {
+                // RECVs taken and not waited for yet (SEND completions are only drained).
+                let mut received = 0u64;
+                let mut wait_recv = || {
+                    while received == 0 {
                         let n = cq.poll_blocking(&mut wcs, Duration::from_secs(10)).unwrap();
                         assert!(n > 0, "no completion in 10 s");
                         for wc in &wcs[..n] {
                             assert!(wc.status.is_success(), "{:?}", wc.status);
-                            early[slot(wc.opcode)] += 1;
+                            received += u64::from(wc.opcode == WcOpcode::Recv);
                         }
                     }
-                    early[slot(want)] -= 1;
+                    received -= 1;
                 };
                 for r in 0..rounds {
-                    qp.post_recv(&[RecvWr::new(r, &[mr.sge(64, 64).unwrap()])])
-                        .unwrap();
                     if side == 0 {
                         qp.post_send(&[SendWr::new(r, &src, WrOpcode::Send)])
                             .unwrap();
-                        wait(WcOpcode::Send);
-                        wait(WcOpcode::Recv);
+                        wait_recv();
                     } else {
-                        wait(WcOpcode::Recv);
+                        wait_recv();
                         qp.post_send(&[SendWr::new(r, &src, WrOpcode::Send)])
                             .unwrap();
-                        wait(WcOpcode::Send);
                     }
+                    qp.post_recv(&[RecvWr::new(POSTED + r, &[mr.sge(64, 64).unwrap()])])
+                        .unwrap();
                 }
             });
         }

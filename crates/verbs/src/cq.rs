@@ -46,19 +46,12 @@ impl CompletionQueue {
     }
 
     /// True when the queue was created on a thread with one CPU to run on (a `taskset -c N`,
-    /// a container's cpuset of one): every thread that thread spawns shares it.
+    /// a container's cpuset of one): every thread that thread spawns shares it, and
+    /// [`CompletionQueue::poll_blocking`] steps aside at every empty poll — what it waits for
+    /// comes from a thread (the peer's, a provider's progress thread) that runs only when
+    /// this one does.
     pub fn one_cpu(&self) -> bool {
         self.one_cpu
-    }
-
-    /// Whether a thread that waits on this queue should yield the CPU at every empty poll:
-    /// the queue was created with one CPU ([`CompletionQueue::one_cpu`]) and what fills it
-    /// needs that CPU — the peer's thread that posts, a poll that drives the transport. Not
-    /// where only a progress thread of the provider's own fills it
-    /// ([`crate::provider::CqOps::completed_by_provider_thread`]): that thread would wait
-    /// while the spinning threads hand the CPU to each other.
-    pub fn steps_aside(&self) -> bool {
-        self.one_cpu && !self.ops.completed_by_provider_thread()
     }
 
     /// Provider-side object, for downcasting inside a provider.
@@ -110,12 +103,11 @@ impl CompletionQueue {
 
     /// Poll until at least one completion arrives or `timeout` passes, arming and sleeping
     /// between polls when the provider supports events (after 2 048 empty polls, yielding the
-    /// CPU every 256th — every one where [`CompletionQueue::steps_aside`]). Returns the number
-    /// polled (0 on timeout).
+    /// CPU every 256th — every one where the queue was created with one CPU,
+    /// [`CompletionQueue::one_cpu`]). Returns the number polled (0 on timeout).
     pub fn poll_blocking(&self, wc: &mut [WorkCompletion], timeout: Duration) -> Result<usize> {
         let deadline = std::time::Instant::now() + timeout;
         let mut spins = 0u32;
-        let mut step_aside = false;
         loop {
             let n = self.poll(wc)?;
             if n > 0 {
@@ -126,11 +118,8 @@ impl CompletionQueue {
                 return Ok(0);
             }
             spins += 1;
-            if spins == 1 {
-                step_aside = self.steps_aside();
-            }
             if spins < 2048 || self.event_fd().is_none() {
-                if step_aside || spins % 256 == 0 {
+                if self.one_cpu || spins % 256 == 0 {
                     std::thread::yield_now();
                 } else {
                     std::hint::spin_loop();

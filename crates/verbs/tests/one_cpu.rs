@@ -1,13 +1,13 @@
 //! A completion queue created on a thread that may run on one CPU says so, and its blocking
-//! poll steps aside at every empty poll unless a provider thread of its own fills it: a
-//! ping-pong between two threads on that one CPU, each waiting in `poll_blocking`, completes on
-//! shm0 and tcp0. Created where the thread has several CPUs, it does not say so.
+//! poll steps aside at every empty poll: a ping-pong between two threads on that one CPU, each
+//! waiting in `poll_blocking`, completes on shm0 and on tcp0 in both progress modes. Created
+//! where the thread has several CPUs, it does not say so.
 
 use std::time::Duration;
 
 use fabriq_verbs::{
-    AccessFlags, Context, QpAttr, QpInitAttr, QueuePair, RecvWr, SendWr, WcOpcode, WcStatus,
-    WorkCompletion, WrOpcode,
+    AccessFlags, Context, DeviceConfig, QpAttr, QpInitAttr, QueuePair, RecvWr, SendWr, WcOpcode,
+    WcStatus, WorkCompletion, WrOpcode,
 };
 
 const ROUNDS: u64 = 200;
@@ -29,8 +29,12 @@ fn pair(a: &QueuePair, b: &QueuePair) {
 /// `ROUNDS` 8-byte SENDs from `a` to `b` and back, each side on its own thread (both on the
 /// calling thread's CPUs), each waiting in `poll_blocking`; returns whether the CQs were
 /// created with one CPU.
-fn ping_pong(device: &str) -> bool {
-    let ctx = Context::open(device).expect("device");
+fn ping_pong(device: &str, progress: Option<&str>) -> bool {
+    let mut cfg = DeviceConfig::default();
+    if let Some(p) = progress {
+        cfg.options.insert("progress".into(), p.into());
+    }
+    let ctx = Context::open_with(device, &cfg).expect("device");
     let pd = ctx.alloc_pd().expect("pd");
     let cqs = [0, 1].map(|_| ctx.create_cq(64).expect("cq"));
     let qps = [0, 1].map(|i| pd.create_qp(&QpInitAttr::new(&cqs[i])).expect("qp"));
@@ -89,56 +93,25 @@ fn a_cq_created_on_one_cpu_says_so_and_its_blocking_polls_complete() {
         println!("SKIP: the CPUs of this process cannot be read");
         return;
     };
-    for device in ["shm0", "tcp0"] {
+    for (device, progress) in [
+        ("shm0", None),
+        ("tcp0", Some("thread")),
+        ("tcp0", Some("busy")),
+    ] {
         let one_cpu = std::thread::spawn(move || {
             assert!(core_affinity::set_for_current(core), "pin to {core:?}");
-            ping_pong(device)
+            ping_pong(device, progress)
         })
         .join()
         .expect("pinned thread");
         assert!(one_cpu, "{device}: created on one CPU");
         if std::thread::available_parallelism().map_or(1, |n| n.get()) > 1 {
-            assert!(!ping_pong(device), "{device}: created with several CPUs");
+            assert!(
+                !ping_pong(device, progress),
+                "{device}: created with several CPUs"
+            );
         } else {
             println!("SKIP (part): this process has one CPU; the case of several is not run");
         }
     }
-}
-
-/// Which queues step aside at every empty poll on one CPU: those whose completions come from
-/// the threads that post and poll (shm; tcp in busy mode, where a poll reads the sockets), not
-/// those filled by the provider's progress thread (tcp in thread mode, the default).
-#[test]
-fn only_queues_filled_by_a_provider_thread_keep_their_spin() {
-    use fabriq_verbs::DeviceConfig;
-    let Some(core) = core_affinity::get_core_ids().and_then(|ids| ids.last().copied()) else {
-        println!("SKIP: the CPUs of this process cannot be read");
-        return;
-    };
-    let cases = [
-        ("shm0", None, true),
-        ("tcp0", None, false),
-        ("tcp0", Some("thread"), false),
-        ("tcp0", Some("busy"), true),
-    ];
-    std::thread::spawn(move || {
-        assert!(core_affinity::set_for_current(core), "pin to {core:?}");
-        for (device, progress, steps) in cases {
-            let mut cfg = DeviceConfig::default();
-            if let Some(p) = progress {
-                cfg.options.insert("progress".into(), p.into());
-            }
-            let ctx = Context::open_with(device, &cfg).expect("device");
-            let cq = ctx.create_cq(8).expect("cq");
-            assert!(cq.one_cpu(), "{device} {progress:?}");
-            assert_eq!(cq.steps_aside(), steps, "{device} {progress:?}");
-            assert_eq!(
-                cq.ops().completed_by_provider_thread(),
-                !steps,
-                "{device} {progress:?}"
-            );
-        }
-    })
-    .join()
-    .expect("pinned thread");
 }

@@ -123,15 +123,6 @@ pub trait CqOps: Send + Sync + 'static {
     fn may_have_completions(&self) -> bool {
         true
     }
-    /// True when completions reach this queue only through a thread of the provider's own (a
-    /// software transport's progress thread), not from the threads that post and poll (a
-    /// peer's post writing them, a poll that drives the transport, a NIC). A waiter that
-    /// steps aside at every empty poll where it shares one CPU hands that CPU to the other
-    /// spinning threads rather than to that progress thread, so it does not
-    /// (`CompletionQueue::poll_blocking`).
-    fn completed_by_provider_thread(&self) -> bool {
-        false
-    }
     /// Arm for the next (solicited) completion.
     fn req_notify(&self, _solicited_only: bool) -> Result<()> {
         Err(VerbsError::unsupported("provider", "CQ events"))

@@ -233,12 +233,6 @@ impl CqOps for SoftCq {
         self.capacity
     }
 
-    /// Without a progress hook (thread mode) only the transport's progress thread reads the
-    /// sockets and completes work requests.
-    fn completed_by_provider_thread(&self) -> bool {
-        self.hook.get().is_none()
-    }
-
     #[inline]
     fn poll(&self, wc: &mut [WorkCompletion]) -> Result<usize> {
         // Drive progress only when the queue alone cannot fill the caller's array: queued

@@ -483,16 +483,7 @@ pub(crate) fn spawn(
         clock: PassClock::default(),
         handoff: Handoff::default(),
     };
-    // Read here, on the thread that builds the endpoint: the worker thread inherits its CPUs
-    // (and `pin_workers` pins within them).
-    shared.install(
-        worker,
-        buffers,
-        cq_peek,
-        cfg.progress,
-        cfg.idle_spin,
-        cpus_here() <= 1,
-    );
+    shared.install(worker, buffers, cq_peek, cfg.progress, cfg.idle_spin);
     let name = format!("fabriq-worker-{}", shared.id);
     std::thread::Builder::new()
         .name(name)
@@ -509,12 +500,6 @@ pub(crate) fn spawn(
             }
         })
         .map_err(|e| ChannelError::Verbs(fabriq_verbs::VerbsError::io("spawn worker", e)))
-}
-
-/// The CPUs the calling thread may use (its affinity, within the cgroup's quota), which the
-/// threads it spawns inherit.
-fn cpus_here() -> usize {
-    std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
 /// Thread mode: busy-poll while work arrives, sleep in epoll after `idle_spin` without work.
@@ -1932,27 +1917,4 @@ pub(crate) fn is_one_sided_opcode(op: WcOpcode) -> bool {
         op,
         WcOpcode::RdmaWrite | WcOpcode::RdmaRead | WcOpcode::CompSwap | WcOpcode::FetchAdd
     )
-}
-
-#[cfg(test)]
-mod tests {
-    use super::cpus_here;
-
-    /// The count the workers' spin follows is the spawning thread's: a thread confined to one
-    /// CPU (as under `taskset -c N`) reads one, so the endpoint it builds steps aside at every
-    /// idle round.
-    #[test]
-    fn a_thread_confined_to_one_cpu_counts_one() {
-        let Some(core) = core_affinity::get_core_ids().and_then(|ids| ids.last().copied()) else {
-            println!("SKIP: the CPUs of this process cannot be read");
-            return;
-        };
-        let cpus = std::thread::spawn(move || {
-            assert!(core_affinity::set_for_current(core), "pin to {core:?}");
-            cpus_here()
-        })
-        .join()
-        .expect("pinned thread");
-        assert_eq!(cpus, 1);
-    }
 }

@@ -208,10 +208,11 @@ impl WorkerShared {
         cq: fabriq_verbs::CompletionQueue,
         progress: Progress,
         idle_spin: Duration,
-        one_cpu: bool,
     ) {
+        // The CQ read its CPUs when it was created, on the thread that builds the endpoint:
+        // the worker thread inherits them (and `pin_workers` pins within them).
+        self.one_cpu.store(cq.one_cpu(), Ordering::Relaxed);
         let _ = self.cq.set(cq);
-        self.one_cpu.store(one_cpu, Ordering::Relaxed);
         self.caller_mode
             .store(progress == Progress::Caller, Ordering::Relaxed);
         self.idle_spin_ns.store(

@@ -99,17 +99,30 @@ fn info_text_and_single_device() {
 }
 
 #[test]
-fn perf_send_lat_on_tcp0_and_shm0() {
-    for device in ["tcp0", "shm0"] {
+fn perf_send_lat_on_tcp0_udp0_and_shm0() {
+    for device in ["tcp0", "udp0", "shm0"] {
         let v = perf_json(&["-d", device, "-t", "send_lat", "-n", "200"]);
         assert_latency(&v, "send_lat", device, 200, "one_way");
         assert_eq!(v["results"][0]["size"], 8);
         assert_eq!(v["mode"], "busy");
-        if device == "tcp0" {
+        if device != "shm0" {
             // A spinning client reads the sockets itself unless told otherwise.
             assert_eq!(v["device_options"]["progress"], "busy", "{v}");
         }
     }
+    // Told otherwise, it leaves them to the provider's thread.
+    let v = perf_json(&[
+        "-d",
+        "udp0",
+        "-t",
+        "send_lat",
+        "-n",
+        "200",
+        "-o",
+        "progress=thread",
+    ]);
+    assert_latency(&v, "send_lat", "udp0", 200, "one_way");
+    assert_eq!(v["device_options"]["progress"], "thread", "{v}");
 }
 
 #[test]

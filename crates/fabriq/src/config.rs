@@ -43,8 +43,8 @@
 //! close_linger_ms = 5000     # a connection whose last channel closed keeps going this long at
 //!                            # most for what it still has to deliver (0: close at once)
 //!
-//! [device_options]           # provider options for a named device (tcp0: progress, …);
-//! # progress = "thread"      # default for a tcp device: progress = "busy" (pollers read the
+//! [device_options]           # provider options for a named device (tcp0, udp0: progress, …);
+//! # progress = "thread"      # default for tcp and udp devices: progress = "busy" (pollers read the
 //!                            # sockets: lowest latency); "thread" leaves them to the provider's
 //!                            # thread (more bandwidth for large streams on few cores)
 //! ```
@@ -415,17 +415,17 @@ impl Config {
             .map_err(|e| ConfigError::Invalid(e.to_string()))
     }
 
-    /// Provider options to open `device` with: `progress = busy` for a device of the `tcp`
-    /// provider, so that a worker (or a caller-mode application thread) polling the CQ reads the
-    /// sockets itself instead of waiting for the provider's progress thread to wake up (which
-    /// stays as the fall-back while nobody polls); then `device_options` on top.
+    /// Provider options to open `device` with: `progress = busy` for a device of a socket
+    /// provider (`tcp`, `udp`), so that a worker (or a caller-mode application thread) polling
+    /// the CQ reads the sockets itself instead of waiting for the provider's progress thread to
+    /// wake up (which stays as the fall-back while nobody polls); then `device_options` on top.
     pub fn device_config(&self, device: &str) -> fabriq_verbs::DeviceConfig {
         let mut cfg = fabriq_verbs::DeviceConfig::default();
-        let is_tcp = fabriq_verbs::devices()
+        let on_sockets = fabriq_verbs::devices()
             .unwrap_or_default()
             .into_iter()
-            .any(|d| d.name == device && d.provider == "tcp");
-        if is_tcp {
+            .any(|d| d.name == device && (d.provider == "tcp" || d.provider == "udp"));
+        if on_sockets {
             cfg.options.insert("progress".into(), "busy".into());
         }
         cfg.options.extend(
@@ -575,6 +575,14 @@ mod tests {
         assert_eq!(
             Config::default()
                 .device_config("tcp0")
+                .options
+                .get("progress")
+                .map(String::as_str),
+            Some("busy")
+        );
+        assert_eq!(
+            Config::default()
+                .device_config("udp0")
                 .options
                 .get("progress")
                 .map(String::as_str),

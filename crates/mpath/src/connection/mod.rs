@@ -461,6 +461,12 @@ impl Connection {
         self.queue.is_empty() && self.replies.is_empty()
     }
 
+    /// Whether packets of queued messages wait to leave for the first time: the window (ACK
+    /// clocking) or the pacing holds them until an ACK or a timer releases them.
+    pub fn has_unsent(&self) -> bool {
+        self.s.snd_nxt != self.queue.end_psn()
+    }
+
     /// Congestion window in packets.
     pub fn cwnd(&self) -> f64 {
         self.s.window.get()

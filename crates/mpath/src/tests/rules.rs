@@ -124,6 +124,20 @@ mod ack_clocking {
     }
 
     #[test]
+    fn packets_beyond_the_window_are_unsent_until_acks_release_them() {
+        let (_, first) = sender(cfg(), 10);
+        assert_eq!(first.len(), 10);
+        let (c, _) = sender(cfg(), 10);
+        assert!(!c.has_unsent(), "ten packets fit the first window");
+        let (mut c, first) = sender(cfg(), 17);
+        assert_eq!(first.len(), 16);
+        assert!(c.has_unsent(), "the 17th waits for an ACK");
+        ack(&mut c, Instant::ZERO, first[0].1 .0, 0, 1, false, false);
+        assert_eq!(data_psns(&drain(&mut c, Instant::ZERO)).len(), 1);
+        assert!(!c.has_unsent());
+    }
+
+    #[test]
     fn unmarked_ack_grows_cwnd_by_one_over_cwnd() {
         let (mut c, _) = sender(cfg(), 100);
         ack(&mut c, Instant::ZERO, 9, 0, 1, false, false);

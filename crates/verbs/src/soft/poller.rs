@@ -6,7 +6,9 @@
 //! The provider keeps what is specific to its transport: which fds it watches under which
 //! tokens, how long the thread may sleep, and what a ready fd means. The tokens
 //! [`TOKEN_WAKE`] and [`TOKEN_TIMER`] are reserved here and never reach the provider.
-//! Also [`set_rcvlowat`], how much input makes a stream socket ready.
+//! Also [`set_rcvlowat`], how much input makes a stream socket ready, and what busy-mode
+//! providers share: [`ProgressMode`] (who reads the sockets) and [`BusyGrace`] (whether a CQ
+//! poller is reading them now).
 
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -21,6 +23,72 @@ use crate::{Result, VerbsError};
 pub const TOKEN_WAKE: u64 = u64::MAX;
 /// Token of the deadline timerfd.
 pub const TOKEN_TIMER: u64 = u64::MAX - 1;
+
+/// Who drives a software context's progress (device option `progress`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProgressMode {
+    /// The context's progress thread alone (epoll); polling a CQ costs one atomic load when
+    /// it is empty.
+    Thread,
+    /// Polling a CQ also reads the context's sockets and runs due timers, so a spinning poller
+    /// sees completions without a thread wake-up. The thread remains as a fallback.
+    Busy,
+}
+
+impl ProgressMode {
+    /// The value of option `progress` of a `provider` device: `thread` or `busy`.
+    pub fn parse(provider: &str, v: &str) -> Result<ProgressMode> {
+        match v {
+            "thread" => Ok(ProgressMode::Thread),
+            "busy" => Ok(ProgressMode::Busy),
+            _ => Err(VerbsError::InvalidArgument(format!(
+                "{provider} option progress = {v:?}: expected \"thread\" or \"busy\""
+            ))),
+        }
+    }
+}
+
+/// How long after its last poll a busy poller still counts as polling: while it does, the
+/// progress thread leaves the sockets to it (and is not woken per datagram or message).
+pub const BUSY_GRACE: Duration = Duration::from_millis(1);
+
+/// Busy mode: when a CQ poller last drove the context (microseconds since `epoch`, 0: none
+/// since it armed its CQ to sleep).
+pub struct BusyGrace {
+    epoch: Instant,
+    last_drive_us: AtomicU64,
+}
+
+impl BusyGrace {
+    /// No poller yet.
+    pub fn new(epoch: Instant) -> BusyGrace {
+        BusyGrace {
+            epoch,
+            last_drive_us: AtomicU64::new(0),
+        }
+    }
+
+    fn us(&self, now: Instant) -> u64 {
+        now.saturating_duration_since(self.epoch).as_micros() as u64
+    }
+
+    /// A poller drove at `now` and keeps polling.
+    pub fn note(&self, now: Instant) {
+        self.last_drive_us
+            .store(self.us(now).max(1), Ordering::Relaxed);
+    }
+
+    /// True while a poller drove less than [`BUSY_GRACE`] ago.
+    pub fn active(&self, now: Instant) -> bool {
+        let last = self.last_drive_us.load(Ordering::Relaxed);
+        last != 0 && self.us(now).saturating_sub(last) < BUSY_GRACE.as_micros() as u64
+    }
+
+    /// The poller goes to sleep: its grace ends now. False if none was noted since the last end.
+    pub fn end(&self) -> bool {
+        self.last_drive_us.swap(0, Ordering::Relaxed) != 0
+    }
+}
 
 /// How the progress thread's sleep is bounded.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

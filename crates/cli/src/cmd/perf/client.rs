@@ -76,8 +76,8 @@ fn connect(server: &str) -> Result<(Control, SocketAddr)> {
 }
 
 /// The provider options a run opens its device with: the user's, plus `progress = busy` for a
-/// `tcp` device in busy mode unless the user chose otherwise — a spinning poller should read
-/// the sockets itself rather than wait for the provider's progress thread to wake up.
+/// `tcp` or `udp` device in busy mode unless the user chose otherwise — a spinning poller should
+/// read the sockets itself rather than wait for the provider's progress thread to wake up.
 pub fn device_options(
     device: &str,
     mode: Mode,
@@ -90,7 +90,7 @@ pub fn device_options(
             .into_iter()
             .find(|d| d.name == device)
             .map(|d| d.provider);
-        if provider.as_deref() == Some("tcp") {
+        if matches!(provider.as_deref(), Some("tcp" | "udp")) {
             options.insert("progress".into(), "busy".into());
         }
     }

@@ -270,7 +270,7 @@ pub struct Args {
     )]
     pub device: String,
     /// Provider option for opening the device on both sides, KEY=VALUE (repeatable), e.g.
-    /// `-o progress=busy` for tcp0.
+    /// `-o progress=thread` for tcp0 or udp0 (busy mode picks `progress=busy` for them).
     #[arg(short = 'o', long = "dev-opt", value_name = "KEY=VALUE", value_parser = parse_option_arg)]
     pub dev_opts: Vec<(String, String)>,
     /// Layer to measure: raw verbs, the middleware's fabriq::Channel, or its fabriq::Rpc.

@@ -23,29 +23,16 @@ use super::held::{Held, Owner, Step, ACCEPTED_REUSE, HELLO_TIMEOUT};
 use super::qp::{HelloIds, Lock, TcpQp};
 use super::{Options, DEVICE};
 use crate::soft::cq::ProgressHook;
-use crate::soft::poller::{self, Poller, SleepTimer};
+use crate::soft::poller::{self, BusyGrace, Poller, SleepTimer};
+pub(crate) use crate::soft::poller::{ProgressMode, BUSY_GRACE};
 use crate::soft::qp_table::{QpTable, TimedQp};
 use crate::{DeviceInfo, Result, VerbsError};
-
-/// Who drives progress.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ProgressMode {
-    /// The context's progress thread alone (epoll); polling a CQ costs one atomic load when
-    /// it is empty.
-    Thread,
-    /// Polling a CQ also reads the context's sockets and runs due timers, so a spinning poller
-    /// sees completions without a thread wake-up. The thread remains as a fallback.
-    Busy,
-}
 
 const TOKEN_LISTENER: u64 = 1;
 const TOKEN_PENDING: u64 = 1 << 62;
 const TOKEN_QP: u64 = 1 << 61;
 /// Longest the thread sleeps without looking at timers.
 const MAX_SLEEP: Duration = Duration::from_secs(1);
-/// Busy mode: a poller that drove progress this recently is active, and the thread leaves
-/// the sockets to it (re-checking at this period).
-pub(crate) const BUSY_GRACE: Duration = Duration::from_millis(1);
 /// Accepted connections that have not sent their HELLO yet, at most.
 const MAX_PENDING: usize = 1024;
 /// Used connections kept for reuse, at most (each end counts its own).
@@ -151,8 +138,8 @@ pub(crate) struct Engine {
     /// Kept connections a QP took at RTR with no HELLO written or found: an accepting QP (it
     /// owes one until it writes), or an opening QP whose peer's endpoint named the connection.
     pub hellos_spared: AtomicU64,
-    /// Busy mode: microseconds since the poller epoch of the last `drive` (0: never).
-    last_drive_us: AtomicU64,
+    /// Busy mode: when a CQ poller last drove the context.
+    grace: BusyGrace,
     /// Busy mode: QPs whose readiness the thread left to an active poller; their one-shot
     /// registrations are re-armed when the poller goes quiet.
     deferred: Mutex<Vec<u32>>,
@@ -192,7 +179,7 @@ impl Engine {
             conns_reused: AtomicU64::new(0),
             hellos_found: AtomicU64::new(0),
             hellos_spared: AtomicU64::new(0),
-            last_drive_us: AtomicU64::new(0),
+            grace: BusyGrace::new(poller.epoch()),
             deferred: Mutex::new(Vec::new()),
             acks_held: AtomicBool::new(false),
         });
@@ -259,14 +246,8 @@ impl Engine {
         }
     }
 
-    fn now_us(&self, now: Instant) -> u64 {
-        now.saturating_duration_since(self.poller.epoch())
-            .as_micros() as u64
-    }
-
     pub(super) fn poller_active(&self, now: Instant) -> bool {
-        let last = self.last_drive_us.load(Ordering::Relaxed);
-        last != 0 && self.now_us(now).saturating_sub(last) < BUSY_GRACE.as_micros() as u64
+        self.grace.active(now)
     }
 
     /// Busy mode, thread side: once no poller runs, send held ACKs and take deferred sockets
@@ -656,8 +637,7 @@ impl Engine {
             self.qps.extend_live(&mut qps);
             let now = Instant::now();
             if stays {
-                self.last_drive_us
-                    .store(self.now_us(now).max(1), Ordering::Relaxed);
+                self.grace.note(now);
             }
             for qp in qps.iter() {
                 qp.drive_rx(Lock::Try);
@@ -688,7 +668,7 @@ impl ProgressHook for Engine {
     /// after the look below is taken back at the thread's next timeout computation, which
     /// finds the grace ended.)
     fn poller_leaving(&self) {
-        if self.mode != ProgressMode::Busy || self.last_drive_us.swap(0, Ordering::Relaxed) == 0 {
+        if self.mode != ProgressMode::Busy || !self.grace.end() {
             return;
         }
         if self.acks_held.swap(false, Ordering::Relaxed) {

@@ -51,8 +51,8 @@ use crate::soft::open::{self as soft_open, SoftProvider};
 use crate::soft::qp_setup::QpResources;
 use crate::{Capabilities, DeviceConfig, DeviceInfo, QpInitAttr, Result, Transport, VerbsError};
 
+pub use crate::soft::poller::ProgressMode;
 use engine::Engine;
-pub use engine::ProgressMode;
 
 const PROVIDER: &str = "tcp";
 const DEVICE: &str = "tcp0";
@@ -102,17 +102,7 @@ impl Options {
         };
         for (k, v) in &config.options {
             match k.as_str() {
-                "progress" => {
-                    opts.mode = match v.as_str() {
-                        "thread" => ProgressMode::Thread,
-                        "busy" => ProgressMode::Busy,
-                        _ => {
-                            return Err(VerbsError::InvalidArgument(format!(
-                                "tcp option progress = {v:?}: expected \"thread\" or \"busy\""
-                            )))
-                        }
-                    }
-                }
+                "progress" => opts.mode = ProgressMode::parse(PROVIDER, v)?,
                 "min_ack_timeout_ms" => {
                     let ms: u64 = v.parse().map_err(|_| {
                         VerbsError::InvalidArgument(format!(

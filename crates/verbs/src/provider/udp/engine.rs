@@ -10,21 +10,34 @@
 //! System calls are batched ([`super::sys`]): a QP's pump hands over every datagram it produced
 //! at once, sent per socket with `sendmmsg` (optionally as UDP GSO messages), and the thread reads
 //! each ready socket with `recvmmsg` (optionally with UDP GRO).
+//!
+//! With `progress = "busy"` the sockets sit in an epoll set of their own, which the thread's set
+//! watches as one one-shot fd, and polling a CQ of the context reads them too (one `epoll_wait`
+//! with a zero timeout, then the ready sockets) and runs due timers: a spinning poller sees a
+//! completion without waiting for the thread to be scheduled. While a poller polls
+//! ([`BusyGrace`]) the thread leaves the sockets to it and is not woken per datagram; it takes
+//! them back once the poller stops polling or arms its CQ to sleep. Reading is serialised (the
+//! thread and the pollers take turns on one receive state), so datagrams are handed to their QPs
+//! by one reader at a time.
 
 use std::io::IoSlice;
+use std::mem::MaybeUninit;
 use std::net::{SocketAddr, UdpSocket};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::os::fd::OwnedFd;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
+use parking_lot::Mutex;
 use rustix::event::epoll;
 
 use super::qp::UdpQp;
 use super::sys::{self, RecvBatch, TxBatch};
 use super::wire::{Header, Kind};
 use super::{Options, DEVICE};
-use crate::soft::poller::{self, Poller, SleepTimer};
-use crate::soft::qp_table::QpTable;
+use crate::soft::cq::ProgressHook;
+use crate::soft::poller::{self, BusyGrace, Poller, ProgressMode, SleepTimer, BUSY_GRACE};
+use crate::soft::qp_table::{QpTable, TimedQp};
 use crate::{DeviceInfo, Result, VerbsError};
 
 /// Longest sleep of the progress thread when no timer is armed.
@@ -36,6 +49,22 @@ const RECV_CALLS: usize = 4;
 const MAX_DATAGRAM: usize = 65_536;
 /// Socket buffer size asked for (the kernel may cap it).
 const SOCKET_BUFFER: usize = 8 << 20;
+/// Busy mode: the token of the sockets' own epoll set in the thread's set (socket tokens are
+/// path indices, below 1024; the poller reserves `u64::MAX` and `u64::MAX - 1`).
+const TOKEN_SOCKETS: u64 = u64::MAX - 2;
+
+/// What reading the sockets needs, owned by whoever reads (the thread or a busy poller).
+struct RxState {
+    rx: RecvBatch,
+    /// Sockets found ready, by path index.
+    ready: Vec<usize>,
+    /// QPs fed by the datagrams read, to pump once the batch is read.
+    touched: Vec<Arc<UdpQp>>,
+    /// Busy mode: the live QPs, for a poller's look at their timers.
+    qps: Vec<Arc<UdpQp>>,
+    /// Reads so far: the socket read first turns with it.
+    rounds: usize,
+}
 
 /// The context of device `udp0`.
 pub(crate) struct Engine {
@@ -50,6 +79,20 @@ pub(crate) struct Engine {
     poller: Arc<Poller>,
     pub qps: QpTable<UdpQp>,
     counters: Counters,
+    /// Busy mode: the sockets' own epoll set (watched by the thread's set under
+    /// [`TOKEN_SOCKETS`], one-shot; read by CQ pollers).
+    socket_set: Option<OwnedFd>,
+    rx_state: Mutex<RxState>,
+    /// Busy mode: when a CQ poller last drove the context.
+    grace: BusyGrace,
+    /// Busy mode: the earliest QP deadline a poller has to look at (nanoseconds on the
+    /// poller's clock, `u64::MAX`: none known).
+    poll_deadline_ns: AtomicU64,
+    /// Busy mode: some QP's messages wait for ACKs ([`Engine::sender_blocked`]).
+    blocked: AtomicBool,
+    /// Busy mode: the thread left the sockets to an active poller (its one-shot registration
+    /// of the socket set is not re-armed until the poller goes quiet).
+    deferred: AtomicBool,
 }
 
 /// System-call counters of a context (relaxed atomics: statistics only).
@@ -60,6 +103,7 @@ struct Counters {
     tx_dropped: AtomicU64,
     rx_calls: AtomicU64,
     rx_datagrams: AtomicU64,
+    rx_polled: AtomicU64,
 }
 
 /// What a `udp0` context's sockets did: system calls and datagrams, both directions.
@@ -76,6 +120,8 @@ pub struct SocketStats {
     pub rx_calls: u64,
     /// Datagrams received (GRO receives counted per datagram).
     pub rx_datagrams: u64,
+    /// Of those, datagrams a CQ poller read (`progress = "busy"`) rather than the thread.
+    pub rx_polled: u64,
 }
 
 fn io_err(what: &'static str) -> impl FnOnce(std::io::Error) -> VerbsError {
@@ -136,11 +182,40 @@ impl Engine {
         // epoll's own timeout has millisecond resolution, too coarse for mpath's pacing and
         // burst timers: the thread sleeps on a timerfd.
         let poller = Poller::new(DEVICE, SleepTimer::Timerfd)?;
-        for (k, s) in sockets.iter().enumerate() {
-            poller
-                .add(s, k as u64, epoll::EventFlags::IN)
-                .map_err(|e| VerbsError::io("udp0: epoll add", e))?;
-        }
+        let epoll_err = |e| VerbsError::io("udp0: epoll add", e);
+        let socket_set = match opts.progress {
+            ProgressMode::Thread => {
+                for (k, s) in sockets.iter().enumerate() {
+                    poller
+                        .add(s, k as u64, epoll::EventFlags::IN)
+                        .map_err(epoll_err)?;
+                }
+                None
+            }
+            ProgressMode::Busy => {
+                let set = epoll::create(epoll::CreateFlags::CLOEXEC)
+                    .map_err(|e| VerbsError::io("udp0: epoll_create", e))?;
+                for (k, s) in sockets.iter().enumerate() {
+                    epoll::add(
+                        &set,
+                        s,
+                        epoll::EventData::new_u64(k as u64),
+                        epoll::EventFlags::IN,
+                    )
+                    .map_err(epoll_err)?;
+                }
+                poller
+                    .add(&set, TOKEN_SOCKETS, Self::SOCKET_SET_FLAGS)
+                    .map_err(epoll_err)?;
+                Some(set)
+            }
+        };
+        let slot_len = if opts.gro {
+            MAX_DATAGRAM
+        } else {
+            // The largest datagram a peer with the same MSS sends, with room to spare.
+            (usize::from(opts.mpath.mss) + 512).clamp(2048, MAX_DATAGRAM)
+        };
         let first_qpn = (rand::random::<u32>() & 0x00ff_ffff).max(1);
         let engine = Arc::new_cyclic(|weak| Engine {
             device,
@@ -149,37 +224,208 @@ impl Engine {
             ports,
             weak_self: weak.clone(),
             sockets,
+            grace: BusyGrace::new(poller.epoch()),
             poller: poller.clone(),
             qps: QpTable::new(first_qpn),
             counters: Counters::default(),
+            socket_set,
+            rx_state: Mutex::new(RxState {
+                rx: RecvBatch::new(slot_len),
+                ready: Vec::new(),
+                touched: Vec::new(),
+                qps: Vec::new(),
+                rounds: 0,
+            }),
+            deferred: AtomicBool::new(false),
+            blocked: AtomicBool::new(false),
+            poll_deadline_ns: AtomicU64::new(u64::MAX),
         });
-        let slot_len = if engine.opts.gro {
-            MAX_DATAGRAM
-        } else {
-            // The largest datagram a peer with the same MSS sends, with room to spare.
-            (usize::from(engine.opts.mpath.mss) + 512).clamp(2048, MAX_DATAGRAM)
-        };
-        let mut rx = RecvBatch::new(slot_len);
-        let mut ready: Vec<usize> = Vec::new();
-        let mut wakeups = 0usize;
-        let mut touched: Vec<Arc<UdpQp>> = Vec::new();
         poller::spawn_progress_thread(
             format!("fabriq-udp0-{}", local_addr.port()),
             Arc::downgrade(&engine),
             poller,
-            |engine: &Engine, now| engine.qps.next_timeout(now, MAX_SLEEP),
-            move |engine: &Engine, events| {
-                ready.extend(events.iter().map(|ev| ev.data.u64() as usize));
-                wakeups = wakeups.wrapping_add(1);
-                engine.drain(&mut ready, wakeups, &mut rx, &mut touched);
-                let now = Instant::now();
-                for qp in touched.drain(..) {
-                    qp.pump_now(now);
+            |engine: &Engine, now| {
+                // Timers are the thread's too while a poller polls: it may poll another queue
+                // for a while (a pacing or burst timer must not wait for its next poll).
+                let t = engine.qps.next_timeout(now, MAX_SLEEP);
+                if engine.resume_deferred(now) {
+                    t.min(BUSY_GRACE)
+                } else {
+                    t
                 }
-                engine.qps.run_timers(now);
             },
+            |engine: &Engine, events| engine.thread_round(events),
         )?;
         Ok(engine)
+    }
+
+    /// Busy mode: how the thread's set watches the sockets' set.
+    const SOCKET_SET_FLAGS: epoll::EventFlags =
+        epoll::EventFlags::IN.union(epoll::EventFlags::ONESHOT);
+
+    /// What the progress thread does when it wakes: read the ready sockets (in busy mode, unless
+    /// a poller reads them now), pump the QPs they fed, run due timers.
+    fn thread_round(&self, events: &[epoll::Event]) {
+        let mut ready = false;
+        let mut set_ready = false;
+        for ev in events {
+            match ev.data.u64() {
+                TOKEN_SOCKETS => set_ready = true,
+                _ => ready = true,
+            }
+        }
+        let poller_active =
+            self.opts.progress == ProgressMode::Busy && self.grace.active(Instant::now());
+        if set_ready && poller_active && !self.blocked.load(Ordering::Relaxed) {
+            // The poller reads them; look again when it goes quiet. (The receive state is not
+            // even looked at: the poller holds it most of the time.)
+            self.deferred.store(true, Ordering::Relaxed);
+            set_ready = false;
+        }
+        if ready || set_ready {
+            // Cleared before reading: a pump that still finds its messages waiting sets it
+            // again.
+            self.blocked.store(false, Ordering::Relaxed);
+            let mut st = self.rx_state.lock();
+            st.ready.extend(
+                events
+                    .iter()
+                    .map(|ev| ev.data.u64())
+                    .filter(|&k| k != TOKEN_SOCKETS)
+                    .map(|k| k as usize),
+            );
+            if set_ready {
+                self.collect_ready(&mut st);
+            }
+            self.read_ready(&mut st, false);
+        }
+        self.qps.run_timers(Instant::now());
+        if set_ready {
+            self.arm_socket_set();
+        }
+    }
+
+    /// Busy mode: the thread watches the sockets' set again (level-triggered inside, so what is
+    /// still unread fires at once).
+    fn arm_socket_set(&self) {
+        if let Some(set) = &self.socket_set {
+            if let Err(e) = self
+                .poller
+                .modify(set, TOKEN_SOCKETS, Self::SOCKET_SET_FLAGS)
+            {
+                tracing::warn!(%e, "udp0: epoll modify failed");
+            }
+        }
+    }
+
+    /// Busy mode, thread side: once no poller polls, take the sockets back. True while a
+    /// poller is active (the thread then re-checks every [`BUSY_GRACE`]).
+    fn resume_deferred(&self, now: Instant) -> bool {
+        if self.opts.progress != ProgressMode::Busy {
+            return false;
+        }
+        if self.grace.active(now) && !self.blocked.load(Ordering::Relaxed) {
+            return true;
+        }
+        if self.deferred.swap(false, Ordering::Relaxed) {
+            self.arm_socket_set();
+        }
+        false
+    }
+
+    /// Busy mode: a QP's messages wait for ACKs (its window is closed). The thread reads the
+    /// sockets then even while a poller polls: the poller may be polling another queue, and
+    /// the ACKs must not wait for its return.
+    pub fn sender_blocked(&self) {
+        if self.opts.progress == ProgressMode::Busy
+            && !self.blocked.swap(true, Ordering::Relaxed)
+            && self.deferred.load(Ordering::Relaxed)
+        {
+            self.poller.wake();
+        }
+    }
+
+    /// Busy mode: add the sockets the sockets' set finds ready (without waiting) to `ready`.
+    fn collect_ready(&self, st: &mut RxState) {
+        let Some(set) = &self.socket_set else {
+            return;
+        };
+        let zero = rustix::time::Timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        let mut events = [const { MaybeUninit::<epoll::Event>::uninit() }; 64];
+        match epoll::wait(set, &mut events, Some(&zero)) {
+            Ok((ready, _)) => st
+                .ready
+                .extend(ready.iter().map(|ev| ev.data.u64() as usize)),
+            Err(e) => tracing::trace!(%e, "udp0: epoll_wait on the sockets failed"),
+        }
+    }
+
+    /// Read the sockets in `st.ready` and pump the QPs their datagrams fed.
+    fn read_ready(&self, st: &mut RxState, polled: bool) {
+        if st.ready.is_empty() {
+            return;
+        }
+        st.rounds = st.rounds.wrapping_add(1);
+        let RxState {
+            rx,
+            ready,
+            touched,
+            rounds,
+            ..
+        } = st;
+        let datagrams = self.drain(ready, *rounds, rx, touched);
+        if polled {
+            self.counters
+                .rx_polled
+                .fetch_add(datagrams, Ordering::Relaxed);
+        }
+        let now = Instant::now();
+        for qp in touched.drain(..) {
+            qp.pump_now(now);
+        }
+    }
+
+    /// Busy mode: a post reads what the sockets hold too (ACKs there may open the window the
+    /// new request waits for), whether or not a poller polls now.
+    pub fn after_post(&self) {
+        if self.opts.progress == ProgressMode::Busy {
+            self.drive_pass(false);
+        }
+    }
+
+    /// Busy mode, poller side: read what the sockets hold and run due timers, if no one else
+    /// reads now. `stays`: the poller keeps polling, so the thread leaves the sockets to it.
+    fn drive_pass(&self, stays: bool) {
+        let now = Instant::now();
+        if stays {
+            self.grace.note(now);
+        }
+        let Some(mut st) = self.rx_state.try_lock() else {
+            return;
+        };
+        self.collect_ready(&mut st);
+        self.read_ready(&mut st, true);
+        if self.poller.nanos(now) < self.poll_deadline_ns.load(Ordering::Acquire) {
+            return;
+        }
+        // Due: run what is due and learn the next deadline (lowered meanwhile by every pump
+        // that arms an earlier one).
+        self.poll_deadline_ns.store(u64::MAX, Ordering::Release);
+        let RxState { qps, .. } = &mut *st;
+        self.qps.extend_live(qps);
+        for qp in qps.drain(..) {
+            match qp.poll_timeout() {
+                Some(t) if t <= now => qp.on_timer(now),
+                Some(t) => {
+                    self.poll_deadline_ns
+                        .fetch_min(self.poller.nanos(t), Ordering::AcqRel);
+                }
+                None => {}
+            }
+        }
     }
 
     /// The mpath clock: nanoseconds since this context's poller started.
@@ -260,11 +506,17 @@ impl Engine {
             tx_dropped: c.tx_dropped.load(Ordering::Relaxed),
             rx_calls: c.rx_calls.load(Ordering::Relaxed),
             rx_datagrams: c.rx_datagrams.load(Ordering::Relaxed),
+            rx_polled: c.rx_polled.load(Ordering::Relaxed),
         }
     }
 
-    /// Make sure the progress thread wakes by `deadline`.
+    /// Make sure the progress thread wakes by `deadline` (and, in busy mode, that a poller
+    /// runs the timers then).
     pub fn note_deadline(&self, deadline: Option<Instant>) {
+        if let (ProgressMode::Busy, Some(d)) = (self.opts.progress, deadline) {
+            self.poll_deadline_ns
+                .fetch_min(self.poller.nanos(d), Ordering::AcqRel);
+        }
         self.poller.note_deadline(deadline);
     }
 
@@ -272,39 +524,46 @@ impl Engine {
     /// turns, one `recvmmsg` each, starting from a different one every wake-up: datagrams that
     /// arrived together on different virtual paths reach mpath interleaved, as they arrived,
     /// rather than one path's after another's in a fixed order.
+    /// Returns the number of datagrams handed over.
     fn drain(
         &self,
         ready: &mut Vec<usize>,
         start: usize,
         rx: &mut RecvBatch,
         touched: &mut Vec<Arc<UdpQp>>,
-    ) {
+    ) -> u64 {
         if ready.is_empty() {
-            return;
+            return 0;
         }
         let len = ready.len();
         ready.rotate_left(start % len);
         let mut last: Option<Arc<UdpQp>> = None;
+        let mut datagrams = 0u64;
         for _ in 0..RECV_CALLS {
-            ready.retain(|&k| self.recv_once(k, rx, &mut last, touched) == sys::BATCH);
+            ready.retain(|&k| {
+                let (calls, n) = self.recv_once(k, rx, &mut last, touched);
+                datagrams += n;
+                calls == sys::BATCH
+            });
             if ready.is_empty() {
                 break;
             }
         }
         ready.clear();
+        datagrams
     }
 
-    /// One `recvmmsg` on socket `k`, each datagram handed to its QP; returns how many the call
-    /// returned (0: nothing queued or an error).
+    /// One `recvmmsg` on socket `k`, each datagram handed to its QP; returns how many receives
+    /// the call returned (0: nothing queued or an error) and how many datagrams they held.
     fn recv_once(
         &self,
         k: usize,
         rx: &mut RecvBatch,
         last: &mut Option<Arc<UdpQp>>,
         touched: &mut Vec<Arc<UdpQp>>,
-    ) -> usize {
+    ) -> (usize, u64) {
         let Some(sock) = self.sockets.get(k) else {
-            return 0;
+            return (0, 0);
         };
         let n = match rx.recv(sock) {
             Ok(n) => n,
@@ -312,11 +571,11 @@ impl Engine {
                 // ICMP errors (port unreachable) surface here; the peer's mpath timeout
                 // decides whether it is gone.
                 tracing::trace!(%e, "udp0: receive error");
-                return 0;
+                return (0, 0);
             }
         };
         if n == 0 {
-            return 0;
+            return (0, 0);
         }
         self.counters.rx_calls.fetch_add(1, Ordering::Relaxed);
         let now = Instant::now();
@@ -339,7 +598,7 @@ impl Engine {
         self.counters
             .rx_datagrams
             .fetch_add(datagrams, Ordering::Relaxed);
-        n
+        (n, datagrams)
     }
 
     /// Hand one datagram to the QP its header names.
@@ -377,6 +636,27 @@ impl Engine {
             Kind::Close => qp.handle_close(&h, from),
         }
         *last = Some(qp);
+    }
+}
+
+impl ProgressHook for Engine {
+    fn drive(&self) {
+        self.drive_pass(true);
+    }
+
+    fn drive_armed(&self) {
+        self.drive_pass(false);
+    }
+
+    /// The poller goes to sleep on the CQ's event: its grace ends now, and the thread is woken
+    /// if it left the sockets to it, so that it takes them back at once.
+    fn poller_leaving(&self) {
+        if self.opts.progress == ProgressMode::Busy
+            && self.grace.end()
+            && self.deferred.load(Ordering::Relaxed)
+        {
+            self.poller.wake();
+        }
     }
 }
 

@@ -18,7 +18,13 @@
 //!   (CLOSE datagram, best effort); a peer that stops answering makes mpath fail after its
 //!   retransmission budget: either way the QP goes to ERROR and its work requests flush.
 //!
-//! Options (`DeviceConfig::options`): `paths = N` (virtual paths, default 16), `mode =
+//! - Progress: a thread per context waits on epoll (the sockets, timers). Requests are sent
+//!   straight from the posting thread. With `progress = "busy"` a `poll` on a CQ also reads the
+//!   sockets and runs due timers, so a spinning poller sees a completion without a thread
+//!   wake-up; the thread stays as the fallback and leaves the sockets to a poller while it polls.
+//!
+//! Options (`DeviceConfig::options`): `progress = thread | busy` (default `thread`), `paths = N`
+//! (virtual paths, default 16), `mode =
 //! multi | single` (MP-RDMA or the single-path baseline), `mss` (payload bytes per datagram,
 //! default fits a 1500-byte MTU), `min_rto_ms` (mpath RTO floor, default 2),
 //! `line_rate_mbps` (single-path rate cap, default 10000), `min_ack_timeout_ms` (RC safety-net
@@ -40,12 +46,14 @@ mod tests;
 mod wire;
 
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use crate::provider::ContextOps;
 use crate::soft::context::SoftContext;
+use crate::soft::cq::ProgressHook;
 use crate::soft::open::{self as soft_open, SoftProvider};
+use crate::soft::poller::ProgressMode;
 use crate::soft::qp_setup::QpResources;
 use crate::{Capabilities, DeviceConfig, DeviceInfo, QpInitAttr, Result, Transport, VerbsError};
 
@@ -84,6 +92,8 @@ pub(crate) struct Options {
     pub bind: SocketAddr,
     pub paths: u16,
     pub min_ack_timeout: Duration,
+    /// Who reads the sockets: the progress thread alone, or CQ pollers too.
+    pub progress: ProgressMode,
     /// Datagrams one UDP GSO send may carry (1: no GSO).
     pub gso_segments: usize,
     /// UDP GRO on the receive sockets.
@@ -116,8 +126,10 @@ impl Options {
         let mut min_ack_timeout = Duration::from_millis(1000);
         let mut gso_segments = 1usize;
         let mut gro = false;
+        let mut progress = ProgressMode::Thread;
         for (k, v) in &config.options {
             match k.as_str() {
+                "progress" => progress = ProgressMode::parse(PROVIDER, v)?,
                 "paths" => {
                     mpath.num_paths = num(k, v)?;
                     if mpath.num_paths == 0 || mpath.num_paths > 1024 {
@@ -152,8 +164,8 @@ impl Options {
                 }
                 _ => {
                     return Err(VerbsError::InvalidArgument(format!(
-                        "unknown udp option {k:?} (known: paths, mode, mss, min_rto_ms, \
-                         line_rate_mbps, min_ack_timeout_ms, delta, bitmap, gso, gro)"
+                        "unknown udp option {k:?} (known: progress, paths, mode, mss, \
+                         min_rto_ms, line_rate_mbps, min_ack_timeout_ms, delta, bitmap, gso, gro)"
                     )))
                 }
             }
@@ -166,6 +178,7 @@ impl Options {
             bind,
             paths: mpath.num_paths,
             min_ack_timeout,
+            progress,
             gso_segments,
             gro,
             mpath,
@@ -193,6 +206,10 @@ impl SoftContext for Engine {
         res: QpResources,
     ) -> Result<Arc<qp::UdpQp>> {
         qp::UdpQp::create(self, init, res)
+    }
+    fn progress_hook(&self) -> Option<Weak<dyn ProgressHook>> {
+        let hook: Weak<dyn ProgressHook> = self.weak_self.clone();
+        (self.opts.progress == ProgressMode::Busy).then_some(hook)
     }
 }
 

@@ -353,6 +353,9 @@ impl UdpQp {
             }
         }
         self.engine.send_batch(&mut side.tx);
+        if side.conn.as_ref().is_some_and(Connection::has_unsent) {
+            self.engine.sender_blocked();
+        }
         if side.core.state() == QpState::Error && side.conn.is_some() {
             // Deliver what the core still owes the peer (a NAK that explains the error), then
             // leave; a silent peer does not keep the connection past LINGER.
@@ -506,18 +509,22 @@ impl SoftQpDriver for UdpQp {
     }
 
     fn send(&self, wrs: &[SendWr<'_>]) -> Result<(), PostError> {
-        let mut side = self.side.lock();
-        let now = Instant::now();
-        let r = side.core.post_send(now, wrs);
-        let accepted = match &r {
-            Ok(()) => wrs.len(),
-            Err(e) => e.index.min(wrs.len()),
+        let r = {
+            let mut side = self.side.lock();
+            let now = Instant::now();
+            let r = side.core.post_send(now, wrs);
+            let accepted = match &r {
+                Ok(()) => wrs.len(),
+                Err(e) => e.index.min(wrs.len()),
+            };
+            for wr in wrs.iter().take(accepted) {
+                side.sync_flags
+                    .push_back(wr.flags.contains(SendFlags::SYNCHRONISE));
+            }
+            self.pump(&mut side, now);
+            r
         };
-        for wr in wrs.iter().take(accepted) {
-            side.sync_flags
-                .push_back(wr.flags.contains(SendFlags::SYNCHRONISE));
-        }
-        self.pump(&mut side, now);
+        self.engine.after_post();
         r
     }
 }

@@ -49,6 +49,7 @@ fn bad_options_are_refused() {
         ("delta", "256"),
         ("bitmap", "1025"),
         ("bitmap", "16"),
+        ("progress", "sometimes"),
     ] {
         let mut cfg = DeviceConfig::default();
         cfg.options.insert(k.into(), v.into());
@@ -121,6 +122,98 @@ fn exercise(opts: &[(&str, &str)]) {
 #[test]
 fn multipath_send_write_read_atomic() {
     exercise(&[]);
+}
+
+#[test]
+fn busy_progress_send_write_read_atomic() {
+    exercise(&[("progress", "busy")]);
+}
+
+/// SENDs back and forth, 8 bytes, each side spinning on its CQ until the completion is there;
+/// returns the socket counters of `b`'s context over the exchange.
+fn ping_pong(a: &Side, b: &Side, rounds: u64) -> crate::provider::udp::SocketStats {
+    let before = crate::provider::udp::qp_stats(&b.qp).expect("udp").sockets;
+    for i in 0..rounds {
+        b.qp.post_recv(&[RecvWr::new(i, &[b.mr.sge(0, 8).unwrap()])])
+            .unwrap();
+        a.qp.post_recv(&[RecvWr::new(i, &[a.mr.sge(64, 8).unwrap()])])
+            .unwrap();
+        a.qp.post_send(&[SendWr::new(i, &[a.mr.sge(0, 8).unwrap()], WrOpcode::Send)])
+            .unwrap();
+        let got = wait(&b.cq, 1);
+        assert_eq!((got[0].wr_id, got[0].status), (i, WcStatus::Success));
+        b.qp.post_send(&[SendWr::new(i, &[b.mr.sge(0, 8).unwrap()], WrOpcode::Send)])
+            .unwrap();
+        // a: its send's completion and b's reply, in either order.
+        let got = wait(&a.cq, 2);
+        assert!(got
+            .iter()
+            .all(|w| w.status == WcStatus::Success && w.wr_id == i));
+        assert_eq!(wait(&b.cq, 1)[0].wr_id, i);
+    }
+    let after = crate::provider::udp::qp_stats(&b.qp).expect("udp").sockets;
+    crate::provider::udp::SocketStats {
+        rx_datagrams: after.rx_datagrams - before.rx_datagrams,
+        rx_polled: after.rx_polled - before.rx_polled,
+        ..after
+    }
+}
+
+/// With `progress = busy` a spinning poller reads the sockets itself (the progress thread
+/// leaves them to it); with `thread` it never does.
+#[test]
+fn a_busy_poller_reads_the_sockets_and_a_thread_mode_one_never_does() {
+    let (a, b) = pair(&[("progress", "busy")]);
+    let st = ping_pong(&a, &b, 200);
+    assert!(st.rx_datagrams >= 400, "a SEND and an ACK each way: {st:?}");
+    assert!(
+        st.rx_polled * 2 >= st.rx_datagrams,
+        "most datagrams read by the poller: {st:?}"
+    );
+    let (a, b) = pair(&[("progress", "thread")]);
+    let st = ping_pong(&a, &b, 50);
+    assert!(st.rx_datagrams >= 100, "{st:?}");
+    assert_eq!(st.rx_polled, 0, "{st:?}");
+}
+
+/// A busy poller that stops polling, or arms its CQ to sleep, leaves the sockets to the
+/// progress thread: what arrives then is read by the thread, and a sleeping poller is woken by
+/// its CQ's event.
+#[test]
+fn a_busy_poller_that_stops_or_sleeps_leaves_the_sockets_to_the_thread() {
+    let (a, b) = pair(&[("progress", "busy")]);
+    ping_pong(&a, &b, 20);
+    // b stops polling (no arming): its thread takes the sockets back after the grace, so
+    // a's SEND is received and acknowledged while b does nothing.
+    let before = crate::provider::udp::qp_stats(&b.qp).expect("udp").sockets;
+    b.qp.post_recv(&[RecvWr::new(100, &[b.mr.sge(0, 8).unwrap()])])
+        .unwrap();
+    a.qp.post_send(&[SendWr::new(100, &[a.mr.sge(0, 8).unwrap()], WrOpcode::Send)])
+        .unwrap();
+    assert_eq!(wait(&a.cq, 1)[0].wr_id, 100, "acknowledged by b's thread");
+    let after = crate::provider::udp::qp_stats(&b.qp).expect("udp").sockets;
+    assert!(after.rx_datagrams > before.rx_datagrams, "{after:?}");
+    assert_eq!(
+        after.rx_polled, before.rx_polled,
+        "b did not poll: {after:?}"
+    );
+    assert_eq!(wait(&b.cq, 1)[0].wr_id, 100);
+    // b polls, then arms its CQ and sleeps on its event: the thread serves it at once.
+    ping_pong(&a, &b, 5);
+    let mut wc = [WorkCompletion::EMPTY; 1];
+    assert_eq!(b.cq.poll(&mut wc).unwrap(), 0);
+    b.cq.req_notify(false).unwrap();
+    b.qp.post_recv(&[RecvWr::new(101, &[b.mr.sge(0, 8).unwrap()])])
+        .unwrap();
+    a.qp.post_send(&[SendWr::new(101, &[a.mr.sge(0, 8).unwrap()], WrOpcode::Send)])
+        .unwrap();
+    assert!(b
+        .cq
+        .wait_event(Some(std::time::Duration::from_secs(10)))
+        .unwrap());
+    b.cq.ack_events().unwrap();
+    assert_eq!(wait(&b.cq, 1)[0].wr_id, 101);
+    assert_eq!(wait(&a.cq, 1)[0].wr_id, 101);
 }
 
 #[test]

@@ -122,7 +122,7 @@ macro_rules! conformance_tests {
 
 /// Stamp out one provider module with one `#[test]` per conformance test.
 macro_rules! stamp_provider {
-    ($module:ident, $provider:literal, $device:literal ; $($area:ident :: $test:ident),* $(,)?) => {
+    ($module:ident, $provider:literal, $device:literal, [$($key:literal = $value:literal),*] ; $($area:ident :: $test:ident),* $(,)?) => {
         #[doc = concat!("Conformance tests of provider `", $provider, "`.")]
         mod $module {
             /// The provider under test.
@@ -132,6 +132,13 @@ macro_rules! stamp_provider {
                 const MODULE: &'static str = stringify!($module);
                 const PROVIDER: &'static str = $provider;
                 const DEVICE: &'static str = $device;
+
+                fn device_config() -> fabriq_verbs::DeviceConfig {
+                    #[allow(unused_mut)]
+                    let mut config = fabriq_verbs::DeviceConfig::default();
+                    $( config.options.insert($key.into(), $value.into()); )*
+                    config
+                }
             }
 
             $(
@@ -144,17 +151,21 @@ macro_rules! stamp_provider {
     };
 }
 
-/// The providers under test: `module => "provider" on "device"`. A device of `"*"` means the
-/// first device that provider lists (hardware providers). One line per provider.
+/// The providers under test: `module => "provider" on "device"`, optionally `with` device
+/// options the device is opened with (here and in peers). A device of `"*"` means the first
+/// device that provider lists (hardware providers). One line per provider and setting.
 macro_rules! providers {
-    ($($module:ident => $provider:literal on $device:literal),* $(,)?) => {
-        $( conformance_tests!(stamp_provider!($module, $provider, $device)); )*
+    ($($module:ident => $provider:literal on $device:literal $(with $($key:literal = $value:literal),+)?),* $(,)?) => {
+        $( conformance_tests!(stamp_provider!($module, $provider, $device, [$($($key = $value),+)?])); )*
     };
 }
 
 providers! {
     shm => "shm" on "shm0",
     tcp => "tcp" on "tcp0",
+    // Busy progress: CQ pollers read the sockets (what the middleware opens tcp0 and udp0 with).
+    tcp_busy => "tcp" on "tcp0" with "progress" = "busy",
     rdma_core => "rdma-core" on "*",
     udp => "udp" on "udp0",
+    udp_busy => "udp" on "udp0" with "progress" = "busy",
 }

@@ -416,16 +416,23 @@ impl Config {
     }
 
     /// Provider options to open `device` with: `progress = busy` for a device of a socket
-    /// provider (`tcp`, `udp`), so that a worker (or a caller-mode application thread) polling
-    /// the CQ reads the sockets itself instead of waiting for the provider's progress thread to
-    /// wake up (which stays as the fall-back while nobody polls); then `device_options` on top.
+    /// provider (`tcp`; `udp` where the calling thread may run on more than one CPU), so that a
+    /// worker (or a caller-mode application thread) polling the CQ reads the sockets itself
+    /// instead of waiting for the provider's progress thread to wake up (which stays as the
+    /// fall-back while nobody polls); then `device_options` on top.
+    ///
+    /// On one CPU busy progress paid on tcp (channel 8 B one-way 12.6 µs against 34 µs) but not
+    /// on udp (86 µs against 67 µs: a datagram waits there for the right poller's turn on the
+    /// CPU, where the woken progress thread runs at once), so a udp device keeps its thread
+    /// there (`docs/BENCHMARKS.md`, 2026-12-03, ninth round).
     pub fn device_config(&self, device: &str) -> fabriq_verbs::DeviceConfig {
         let mut cfg = fabriq_verbs::DeviceConfig::default();
-        let on_sockets = fabriq_verbs::devices()
+        let provider = fabriq_verbs::devices()
             .unwrap_or_default()
             .into_iter()
-            .any(|d| d.name == device && (d.provider == "tcp" || d.provider == "udp"));
-        if on_sockets {
+            .find(|d| d.name == device)
+            .map(|d| d.provider);
+        if busy_progress_pays(provider.as_deref()) {
             cfg.options.insert("progress".into(), "busy".into());
         }
         cfg.options.extend(
@@ -496,6 +503,16 @@ impl Config {
             max_message_len: self.max_message_len,
             signal_every: self.signal_every,
         }
+    }
+}
+
+/// Whether a device of `provider` is best opened with `progress = busy` from this thread (see
+/// [`Config::device_config`]).
+pub fn busy_progress_pays(provider: Option<&str>) -> bool {
+    match provider {
+        Some("tcp") => true,
+        Some("udp") => std::thread::available_parallelism().map_or(1, |n| n.get()) > 1,
+        _ => false,
     }
 }
 
@@ -580,14 +597,35 @@ mod tests {
                 .map(String::as_str),
             Some("busy")
         );
+        let several_cpus = std::thread::available_parallelism().map_or(1, |n| n.get()) > 1;
         assert_eq!(
             Config::default()
                 .device_config("udp0")
                 .options
                 .get("progress")
                 .map(String::as_str),
-            Some("busy")
+            several_cpus.then_some("busy")
         );
+        // On one CPU udp keeps its progress thread (tcp does not).
+        let pinned = std::thread::spawn(|| {
+            let core = core_affinity::get_core_ids().and_then(|ids| ids.first().copied());
+            let pinned = core.is_some_and(core_affinity::set_for_current);
+            let udp = Config::default().device_config("udp0").options;
+            let tcp = Config::default().device_config("tcp0").options;
+            (
+                pinned,
+                udp.get("progress").cloned(),
+                tcp.get("progress").cloned(),
+            )
+        })
+        .join()
+        .expect("pinned thread");
+        if pinned.0 {
+            assert_eq!(pinned.1, None);
+            assert_eq!(pinned.2.as_deref(), Some("busy"));
+        } else {
+            println!("SKIP (part): this thread cannot be pinned to one CPU");
+        }
         assert!(Config::default().device_config("shm0").options.is_empty());
         let err = Config::default()
             .with_env_vars(|k| (k == "FABRIQ_DEVICE_OPTIONS").then(|| "progress".into()));

@@ -68,23 +68,27 @@ impl BusyGrace {
         }
     }
 
+    #[inline]
     fn us(&self, now: Instant) -> u64 {
         now.saturating_duration_since(self.epoch).as_micros() as u64
     }
 
     /// A poller drove at `now` and keeps polling.
+    #[inline]
     pub fn note(&self, now: Instant) {
         self.last_drive_us
             .store(self.us(now).max(1), Ordering::Relaxed);
     }
 
     /// True while a poller drove less than [`BUSY_GRACE`] ago.
+    #[inline]
     pub fn active(&self, now: Instant) -> bool {
         let last = self.last_drive_us.load(Ordering::Relaxed);
         last != 0 && self.us(now).saturating_sub(last) < BUSY_GRACE.as_micros() as u64
     }
 
     /// The poller goes to sleep: its grace ends now. False if none was noted since the last end.
+    #[inline]
     pub fn end(&self) -> bool {
         self.last_drive_us.swap(0, Ordering::Relaxed) != 0
     }

@@ -76,8 +76,10 @@ fn connect(server: &str) -> Result<(Control, SocketAddr)> {
 }
 
 /// The provider options a run opens its device with: the user's, plus `progress = busy` for a
-/// `tcp` or `udp` device in busy mode unless the user chose otherwise — a spinning poller should
-/// read the sockets itself rather than wait for the provider's progress thread to wake up.
+/// `tcp` device in busy mode unless the user chose otherwise — a spinning poller should read
+/// the sockets itself rather than wait for the provider's progress thread to wake up — and for
+/// a `udp` device likewise where the process has more than one CPU (on one, the woken progress
+/// thread delivers sooner than a poller's turn comes: see `fabriq::config::busy_progress_pays`).
 pub fn device_options(
     device: &str,
     mode: Mode,
@@ -90,7 +92,12 @@ pub fn device_options(
             .into_iter()
             .find(|d| d.name == device)
             .map(|d| d.provider);
-        if matches!(provider.as_deref(), Some("tcp" | "udp")) {
+        let busy = match provider.as_deref() {
+            Some("tcp") => true,
+            Some("udp") => !super::affinity::one_cpu(),
+            _ => false,
+        };
+        if busy {
             options.insert("progress".into(), "busy".into());
         }
     }

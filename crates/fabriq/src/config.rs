@@ -44,9 +44,10 @@
 //!                            # most for what it still has to deliver (0: close at once)
 //!
 //! [device_options]           # provider options for a named device (tcp0, udp0: progress, …);
-//! # progress = "thread"      # default for tcp and udp devices: progress = "busy" (pollers read the
-//!                            # sockets: lowest latency); "thread" leaves them to the provider's
-//!                            # thread (more bandwidth for large streams on few cores)
+//! # progress = "thread"      # default for tcp devices, and udp ones on more than one CPU:
+//!                            # progress = "busy" (pollers read the sockets: lowest latency);
+//!                            # "thread" leaves them to the provider's thread (more bandwidth
+//!                            # for large streams on few cores)
 //! ```
 //!
 //! Environment: `FABRIQ_DEVICE`, `FABRIQ_WORKERS`, `FABRIQ_PROGRESS`, `FABRIQ_PIN_WORKERS`, `FABRIQ_IDLE_SPIN_US`,

@@ -35,13 +35,10 @@ use crate::{Result, VerbsError, WorkCompletion};
 
 /// Something a poller may drive before polling (a provider's progress engine).
 pub trait ProgressHook: Send + Sync + 'static {
-    /// Make progress without blocking.
-    fn drive(&self);
-    /// Make progress for a poller that has armed the CQ: it is about to sleep (the re-poll of
-    /// poll → arm → poll → wait), so it must not count as a poller that stays.
-    fn drive_armed(&self) {
-        self.drive();
-    }
+    /// Make progress without blocking. `stays`: the poller keeps polling; false for a poller
+    /// that has armed the CQ and is about to sleep (the re-poll of poll → arm → poll → wait),
+    /// which must not count as a poller that stays.
+    fn drive(&self, stays: bool);
     /// A poller armed the CQ to sleep on its event: whatever the engine left to pollers it must
     /// take back now.
     fn poller_leaving(&self) {}
@@ -239,11 +236,7 @@ impl CqOps for SoftCq {
         // completions are returned without a system call.
         if self.len.load(Ordering::SeqCst) < wc.len() {
             if let Some(hook) = self.hook.get().and_then(Weak::upgrade) {
-                if self.armed.load(Ordering::Relaxed) == UNARMED {
-                    hook.drive();
-                } else {
-                    hook.drive_armed();
-                }
+                hook.drive(self.armed.load(Ordering::Relaxed) == UNARMED);
             }
         }
         self.poll_queue(wc)

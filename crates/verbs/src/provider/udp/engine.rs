@@ -640,12 +640,8 @@ impl Engine {
 }
 
 impl ProgressHook for Engine {
-    fn drive(&self) {
-        self.drive_pass(true);
-    }
-
-    fn drive_armed(&self) {
-        self.drive_pass(false);
+    fn drive(&self, stays: bool) {
+        self.drive_pass(stays);
     }
 
     /// The poller goes to sleep on the CQ's event: its grace ends now, and the thread is woken

@@ -512,7 +512,7 @@ impl Config {
 pub fn busy_progress_pays(provider: Option<&str>) -> bool {
     match provider {
         Some("tcp") => true,
-        Some("udp") => std::thread::available_parallelism().map_or(1, |n| n.get()) > 1,
+        Some("udp") => !fabriq_verbs::one_cpu_here(),
         _ => false,
     }
 }

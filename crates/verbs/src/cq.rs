@@ -23,8 +23,8 @@ pub struct CompletionQueue {
 
 /// Whether the calling thread may run on one CPU only (its affinity, within the cgroup's
 /// quota): every thread it spawns shares that CPU, and a peer of the same process runs only
-/// when it steps aside.
-fn one_cpu_here() -> bool {
+/// when it steps aside. What [`CompletionQueue::one_cpu`] records at creation.
+pub fn one_cpu_here() -> bool {
     std::thread::available_parallelism().map_or(1, |n| n.get()) <= 1
 }
 

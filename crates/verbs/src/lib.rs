@@ -43,7 +43,7 @@ mod srq;
 mod wc;
 mod wr;
 
-pub use cq::CompletionQueue;
+pub use cq::{one_cpu_here, CompletionQueue};
 pub use device::{
     devices, AtomicCap, Capabilities, Context, DeviceAttr, DeviceConfig, DeviceInfo, PortAttr,
     PortState, Transport,

@@ -388,14 +388,6 @@ impl Engine {
         }
     }
 
-    /// Busy mode: a post reads what the sockets hold too (ACKs there may open the window the
-    /// new request waits for), whether or not a poller polls now.
-    pub fn after_post(&self) {
-        if self.opts.progress == ProgressMode::Busy {
-            self.drive_pass(false);
-        }
-    }
-
     /// Busy mode, poller side: read what the sockets hold and run due timers, if no one else
     /// reads now. `stays`: the poller keeps polling, so the thread leaves the sockets to it.
     fn drive_pass(&self, stays: bool) {

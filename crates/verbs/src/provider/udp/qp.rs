@@ -509,22 +509,18 @@ impl SoftQpDriver for UdpQp {
     }
 
     fn send(&self, wrs: &[SendWr<'_>]) -> Result<(), PostError> {
-        let r = {
-            let mut side = self.side.lock();
-            let now = Instant::now();
-            let r = side.core.post_send(now, wrs);
-            let accepted = match &r {
-                Ok(()) => wrs.len(),
-                Err(e) => e.index.min(wrs.len()),
-            };
-            for wr in wrs.iter().take(accepted) {
-                side.sync_flags
-                    .push_back(wr.flags.contains(SendFlags::SYNCHRONISE));
-            }
-            self.pump(&mut side, now);
-            r
+        let mut side = self.side.lock();
+        let now = Instant::now();
+        let r = side.core.post_send(now, wrs);
+        let accepted = match &r {
+            Ok(()) => wrs.len(),
+            Err(e) => e.index.min(wrs.len()),
         };
-        self.engine.after_post();
+        for wr in wrs.iter().take(accepted) {
+            side.sync_flags
+                .push_back(wr.flags.contains(SendFlags::SYNCHRONISE));
+        }
+        self.pump(&mut side, now);
         r
     }
 }

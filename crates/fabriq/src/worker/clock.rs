@@ -8,36 +8,83 @@
 //! an ack deadline falls a moment earlier. Readings older than one already used are raised to
 //! it, so the worker's time is monotonic whatever its callers hand in.
 
+use std::cell::Cell;
 use std::sync::OnceLock;
 
 use crate::channel::proto::Instant;
 
 /// Where the worker's time comes from.
 enum Source {
-    /// The CPU counter, and `CLOCK_MONOTONIC` and the counter at one moment.
-    Counter {
-        clock: quanta::Clock,
-        raw: u64,
-        mono_ns: u64,
-    },
+    /// The CPU counter, anchored to `CLOCK_MONOTONIC` per thread ([`Anchor`]).
+    Counter(quanta::Clock),
     /// `CLOCK_MONOTONIC` itself (`FABRIQ_CLOCK=monotonic`).
     Monotonic,
 }
 
 static SOURCE: OnceLock<Source> = OnceLock::new();
 
+/// How long a thread extrapolates from one `CLOCK_MONOTONIC` reading before it reads it again.
+/// The counter's rate and `CLOCK_MONOTONIC`'s differ by the calibration's error and by NTP's
+/// slewing of `CLOCK_MONOTONIC` (up to 500 parts per million): over this span that is at most
+/// 50 µs, and a `clock_gettime` per thread every 100 ms costs nothing.
+const REANCHOR_NS: u64 = 100_000_000;
+
+thread_local! {
+    static ANCHOR: Cell<Anchor> = const { Cell::new(Anchor::UNSET) };
+}
+
 fn monotonic_ns() -> u64 {
     let ts = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
     (ts.tv_sec as u64).saturating_mul(1_000_000_000) + ts.tv_nsec as u64
+}
+
+/// One thread's tie of the counter to `CLOCK_MONOTONIC`: a counter value and the
+/// `CLOCK_MONOTONIC` time read beside it, renewed every [`REANCHOR_NS`], and the latest time
+/// handed out, so that a renewal that finds the extrapolation ran ahead never runs the thread's
+/// time back (it stands still instead, for at most the drift of one span).
+#[derive(Debug, Clone, Copy)]
+struct Anchor {
+    raw: u64,
+    mono_ns: u64,
+    last: u64,
+}
+
+impl Anchor {
+    const UNSET: Anchor = Anchor {
+        raw: 0,
+        mono_ns: 0,
+        last: 0,
+    };
+
+    /// The time at counter value `raw`: `elapsed(from, to)` scales a counter difference to
+    /// nanoseconds; `monotonic` reads `CLOCK_MONOTONIC` (only when the anchor is unset or old).
+    fn time(
+        &mut self,
+        raw: u64,
+        elapsed: impl Fn(u64, u64) -> u64,
+        monotonic: impl FnOnce() -> u64,
+    ) -> u64 {
+        let since = elapsed(self.raw, raw);
+        let t = if self.mono_ns == 0 || since >= REANCHOR_NS {
+            self.raw = raw;
+            self.mono_ns = monotonic();
+            self.mono_ns
+        } else {
+            self.mono_ns + since
+        };
+        self.last = self.last.max(t);
+        self.last
+    }
 }
 
 /// The worker's time: nanoseconds of `CLOCK_MONOTONIC`, read through the CPU's time-stamp
 /// counter where quanta finds an invariant one (calibrated once per process, under a
 /// millisecond; a read then costs under half of `clock_gettime`'s, which the message path
 /// pays twice per message: once per pass, once per send for the trace header's timestamp).
-/// Elsewhere quanta reads `CLOCK_MONOTONIC` itself. Anchored to `CLOCK_MONOTONIC` once, it
-/// strays from it only by the calibration's error (parts per million): it is this process's
-/// monotonic clock, which is all its users — timers, deadlines, the trace header — ask of it.
+/// Elsewhere quanta reads `CLOCK_MONOTONIC` itself. Each thread extrapolates from a
+/// `CLOCK_MONOTONIC` reading it renews every 100 ms, so the time stays within tens of
+/// microseconds of `CLOCK_MONOTONIC` however long the process runs — the trace header's
+/// timestamps compare across the processes of a host — and never runs back within a thread.
 /// `FABRIQ_CLOCK=monotonic` reads `CLOCK_MONOTONIC` on every call instead (no calibration,
 /// whose length varies from run to run: `bench/instructions.sh` counts with it).
 pub(crate) fn now() -> Instant {
@@ -45,20 +92,19 @@ pub(crate) fn now() -> Instant {
         if std::env::var("FABRIQ_CLOCK").is_ok_and(|v| v == "monotonic") {
             return Source::Monotonic;
         }
-        let clock = quanta::Clock::new();
-        let raw = clock.raw();
-        Source::Counter {
-            raw,
-            mono_ns: monotonic_ns(),
-            clock,
-        }
+        Source::Counter(quanta::Clock::new())
     });
     match source {
-        Source::Counter {
-            clock,
-            raw,
-            mono_ns,
-        } => Instant::from_nanos(mono_ns.saturating_add(clock.delta_as_nanos(*raw, clock.raw()))),
+        Source::Counter(clock) => {
+            let raw = clock.raw();
+            let t = ANCHOR.with(|a| {
+                let mut anchor = a.get();
+                let t = anchor.time(raw, |from, to| clock.delta_as_nanos(from, to), monotonic_ns);
+                a.set(anchor);
+                t
+            });
+            Instant::from_nanos(t)
+        }
         Source::Monotonic => Instant::from_nanos(monotonic_ns()),
     }
 }
@@ -125,14 +171,40 @@ mod tests {
             t0 + 1_000_000 >= before && t0 <= after + 1_000_000,
             "{t0} not within a millisecond of [{before}, {after}]"
         );
-        let m0 = super::monotonic_ns();
         std::thread::sleep(std::time::Duration::from_millis(50));
-        let (t1, m1) = (super::now().as_nanos(), super::monotonic_ns());
-        let (dt, dm) = (t1 - t0, m1 - m0);
+        let before = super::monotonic_ns();
+        let t1 = super::now().as_nanos();
+        let after = super::monotonic_ns();
         assert!(
-            dt.abs_diff(dm) < 2_000_000,
-            "50 ms: the clock moved {dt} ns, CLOCK_MONOTONIC {dm} ns"
+            t1 + 1_000_000 >= before && t1 <= after + 1_000_000,
+            "after 50 ms: {t1} not within a millisecond of [{before}, {after}]"
         );
+    }
+
+    /// A counter whose rate is 1% off `CLOCK_MONOTONIC`'s (far worse than any calibration or
+    /// NTP slew) still reads within 1% of one renewal span of it after ten minutes, and the
+    /// time it hands out never runs back.
+    #[test]
+    fn a_drifting_counter_stays_near_monotonic_time_and_never_runs_back() {
+        for rate_ppm in [1_010_000u64, 990_000] {
+            let mut anchor = super::Anchor::UNSET;
+            // The counter ticks once per true nanosecond; scaled, it reads rate_ppm / 1e6 of it.
+            let elapsed = |from: u64, to: u64| (to.saturating_sub(from)) * rate_ppm / 1_000_000;
+            let mut last = 0;
+            let mut true_ns = 1_000_000_000u64;
+            let mut worst = 0;
+            while true_ns < 601_000_000_000 {
+                let t = anchor.time(true_ns, elapsed, || true_ns);
+                assert!(t >= last, "ran back from {last} to {t}");
+                last = t;
+                worst = worst.max(t.abs_diff(true_ns));
+                true_ns += 7_000_000;
+            }
+            assert!(
+                worst <= super::REANCHOR_NS / 100 + 7_000_000 / 100,
+                "rate {rate_ppm} ppm: {worst} ns from CLOCK_MONOTONIC"
+            );
+        }
     }
 
     #[test]

@@ -5,12 +5,19 @@
 //! QPs own their connections once attached; a connection changes hands (engine → QP → engine)
 //! by an `epoll_ctl` MOD of its token (it leaves the epoll set only while it waits, unread, for
 //! its QP's RTR); a clean kept connection is watched only for the peer closing (see
-//! [`super::held`]), and the QP that takes it at RTR reads it. The epoll set, wake-ups and the thread's loop are
-//! [`crate::soft::poller`]'s; the thread holds only a `Weak` to the engine, so dropping the last
-//! handle of a context stops it.
+//! [`super::held`]), and the QP that takes it at RTR reads it. The epoll set, wake-ups and the
+//! thread's loop are [`crate::soft::poller`]'s; the thread holds only a `Weak` to the engine, so
+//! dropping the last handle of a context stops it.
+//!
+//! Data connections (a QP's and held ones) are watched level-triggered in one set: the thread's
+//! own in thread progress mode; in busy mode a set of their own, which the thread's set watches
+//! one-shot and a busy CQ poll asks with one zero-timeout `epoll_wait`, so that a poll reads
+//! only the sockets that have something, however many connections the context serves.
 
 use std::collections::HashMap;
+use std::mem::MaybeUninit;
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
@@ -31,6 +38,11 @@ use crate::{DeviceInfo, Result, VerbsError};
 const TOKEN_LISTENER: u64 = 1;
 const TOKEN_PENDING: u64 = 1 << 62;
 const TOKEN_QP: u64 = 1 << 61;
+/// Busy mode: the token of the data connections' own epoll set in the thread's set (the poller
+/// reserves `u64::MAX` and `u64::MAX - 1`).
+const TOKEN_CONNS: u64 = u64::MAX - 2;
+/// Ready connections taken per `epoll_wait` of the connections' set.
+const READY_BATCH: usize = 64;
 /// Longest the thread sleeps without looking at timers.
 const MAX_SLEEP: Duration = Duration::from_secs(1);
 /// Accepted connections that have not sent their HELLO yet, at most.
@@ -138,14 +150,24 @@ pub(crate) struct Engine {
     /// Kept connections a QP took at RTR with no HELLO written or found: an accepting QP (it
     /// owes one until it writes), or an opening QP whose peer's endpoint named the connection.
     pub hellos_spared: AtomicU64,
+    /// QP socket reads a busy CQ poll made (one per ready connection it read).
+    pub polled_reads: AtomicU64,
+    /// Busy mode: the data connections' own epoll set (watched by the thread's set under
+    /// [`TOKEN_CONNS`], one-shot; asked by CQ pollers). `None` in thread mode: the connections
+    /// are in the thread's set.
+    conn_set: Option<OwnedFd>,
     /// Busy mode: when a CQ poller last drove the context.
     grace: BusyGrace,
-    /// Busy mode: QPs whose readiness the thread left to an active poller; their one-shot
-    /// registrations are re-armed when the poller goes quiet.
-    deferred: Mutex<Vec<u32>>,
-    /// Busy mode: a QP may hold back an ACK for a poller's next post (set when one is held,
-    /// cleared by the thread before it sends them all).
+    /// Busy mode: the thread left the connections to an active poller (its one-shot watch of
+    /// their set is re-armed when the poller goes quiet).
+    deferred: AtomicBool,
+    /// Busy mode: the QPs that held back an ACK for a poller's next post (some may have sent
+    /// it since), and whether there are any (set and cleared under the list's lock).
+    held_acks: Mutex<Vec<u32>>,
     acks_held: AtomicBool,
+    /// Busy mode: the earliest QP deadline a poller has to look at (nanoseconds on the
+    /// poller's clock, `u64::MAX`: none known).
+    poll_deadline_ns: AtomicU64,
 }
 
 impl Engine {
@@ -163,6 +185,17 @@ impl Engine {
         poller
             .add(&listener, TOKEN_LISTENER, epoll::EventFlags::IN)
             .map_err(|e| VerbsError::io("tcp0: epoll add", e))?;
+        let conn_set = match opts.mode {
+            ProgressMode::Thread => None,
+            ProgressMode::Busy => {
+                let set = epoll::create(epoll::CreateFlags::CLOEXEC)
+                    .map_err(|e| VerbsError::io("tcp0: epoll_create", e))?;
+                poller
+                    .add(&set, TOKEN_CONNS, Self::CONN_SET_FLAGS)
+                    .map_err(|e| VerbsError::io("tcp0: epoll add", e))?;
+                Some(set)
+            }
+        };
         let first_qpn = (rand::random::<u32>() & 0x00ff_ffff).max(1);
         let engine = Arc::new_cyclic(|weak| Engine {
             device,
@@ -179,9 +212,13 @@ impl Engine {
             conns_reused: AtomicU64::new(0),
             hellos_found: AtomicU64::new(0),
             hellos_spared: AtomicU64::new(0),
+            polled_reads: AtomicU64::new(0),
+            conn_set,
             grace: BusyGrace::new(poller.epoch()),
-            deferred: Mutex::new(Vec::new()),
+            deferred: AtomicBool::new(false),
+            held_acks: Mutex::new(Vec::new()),
             acks_held: AtomicBool::new(false),
+            poll_deadline_ns: AtomicU64::new(u64::MAX),
         });
         poller::spawn_progress_thread(
             format!("fabriq-tcp0-{}", local_addr.port()),
@@ -205,43 +242,74 @@ impl Engine {
         Ok(engine)
     }
 
-    fn conn_flags(&self, out: bool) -> epoll::EventFlags {
-        let mut flags = epoll::EventFlags::IN | epoll::EventFlags::RDHUP;
-        if out {
-            flags |= epoll::EventFlags::OUT;
+    /// Busy mode: how the thread's set watches the connections' set (one event per arming:
+    /// the thread re-arms it only after reading the connections itself, so it does not wake
+    /// for every message a busy poller consumes).
+    const CONN_SET_FLAGS: epoll::EventFlags =
+        epoll::EventFlags::IN.union(epoll::EventFlags::ONESHOT);
+
+    /// Watch a data connection under `token` (in the connections' set).
+    fn watch(&self, fd: impl AsFd, token: u64, flags: epoll::EventFlags) -> rustix::io::Result<()> {
+        match &self.conn_set {
+            Some(set) => epoll::add(set, fd, epoll::EventData::new_u64(token), flags),
+            None => self.poller.add(fd, token, flags),
         }
-        if self.mode == ProgressMode::Busy {
-            // One event per arming: the thread re-arms only when it handled the socket
-            // itself, so it does not wake for every message a busy poller consumes.
-            flags |= epoll::EventFlags::ONESHOT;
+    }
+
+    /// Change the token or interest of a watched data connection.
+    fn rewatch(
+        &self,
+        fd: impl AsFd,
+        token: u64,
+        flags: epoll::EventFlags,
+    ) -> rustix::io::Result<()> {
+        match &self.conn_set {
+            Some(set) => epoll::modify(set, fd, epoll::EventData::new_u64(token), flags),
+            None => self.poller.modify(fd, token, flags),
         }
-        flags
+    }
+
+    /// Stop watching a data connection (errors ignored: it may be closed already).
+    fn stop_watching(&self, fd: impl AsFd) {
+        match &self.conn_set {
+            Some(set) => {
+                let _ = epoll::delete(set, fd);
+            }
+            None => self.poller.delete(fd),
+        }
+    }
+
+    /// A QP connection's interest: input and the peer closing, and output room when `out` (a
+    /// write would block). Level-triggered in either set.
+    fn conn_flags(out: bool) -> epoll::EventFlags {
+        let flags = epoll::EventFlags::IN | epoll::EventFlags::RDHUP;
+        match out {
+            true => flags | epoll::EventFlags::OUT,
+            false => flags,
+        }
     }
 
     /// Watch a QP's connection for input; `watched`: the epoll set has it already (under the
     /// token it had while the engine held it).
     pub fn register_conn(&self, qpn: u32, stream: &TcpStream, watched: bool) -> Result<()> {
-        let (token, flags) = (TOKEN_QP | u64::from(qpn), self.conn_flags(false));
+        let (token, flags) = (TOKEN_QP | u64::from(qpn), Self::conn_flags(false));
         if watched {
-            self.poller.modify(stream, token, flags)
+            self.rewatch(stream, token, flags)
         } else {
-            self.poller.add(stream, token, flags)
+            self.watch(stream, token, flags)
         }
         .map_err(|e| VerbsError::io("tcp0: epoll add connection", e))
     }
 
     /// Stop watching a connection (it waits, unread, for its QP's RTR).
     pub fn unwatch(&self, stream: &TcpStream) {
-        self.poller.delete(stream);
+        self.stop_watching(stream);
     }
 
-    /// (Re-)arm a QP's connection, watching for output room too when `out` (a write would
-    /// block).
+    /// Watch a QP's connection for output room too when `out` (a write would block), or no
+    /// longer.
     pub fn set_out_interest(&self, qpn: u32, stream: &TcpStream, out: bool) {
-        if let Err(e) = self
-            .poller
-            .modify(stream, TOKEN_QP | u64::from(qpn), self.conn_flags(out))
-        {
+        if let Err(e) = self.rewatch(stream, TOKEN_QP | u64::from(qpn), Self::conn_flags(out)) {
             tracing::warn!(qp = qpn, %e, "epoll modify failed");
         }
     }
@@ -250,7 +318,7 @@ impl Engine {
         self.grace.active(now)
     }
 
-    /// Busy mode, thread side: once no poller runs, send held ACKs and take deferred sockets
+    /// Busy mode, thread side: once no poller runs, send held ACKs and take the connections
     /// back. Returns true while a poller is active (the thread then re-checks every
     /// [`BUSY_GRACE`]).
     fn resume_deferred(&self, now: Instant) -> bool {
@@ -260,30 +328,74 @@ impl Engine {
         if self.poller_active(now) {
             return true;
         }
-        // Cleared first: an ACK held from now on sets it again.
-        self.acks_held.store(false, Ordering::Relaxed);
-        for qp in self.qps.all() {
-            qp.flush_held_ack(now, true);
-        }
-        let qpns = std::mem::take(&mut *self.deferred.lock());
-        for qpn in qpns {
-            if let Some(qp) = self.qps.get(qpn) {
-                qp.rearm();
-                qp.drive_rx(Lock::Wait);
-            }
+        self.flush_held_acks(now, true);
+        if self.deferred.swap(false, Ordering::Relaxed) {
+            // Level-triggered inside: what is still unread fires at once.
+            self.arm_conn_set();
         }
         false
     }
 
-    /// Make sure the thread wakes by `deadline`.
-    pub fn note_deadline(&self, deadline: Option<Instant>) {
-        self.poller.note_deadline(deadline);
+    /// Busy mode: the thread watches the connections' set again.
+    fn arm_conn_set(&self) {
+        if let Some(set) = &self.conn_set {
+            if let Err(e) = self.poller.modify(set, TOKEN_CONNS, Self::CONN_SET_FLAGS) {
+                tracing::warn!(%e, "tcp0: epoll modify failed");
+            }
+        }
     }
 
-    /// A QP holds back an ACK (busy mode): the thread sends it if no poller comes back.
-    pub(super) fn ack_held(&self, deadline: Instant) {
-        self.acks_held.store(true, Ordering::Relaxed);
-        self.note_deadline(Some(deadline));
+    /// Make sure the thread wakes by `deadline` (and, in busy mode, that a poller runs the
+    /// timers then).
+    pub fn note_deadline(&self, deadline: Option<Instant>) {
+        let Some(d) = deadline else { return };
+        if self.mode == ProgressMode::Busy {
+            let ns = self.poller.nanos(d);
+            if ns < self.poll_deadline_ns.load(Ordering::Relaxed) {
+                self.poll_deadline_ns.fetch_min(ns, Ordering::AcqRel);
+            }
+        }
+        self.poller.note_deadline(Some(d));
+    }
+
+    /// QP `qpn` holds back an ACK (busy mode): a poller sends it with the QP's next post, or
+    /// after `ACK_HOLD`; the thread by `deadline` if no poller comes back.
+    pub(super) fn ack_held(&self, qpn: u32, deadline: Instant) {
+        {
+            let mut list = self.held_acks.lock();
+            list.push(qpn);
+            self.acks_held.store(true, Ordering::Relaxed);
+        }
+        self.poller.note_deadline(Some(deadline));
+    }
+
+    /// Send the ACKs held back that waited long enough (all of them with `force`).
+    fn flush_held_acks(&self, now: Instant, force: bool) {
+        thread_local! {
+            static SCRATCH: std::cell::RefCell<Vec<u32>> =
+                const { std::cell::RefCell::new(Vec::new()) };
+        }
+        if !self.acks_held.load(Ordering::Relaxed) {
+            return;
+        }
+        SCRATCH.with(|scratch| {
+            let Ok(mut mine) = scratch.try_borrow_mut() else {
+                return;
+            };
+            // Taken out: a QP's lock is never taken under the list's (a QP adds to the list
+            // under its own).
+            std::mem::swap(&mut *self.held_acks.lock(), &mut *mine);
+            mine.sort_unstable();
+            mine.dedup();
+            mine.retain(|&qpn| {
+                self.qps
+                    .get(qpn)
+                    .is_some_and(|qp| qp.flush_held_ack(now, force))
+            });
+            let mut list = self.held_acks.lock();
+            list.append(&mut mine);
+            self.acks_held.store(!list.is_empty(), Ordering::Relaxed);
+        });
     }
 
     pub(super) fn prune_held(&self, now: Instant) {
@@ -310,7 +422,7 @@ impl Engine {
                 if h.is_fresh() {
                     tracing::warn!(peer = ?h.stream.peer_addr().ok(), "tcp0: no HELLO in time; closed");
                 }
-                self.poller.delete(&*h.stream);
+                self.stop_watching(&*h.stream);
             }
         }
     }
@@ -320,36 +432,80 @@ impl Engine {
         self.qps.run_timers(now);
     }
 
+    /// What the progress thread does with a ready fd of its set.
     fn handle_event(&self, token: u64, flags: epoll::EventFlags) {
         match token {
             TOKEN_LISTENER => self.accept_all(),
-            t if t & TOKEN_PENDING != 0 => self.read_held(t & 0xffff_ffff),
-            t if t & TOKEN_QP != 0 => {
-                let qpn = (t & 0xffff_ffff) as u32;
-                if let Some(qp) = self.qps.get(qpn) {
-                    if flags.contains(epoll::EventFlags::OUT) {
-                        qp.flush_out();
-                    }
-                    if self.mode == ProgressMode::Busy && self.poller_active(Instant::now()) {
-                        // The poller reads this socket; look again when it goes quiet.
-                        self.deferred.lock().push(qpn);
-                        return;
-                    }
-                    if flags.intersects(
-                        epoll::EventFlags::IN
-                            | epoll::EventFlags::RDHUP
-                            | epoll::EventFlags::HUP
-                            | epoll::EventFlags::ERR,
-                    ) {
-                        qp.drive_rx(Lock::Wait);
-                    }
-                    if self.mode == ProgressMode::Busy {
-                        qp.rearm();
-                    }
+            TOKEN_CONNS => self.thread_reads_conns(),
+            t => {
+                self.conn_event(t, flags, Lock::Wait);
+            }
+        }
+    }
+
+    /// A data connection is ready: a held one is read by the engine, a QP's by its QP (`lock`:
+    /// how its reader is taken; a busy poller skips a QP someone else reads, and the
+    /// level-triggered set reports it again). Returns whether a QP's input was read.
+    fn conn_event(&self, token: u64, flags: epoll::EventFlags, lock: Lock) -> bool {
+        if token & TOKEN_PENDING != 0 {
+            self.read_held(token & 0xffff_ffff);
+            return false;
+        }
+        if token & TOKEN_QP == 0 {
+            return false;
+        }
+        let Some(qp) = self.qps.get((token & 0xffff_ffff) as u32) else {
+            return false;
+        };
+        if flags.contains(epoll::EventFlags::OUT) {
+            qp.flush_out();
+        }
+        let input = flags.intersects(
+            epoll::EventFlags::IN
+                | epoll::EventFlags::RDHUP
+                | epoll::EventFlags::HUP
+                | epoll::EventFlags::ERR,
+        );
+        if input {
+            qp.drive_rx(lock);
+        }
+        input
+    }
+
+    /// Busy mode, thread side: the connections' set has ready connections. Read them unless
+    /// a poller is active (it reads them; the thread looks again when it goes quiet), and
+    /// watch the set again.
+    fn thread_reads_conns(&self) {
+        if self.poller_active(Instant::now()) {
+            self.deferred.store(true, Ordering::Relaxed);
+            return;
+        }
+        self.read_ready_conns(Lock::Wait);
+        self.arm_conn_set();
+    }
+
+    /// Busy mode: handle what the connections' set reports ready now (without waiting).
+    /// Returns the QP connections read.
+    fn read_ready_conns(&self, lock: Lock) -> u64 {
+        let Some(set) = &self.conn_set else {
+            return 0;
+        };
+        let zero = rustix::time::Timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        let mut events = [const { MaybeUninit::<epoll::Event>::uninit() }; READY_BATCH];
+        let mut reads = 0;
+        // Level-triggered: what a full batch leaves is reported at the next look.
+        match epoll::wait(set, &mut events, Some(&zero)) {
+            Ok((ready, _)) => {
+                for ev in ready.iter() {
+                    reads += u64::from(self.conn_event(ev.data.u64(), ev.flags, lock));
                 }
             }
-            _ => {}
+            Err(e) => tracing::trace!(%e, "tcp0: epoll_wait on the connections failed"),
         }
+        reads
     }
 
     fn accept_all(&self) {
@@ -395,11 +551,10 @@ impl Engine {
         held.quiet = may_be_quiet(&held, &conns.awaited);
         let flags = held_flags(held.quiet);
         let watched = if held.is_fresh() {
-            self.poller.add(&*held.stream, token, flags)
+            self.watch(&*held.stream, token, flags)
         } else {
-            self.poller
-                .modify(&*held.stream, token, flags)
-                .or_else(|_| self.poller.add(&*held.stream, token, flags))
+            self.rewatch(&*held.stream, token, flags)
+                .or_else(|_| self.watch(&*held.stream, token, flags))
         };
         if let Err(e) = watched {
             tracing::warn!(%e, "tcp0: cannot watch a connection; closed");
@@ -408,15 +563,13 @@ impl Engine {
         }
         let (replaced, displaced) = conns.insert(id, held);
         if let Some(old) = replaced {
-            self.poller.delete(&*old.stream);
+            self.stop_watching(&*old.stream);
             let _ = old.stream.shutdown(Shutdown::Both);
         }
         if let Some(old_id) = displaced {
             if let Some(old) = conns.by_id.get_mut(&old_id).filter(|h| h.quiet) {
                 old.quiet = false;
-                let _ = self
-                    .poller
-                    .modify(&*old.stream, TOKEN_PENDING | old_id, held_flags(false));
+                let _ = self.rewatch(&*old.stream, TOKEN_PENDING | old_id, held_flags(false));
             }
         }
     }
@@ -457,7 +610,7 @@ impl Engine {
                 _ => {}
             }
         }
-        self.poller.delete(&*h.stream);
+        self.stop_watching(&*h.stream);
         let _ = h.stream.shutdown(Shutdown::Both);
         None
     }
@@ -490,8 +643,7 @@ impl Engine {
                 h.quiet = false;
                 // Level-triggered: what came after the read is reported at once.
                 if self
-                    .poller
-                    .modify(&*h.stream, TOKEN_PENDING | id, held_flags(false))
+                    .rewatch(&*h.stream, TOKEN_PENDING | id, held_flags(false))
                     .is_err()
                 {
                     if let Some(h) = conns.remove(id) {
@@ -540,8 +692,7 @@ impl Engine {
                 && may_be_quiet(h, &conns.awaited)
                 && !h.quiet
                 && self
-                    .poller
-                    .modify(&*h.stream, TOKEN_PENDING | id, held_flags(true))
+                    .rewatch(&*h.stream, TOKEN_PENDING | id, held_flags(true))
                     .is_ok()
             {
                 h.quiet = true;
@@ -558,8 +709,7 @@ impl Engine {
             h.keep_hello(*dst_qpn, *ids);
             if !h.quiet
                 && self
-                    .poller
-                    .modify(&*h.stream, TOKEN_PENDING | id, held_flags(true))
+                    .rewatch(&*h.stream, TOKEN_PENDING | id, held_flags(true))
                     .is_ok()
             {
                 h.quiet = true;
@@ -585,10 +735,10 @@ impl Engine {
                 ),
             },
             Step::Close(Some(what)) => {
-                self.poller.delete(&*h.stream);
+                self.stop_watching(&*h.stream);
                 tracing::warn!(peer = ?h.stream.peer_addr().ok(), %what, "tcp0: connection closed")
             }
-            Step::Close(None) => self.poller.delete(&*h.stream),
+            Step::Close(None) => self.stop_watching(&*h.stream),
         }
     }
 }
@@ -621,9 +771,22 @@ fn held_flags(quiet: bool) -> epoll::EventFlags {
 }
 
 impl Engine {
-    /// One busy-mode pass over every QP; `stays`: the poller keeps polling, so the thread
-    /// leaves the sockets to it for [`BUSY_GRACE`].
+    /// One busy-mode pass: read the connections the set reports ready, send the ACKs held
+    /// back long enough, and run the QP timers that are due. `stays`: the poller keeps
+    /// polling, so the thread leaves the connections to it for [`BUSY_GRACE`].
     fn drive_pass(&self, stays: bool) {
+        let now = Instant::now();
+        if stays {
+            self.grace.note(now);
+        }
+        let reads = self.read_ready_conns(Lock::Try);
+        if reads > 0 {
+            self.polled_reads.fetch_add(reads, Ordering::Relaxed);
+        }
+        self.flush_held_acks(now, false);
+        if self.poller.nanos(now) < self.poll_deadline_ns.load(Ordering::Acquire) {
+            return;
+        }
         thread_local! {
             static SCRATCH: std::cell::RefCell<Vec<Arc<TcpQp>>> =
                 const { std::cell::RefCell::new(Vec::new()) };
@@ -632,22 +795,21 @@ impl Engine {
             let Ok(mut qps) = scratch.try_borrow_mut() else {
                 return;
             };
-            // Upgrade under the read lock, work without it: dropping the last handle of a QP
-            // here takes the write lock.
+            // Due: run what is due and learn the next deadline (lowered meanwhile by every
+            // transmit that arms an earlier one). Upgraded under the table's read lock, used
+            // without it: dropping the last handle of a QP here takes the write lock.
+            self.poll_deadline_ns.store(u64::MAX, Ordering::Release);
             self.qps.extend_live(&mut qps);
-            let now = Instant::now();
-            if stays {
-                self.grace.note(now);
-            }
-            for qp in qps.iter() {
-                qp.drive_rx(Lock::Try);
-                qp.poll_out();
-                qp.flush_held_ack(now, false);
-                if qp.poll_timeout().is_some_and(|t| t <= now) {
-                    qp.on_timer(now);
+            for qp in qps.drain(..) {
+                match qp.poll_timeout() {
+                    Some(t) if t <= now => qp.on_timer(now),
+                    Some(t) => {
+                        self.poll_deadline_ns
+                            .fetch_min(self.poller.nanos(t), Ordering::AcqRel);
+                    }
+                    None => {}
                 }
             }
-            qps.clear();
         });
     }
 }
@@ -658,23 +820,17 @@ impl ProgressHook for Engine {
     }
 
     /// The poller goes to sleep on the CQ's event: end its grace at once, send the ACKs held
-    /// back for its next post, and wake the thread if it has sockets to take back, instead of
-    /// leaving them for [`BUSY_GRACE`]. Otherwise the thread is not woken: every socket is
-    /// still armed, and it looks at the grace again by itself. (A socket the thread defers
-    /// after the look below is taken back at the thread's next timeout computation, which
-    /// finds the grace ended.)
+    /// back for its next post, and wake the thread if it left the connections to the poller,
+    /// instead of leaving them for [`BUSY_GRACE`]. Otherwise the thread is not woken: it still
+    /// watches the connections' set. (A deferral after the look below ends at the thread's
+    /// next timeout computation, which finds the grace ended.)
     fn poller_leaving(&self) {
         if self.mode != ProgressMode::Busy || !self.grace.end() {
             return;
         }
-        if self.acks_held.swap(false, Ordering::Relaxed) {
-            // What this poller held back for its next post goes now, from its own thread.
-            let now = Instant::now();
-            for qp in self.qps.all() {
-                qp.flush_held_ack(now, true);
-            }
-        }
-        if !self.deferred.lock().is_empty() {
+        // What this poller held back for its next post goes now, from its own thread.
+        self.flush_held_acks(Instant::now(), true);
+        if self.deferred.load(Ordering::Relaxed) {
             self.poller.wake();
         }
     }

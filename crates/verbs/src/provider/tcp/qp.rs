@@ -285,9 +285,6 @@ pub(crate) struct TcpQp {
     side: Mutex<Side>,
     /// Mirrors `Side::held_at.is_some()` so pollers can skip the lock.
     ack_held: AtomicBool,
-    /// Mirrors `Side::out_armed` (output waits for socket room) so busy pollers can push it
-    /// without the lock when nothing waits.
-    out_waiting: AtomicBool,
 }
 
 impl TcpQp {
@@ -334,7 +331,6 @@ impl TcpQp {
                 first: false,
             }),
             ack_held: AtomicBool::new(false),
-            out_waiting: AtomicBool::new(false),
         });
         engine.qps.insert(qpn, &qp);
         Ok(qp)
@@ -380,7 +376,6 @@ impl TcpQp {
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                     if !side.out_armed {
                         side.out_armed = true;
-                        self.out_waiting.store(true, Ordering::Relaxed);
                         self.engine.set_out_interest(self.qp_num.0, &conn, true);
                     }
                     return;
@@ -403,57 +398,35 @@ impl TcpQp {
         side.tx.shrink();
         if side.out_armed {
             side.out_armed = false;
-            self.out_waiting.store(false, Ordering::Relaxed);
             self.engine.set_out_interest(self.qp_num.0, &conn, false);
         }
     }
 
-    /// Busy mode: send a held ACK once it waited [`ACK_HOLD`] (or now, with `force`).
-    pub fn flush_held_ack(&self, now: Instant, force: bool) {
+    /// Busy mode: send a held ACK once it waited [`ACK_HOLD`] (or now, with `force`). Returns
+    /// whether one is still held.
+    pub fn flush_held_ack(&self, now: Instant, force: bool) -> bool {
         if !self.ack_held.load(Ordering::Relaxed) {
-            return;
+            return false;
         }
         let mut side = self.side.lock();
         match side.held_at {
             Some(t) if force || now.saturating_duration_since(t) >= ACK_HOLD => {
-                self.transmit(&mut side, now)
+                self.transmit(&mut side, now);
+                false
             }
-            Some(_) => {}
-            None => self.ack_held.store(false, Ordering::Relaxed),
+            Some(_) => true,
+            None => {
+                self.ack_held.store(false, Ordering::Relaxed);
+                false
+            }
         }
     }
 
-    /// Busy mode: re-arm the one-shot epoll registration of the connection.
-    pub fn rearm(&self) {
-        let side = self.side.lock();
-        if let Some(c) = &side.conn {
-            self.engine
-                .set_out_interest(self.qp_num.0, c, side.out_armed);
-        }
-    }
-
-    /// The socket has room again (an EPOLLOUT event).
+    /// The socket has room again (an EPOLLOUT event; the interest stays until the output is
+    /// all written).
     pub fn flush_out(&self) {
         let mut side = self.side.lock();
-        if self.engine.mode == ProgressMode::Busy && side.out_armed {
-            // The event used up the one-shot registration: if the socket fills again, arm it
-            // again (else the rest would wait for input that may never come).
-            side.out_armed = false;
-            self.out_waiting.store(false, Ordering::Relaxed);
-        }
         self.transmit(&mut side, Instant::now());
-    }
-
-    /// Busy mode, poller side: push output that waits for socket room, if any.
-    pub fn poll_out(&self) {
-        if !self.out_waiting.load(Ordering::Relaxed) {
-            return;
-        }
-        if let Some(mut side) = self.side.try_lock() {
-            self.transmit(&mut side, Instant::now());
-            // Also clears a flag left by a connection closed meanwhile.
-            self.out_waiting.store(side.out_armed, Ordering::Relaxed);
-        }
     }
 
     /// Read what the connection has, feed the frames to the core, answer.
@@ -692,8 +665,11 @@ impl TcpQp {
                 side.held_at = Some(now);
                 self.ack_held.store(true, Ordering::Relaxed);
                 // If no poller comes back, the progress thread sends it.
-                self.engine.ack_held(now + BUSY_GRACE);
+                self.engine.ack_held(self.qp_num.0, now + BUSY_GRACE);
             }
+            // The frames may have armed a timer: pollers look at QP timers only when one is
+            // due (see `Engine::note_deadline`).
+            self.engine.note_deadline(side.core.poll_timeout());
         } else {
             self.transmit(side, now);
         }
@@ -791,7 +767,6 @@ impl TcpQp {
         close_side(side);
         rx.conn = None;
         rx.reset(&mut side.core);
-        self.out_waiting.store(false, Ordering::Relaxed);
         self.ack_held.store(false, Ordering::Relaxed);
         side.core.rewind_requests();
     }

@@ -759,6 +759,61 @@ fn a_busy_poller_that_sleeps_sends_what_it_held_and_leaves_the_thread_asleep() {
     assert_eq!(wait(&a.cq, 1)[0].wr_id, 99);
 }
 
+/// A busy poll reads only the connections that have something: beside 32 idle connected QP
+/// pairs of the same two contexts, a spinning poller of one pair's CQ reads about one socket
+/// per message it receives, not every QP's socket on every poll.
+#[test]
+fn a_busy_poll_reads_only_the_ready_connections() {
+    let (ca, cb) = (open("busy"), open("busy"));
+    let (a, b) = pair_in(&ca, &cb);
+    let idle: Vec<(Side, Side)> = (0..32).map(|_| pair_in(&ca, &cb)).collect();
+    let engine = engine(&cb);
+    let mut wc = [WorkCompletion::EMPTY; 1];
+    let rounds = 200u64;
+    let reads_before = engine
+        .polled_reads
+        .load(std::sync::atomic::Ordering::Relaxed);
+    let mut polls = 0u64;
+    for i in 0..rounds {
+        b.qp.post_recv(&[RecvWr::new(i, &[])]).unwrap();
+        // Polls that find nothing read nothing.
+        for _ in 0..10 {
+            polls += 1;
+            assert_eq!(b.cq.poll(&mut wc).unwrap(), 0);
+        }
+        a.qp.post_send(&[SendWr::new(i, &[], WrOpcode::Send)])
+            .unwrap();
+        let deadline = std::time::Instant::now() + WAIT;
+        loop {
+            polls += 1;
+            if b.cq.poll(&mut wc).unwrap() == 1 {
+                break;
+            }
+            assert!(std::time::Instant::now() < deadline, "no SEND");
+        }
+        assert_eq!(wc[0].wr_id, i);
+        assert_eq!(wait(&a.cq, 1)[0].wr_id, i);
+    }
+    let reads = engine
+        .polled_reads
+        .load(std::sync::atomic::Ordering::Relaxed)
+        - reads_before;
+    assert!(polls >= 11 * rounds);
+    assert!(
+        reads <= 2 * rounds + 16,
+        "{reads} socket reads for {rounds} messages in {polls} polls beside {} idle QPs",
+        idle.len()
+    );
+    // The idle pairs still work.
+    for (x, y) in &idle {
+        y.qp.post_recv(&[RecvWr::new(7, &[])]).unwrap();
+        x.qp.post_send(&[SendWr::new(7, &[], WrOpcode::Send)])
+            .unwrap();
+        assert_eq!(wait(&y.cq, 1)[0].wr_id, 7);
+        assert_eq!(wait(&x.cq, 1)[0].wr_id, 7);
+    }
+}
+
 #[test]
 fn busy_mode_progresses_from_poll_and_still_serves_one_sided_ops() {
     let (a, b) = pair_in(&open("busy"), &open("busy"));

@@ -477,16 +477,20 @@ impl Engine {
     /// watch the set again.
     fn thread_reads_conns(&self) {
         if self.poller_active(Instant::now()) {
+            // The connections no QP owns are still the thread's: a HELLO read now is a
+            // connect that does not wait for the poller's next pass (or, if the poller goes
+            // to sleep meanwhile, for the thread's next wake-up).
+            self.read_ready_conns(Lock::Wait, false);
             self.deferred.store(true, Ordering::Relaxed);
             return;
         }
-        self.read_ready_conns(Lock::Wait);
+        self.read_ready_conns(Lock::Wait, true);
         self.arm_conn_set();
     }
 
-    /// Busy mode: handle what the connections' set reports ready now (without waiting).
-    /// Returns the QP connections read.
-    fn read_ready_conns(&self, lock: Lock) -> u64 {
+    /// Busy mode: handle what the connections' set reports ready now (without waiting); with
+    /// `qps` false, only the connections no QP owns. Returns the QP connections read.
+    fn read_ready_conns(&self, lock: Lock, qps: bool) -> u64 {
         let Some(set) = &self.conn_set else {
             return 0;
         };
@@ -500,7 +504,10 @@ impl Engine {
         match epoll::wait(set, &mut events, Some(&zero)) {
             Ok((ready, _)) => {
                 for ev in ready.iter() {
-                    reads += u64::from(self.conn_event(ev.data.u64(), ev.flags, lock));
+                    let token = ev.data.u64();
+                    if qps || token & TOKEN_PENDING != 0 {
+                        reads += u64::from(self.conn_event(token, ev.flags, lock));
+                    }
                 }
             }
             Err(e) => tracing::trace!(%e, "tcp0: epoll_wait on the connections failed"),
@@ -779,7 +786,7 @@ impl Engine {
         if stays {
             self.grace.note(now);
         }
-        let reads = self.read_ready_conns(Lock::Try);
+        let reads = self.read_ready_conns(Lock::Try, true);
         if reads > 0 {
             self.polled_reads.fetch_add(reads, Ordering::Relaxed);
         }

@@ -919,3 +919,60 @@ fn the_end_first_at_rtr_accepts_and_its_peer_opens_whatever_their_addresses() {
     exchange(&a, &b, ROUNDS);
     assert_eq!(counts(&hi), (1, ROUNDS));
 }
+
+/// Busy mode with pollers that never stop (a thread spinning on a CQ of its own in each
+/// context): the pollers read the QPs' connections, while fresh connections (a new QP pair's)
+/// and kept ones (a cached QP's next use) still change hands from the engine to their QPs, and
+/// every message arrives.
+#[test]
+fn busy_contexts_whose_pollers_never_stop_connect_and_reconnect() {
+    let (x, y) = (
+        fixture::open("tcp0", &[("progress", "busy")]),
+        fixture::open("tcp0", &[("progress", "busy")]),
+    );
+    let (lo, hi) = if addr(&x) < addr(&y) { (x, y) } else { (y, x) };
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let spinners: Vec<_> = [&lo, &hi]
+        .into_iter()
+        .map(|ctx| {
+            let cq = ctx.create_cq(16).unwrap();
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                let mut wc = [WorkCompletion::EMPTY; 4];
+                let mut spins = 0u32;
+                while !stop.load(Ordering::Relaxed) {
+                    assert_eq!(cq.poll(&mut wc).unwrap(), 0, "nothing completes here");
+                    spins = spins.wrapping_add(1);
+                    if spins % 256 == 0 {
+                        std::thread::yield_now();
+                    }
+                }
+            })
+        })
+        .collect();
+    let (a, b) = (side(&lo), side(&hi));
+    connect_with(&a, &b, QpAttr::rts);
+    exchange(&a, &b, 0);
+    const ROUNDS: u64 = 10;
+    for round in 1..=ROUNDS {
+        retire(&a);
+        retire(&b);
+        if round % 2 == 0 {
+            connect_with(&a, &b, QpAttr::rts);
+        } else {
+            connect_with(&b, &a, QpAttr::rts);
+        }
+        exchange(&a, &b, round);
+    }
+    assert_eq!(counts(&lo), (1, ROUNDS), "the kept connection, every round");
+    for round in 0..5 {
+        let (c, d) = (side(&lo), side(&hi));
+        connect_with(&c, &d, QpAttr::rts);
+        exchange(&c, &d, 100 + round);
+    }
+    assert_eq!(counts(&lo), (6, ROUNDS));
+    stop.store(true, Ordering::Relaxed);
+    for s in spinners {
+        s.join().unwrap();
+    }
+}

@@ -5,7 +5,8 @@
 //! What it shows: whether a worker's or provider's polling costs grow with the connections it
 //! serves.
 //!
-//! `cargo run --release -p fabriq --example idle_connections -- [DEVICE] [K]`, e.g. `tcp0 128`.
+//! `cargo run --release -p fabriq --example idle_connections -- [DEVICE] [K] [KEY=VALUE…]`, e.g.
+//! `tcp0 128`, or `tcp0 128 progress=thread` (device options on top of the defaults).
 
 use fabriq::{Config, Endpoint};
 use std::time::{Duration, Instant};
@@ -16,9 +17,17 @@ fn main() {
         .nth(2)
         .and_then(|s| s.parse().ok())
         .unwrap_or(0);
+    let device_options: std::collections::BTreeMap<String, String> = std::env::args()
+        .skip(3)
+        .filter_map(|kv| {
+            kv.split_once('=')
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+        })
+        .collect();
     let cfg = || Config {
         device: dev.clone(),
         workers: 1,
+        device_options: device_options.clone(),
         ..Config::default()
     };
     let server = Endpoint::new(cfg()).unwrap();

@@ -165,9 +165,10 @@ pub(crate) struct Engine {
     /// it since), and whether there are any (set and cleared under the list's lock).
     held_acks: Mutex<Vec<u32>>,
     acks_held: AtomicBool,
-    /// Busy mode: the earliest QP deadline a poller has to look at (nanoseconds on the
-    /// poller's clock, `u64::MAX`: none known).
-    poll_deadline_ns: AtomicU64,
+    /// The earliest QP deadline announced since the QPs' timers were last looked at
+    /// (nanoseconds on the poller's clock, `u64::MAX`: none): the thread sleeps until it, and
+    /// the thread and busy pollers look at the QPs' timers only once it is due.
+    timer_deadline_ns: AtomicU64,
 }
 
 impl Engine {
@@ -218,14 +219,14 @@ impl Engine {
             deferred: AtomicBool::new(false),
             held_acks: Mutex::new(Vec::new()),
             acks_held: AtomicBool::new(false),
-            poll_deadline_ns: AtomicU64::new(u64::MAX),
+            timer_deadline_ns: AtomicU64::new(u64::MAX),
         });
         poller::spawn_progress_thread(
             format!("fabriq-tcp0-{}", local_addr.port()),
             Arc::downgrade(&engine),
             poller,
             |engine: &Engine, now| {
-                let t = engine.qps.next_timeout(now, MAX_SLEEP);
+                let t = engine.next_timeout(now);
                 if engine.resume_deferred(now) {
                     t.min(BUSY_GRACE)
                 } else {
@@ -345,17 +346,67 @@ impl Engine {
         }
     }
 
-    /// Make sure the thread wakes by `deadline` (and, in busy mode, that a poller runs the
-    /// timers then).
+    /// A QP's timers may fire at `deadline`: make sure they are looked at then (by the
+    /// thread, which this wakes if it sleeps longer, or a busy poller). Every change that can
+    /// bring a QP's deadline forward announces it here (a QP's `transmit` does, after every
+    /// post, input batch, timer and transition).
     pub fn note_deadline(&self, deadline: Option<Instant>) {
         let Some(d) = deadline else { return };
-        if self.mode == ProgressMode::Busy {
-            let ns = self.poller.nanos(d);
-            if ns < self.poll_deadline_ns.load(Ordering::Relaxed) {
-                self.poll_deadline_ns.fetch_min(ns, Ordering::AcqRel);
-            }
+        let ns = self.poller.nanos(d);
+        if ns < self.timer_deadline_ns.load(Ordering::Relaxed) {
+            self.timer_deadline_ns.fetch_min(ns, Ordering::AcqRel);
         }
         self.poller.note_deadline(Some(d));
+    }
+
+    /// How long the thread may sleep: until the earliest announced deadline, the held
+    /// connections' next one, or [`MAX_SLEEP`].
+    fn next_timeout(&self, now: Instant) -> Duration {
+        let now_ns = self.poller.nanos(now);
+        let qps = Duration::from_nanos(
+            self.timer_deadline_ns
+                .load(Ordering::Acquire)
+                .saturating_sub(now_ns),
+        );
+        let held = self
+            .held
+            .lock()
+            .earliest
+            .map_or(MAX_SLEEP, |e| e.saturating_duration_since(now));
+        qps.min(held).min(MAX_SLEEP)
+    }
+
+    /// Run the QP timers that are due, if the earliest announced deadline is: every QP is
+    /// looked at then, and the next deadline learnt (lowered meanwhile by every announcement).
+    /// O(1) until then, however many QPs the context has.
+    fn run_due_timers(&self, now: Instant) {
+        if self.poller.nanos(now) < self.timer_deadline_ns.load(Ordering::Acquire) {
+            return;
+        }
+        thread_local! {
+            static SCRATCH: std::cell::RefCell<Vec<Arc<TcpQp>>> =
+                const { std::cell::RefCell::new(Vec::new()) };
+        }
+        SCRATCH.with(|scratch| {
+            let Ok(mut qps) = scratch.try_borrow_mut() else {
+                return;
+            };
+            // Reset before the look: a deadline announced from here on is kept, and every QP
+            // is looked at after it. Upgraded under the table's read lock, used without it:
+            // dropping the last handle of a QP here takes the write lock.
+            self.timer_deadline_ns.store(u64::MAX, Ordering::Release);
+            self.qps.extend_live(&mut qps);
+            for qp in qps.drain(..) {
+                match qp.poll_timeout() {
+                    Some(t) if t <= now => qp.on_timer(now),
+                    Some(t) => {
+                        self.timer_deadline_ns
+                            .fetch_min(self.poller.nanos(t), Ordering::AcqRel);
+                    }
+                    None => {}
+                }
+            }
+        });
     }
 
     /// QP `qpn` holds back an ACK (busy mode): a poller sends it with the QP's next post, or
@@ -429,7 +480,7 @@ impl Engine {
 
     fn run_timers(&self, now: Instant) {
         self.prune_held(now);
-        self.qps.run_timers(now);
+        self.run_due_timers(now);
     }
 
     /// What the progress thread does with a ready fd of its set.
@@ -791,33 +842,7 @@ impl Engine {
             self.polled_reads.fetch_add(reads, Ordering::Relaxed);
         }
         self.flush_held_acks(now, false);
-        if self.poller.nanos(now) < self.poll_deadline_ns.load(Ordering::Acquire) {
-            return;
-        }
-        thread_local! {
-            static SCRATCH: std::cell::RefCell<Vec<Arc<TcpQp>>> =
-                const { std::cell::RefCell::new(Vec::new()) };
-        }
-        SCRATCH.with(|scratch| {
-            let Ok(mut qps) = scratch.try_borrow_mut() else {
-                return;
-            };
-            // Due: run what is due and learn the next deadline (lowered meanwhile by every
-            // transmit that arms an earlier one). Upgraded under the table's read lock, used
-            // without it: dropping the last handle of a QP here takes the write lock.
-            self.poll_deadline_ns.store(u64::MAX, Ordering::Release);
-            self.qps.extend_live(&mut qps);
-            for qp in qps.drain(..) {
-                match qp.poll_timeout() {
-                    Some(t) if t <= now => qp.on_timer(now),
-                    Some(t) => {
-                        self.poll_deadline_ns
-                            .fetch_min(self.poller.nanos(t), Ordering::AcqRel);
-                    }
-                    None => {}
-                }
-            }
-        });
+        self.run_due_timers(now);
     }
 }
 

@@ -152,6 +152,9 @@ pub(crate) struct Engine {
     pub hellos_spared: AtomicU64,
     /// QP socket reads a busy CQ poll made (one per ready connection it read).
     pub polled_reads: AtomicU64,
+    /// QPs whose timers the thread or a poller looked at (all of them, each time the earliest
+    /// announced deadline came due).
+    pub timer_looks: AtomicU64,
     /// Busy mode: the data connections' own epoll set (watched by the thread's set under
     /// [`TOKEN_CONNS`], one-shot; asked by CQ pollers). `None` in thread mode: the connections
     /// are in the thread's set.
@@ -214,6 +217,7 @@ impl Engine {
             hellos_found: AtomicU64::new(0),
             hellos_spared: AtomicU64::new(0),
             polled_reads: AtomicU64::new(0),
+            timer_looks: AtomicU64::new(0),
             conn_set,
             grace: BusyGrace::new(poller.epoch()),
             deferred: AtomicBool::new(false),
@@ -396,6 +400,8 @@ impl Engine {
             // dropping the last handle of a QP here takes the write lock.
             self.timer_deadline_ns.store(u64::MAX, Ordering::Release);
             self.qps.extend_live(&mut qps);
+            self.timer_looks
+                .fetch_add(qps.len() as u64, Ordering::Relaxed);
             for qp in qps.drain(..) {
                 match qp.poll_timeout() {
                     Some(t) if t <= now => qp.on_timer(now),

@@ -814,6 +814,43 @@ fn a_busy_poll_reads_only_the_ready_connections() {
     }
 }
 
+/// The progress thread's wake-ups cost the same however many QPs the context has: in thread
+/// mode, 200 messages beside 32 idle QP pairs make the engines look at QP timers only when a
+/// deadline comes due — never here, with ACK timeouts of an hour — not at every QP on every
+/// wake-up (≥ 33 per message).
+#[test]
+fn the_thread_looks_at_qp_timers_only_when_a_deadline_is_due() {
+    let opts = [("progress", "thread"), ("min_ack_timeout_ms", "3600000")];
+    let (ca, cb) = (fixture::open("tcp0", &opts), fixture::open("tcp0", &opts));
+    let (a, b) = pair_in(&ca, &cb);
+    let idle: Vec<(Side, Side)> = (0..32).map(|_| pair_in(&ca, &cb)).collect();
+    let looks = || {
+        [&ca, &cb]
+            .iter()
+            .map(|c| {
+                engine(c)
+                    .timer_looks
+                    .load(std::sync::atomic::Ordering::Relaxed)
+            })
+            .sum::<u64>()
+    };
+    let before = looks();
+    let rounds = 200u64;
+    for i in 0..rounds {
+        b.qp.post_recv(&[RecvWr::new(i, &[])]).unwrap();
+        a.qp.post_send(&[SendWr::new(i, &[], WrOpcode::Send)])
+            .unwrap();
+        assert_eq!(wait(&b.cq, 1)[0].wr_id, i);
+        assert_eq!(wait(&a.cq, 1)[0].wr_id, i);
+    }
+    let looked = looks() - before;
+    assert!(
+        looked <= 33 * 2,
+        "{looked} QP timer looks for {rounds} messages beside {} idle QP pairs",
+        idle.len()
+    );
+}
+
 #[test]
 fn busy_mode_progresses_from_poll_and_still_serves_one_sided_ops() {
     let (a, b) = pair_in(&open("busy"), &open("busy"));

@@ -1,10 +1,11 @@
 //! A context's table of live QPs by number: allocation of fresh 24-bit QP numbers and lookup
 //! of the QP an incoming frame names. Entries are weak, so dropping the last handle of a QP
-//! ends it; the table never keeps a QP alive. Also the timer round the progress thread runs
-//! over the table ([`TimedQp`]).
+//! ends it; the table never keeps a QP alive. Also the timer rounds over the table
+//! ([`TimedQp`]): every QP on each round, or only once the earliest deadline announced to a
+//! [`Deadline`] is due.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
@@ -93,5 +94,145 @@ impl<Q: TimedQp> QpTable<Q> {
                 qp.on_timer(now);
             }
         }
+    }
+
+    /// Run the timers due by `now` (`now_ns` on `deadline`'s clock) if `deadline` is: every
+    /// live QP is looked at then and the next deadline learnt (lowered meanwhile by every
+    /// announcement). `scratch` holds the QPs during the round: they are upgraded under the
+    /// table's read lock and used without it (dropping the last handle of a QP takes the write
+    /// lock). Returns the QPs looked at (0 when nothing was due).
+    pub fn run_due_timers(
+        &self,
+        now: Instant,
+        now_ns: u64,
+        deadline: &Deadline,
+        nanos: impl Fn(Instant) -> u64,
+        scratch: &mut Vec<Arc<Q>>,
+    ) -> usize {
+        if !deadline.is_due(now_ns) {
+            return 0;
+        }
+        // Reset before the look: a deadline announced from here on is kept, and every QP is
+        // looked at after it.
+        deadline.reset();
+        self.extend_live(scratch);
+        let looked = scratch.len();
+        for qp in scratch.drain(..) {
+            match qp.poll_timeout() {
+                Some(t) if t <= now => qp.on_timer(now),
+                Some(t) => deadline.announce(nanos(t)),
+                None => {}
+            }
+        }
+        looked
+    }
+}
+
+/// The earliest deadline announced for a table's QPs since their timers were last looked at
+/// (nanoseconds on the context's clock; none: `u64::MAX`). Whoever may bring a QP's deadline
+/// forward announces it; the round that finds it due looks at every QP and learns the next.
+#[derive(Debug)]
+pub struct Deadline(AtomicU64);
+
+impl Default for Deadline {
+    fn default() -> Deadline {
+        Deadline(AtomicU64::new(u64::MAX))
+    }
+}
+
+impl Deadline {
+    /// A deadline at `ns` (kept if earlier than the one known).
+    pub fn announce(&self, ns: u64) {
+        if ns < self.0.load(Ordering::Relaxed) {
+            self.0.fetch_min(ns, Ordering::AcqRel);
+        }
+    }
+
+    /// The earliest deadline known (`u64::MAX`: none).
+    pub fn get(&self) -> u64 {
+        self.0.load(Ordering::Acquire)
+    }
+
+    /// Whether the earliest deadline known is at or before `now_ns`.
+    pub fn is_due(&self, now_ns: u64) -> bool {
+        now_ns >= self.get()
+    }
+
+    fn reset(&self) {
+        self.0.store(u64::MAX, Ordering::Release);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use parking_lot::Mutex;
+
+    /// A QP with one deadline, counting its timer calls.
+    struct Q {
+        at: Mutex<Option<Instant>>,
+        fired: AtomicU32,
+    }
+
+    impl TimedQp for Q {
+        fn poll_timeout(&self) -> Option<Instant> {
+            *self.at.lock()
+        }
+        fn on_timer(&self, _now: Instant) {
+            self.fired.fetch_add(1, Ordering::Relaxed);
+            *self.at.lock() = None;
+        }
+    }
+
+    #[test]
+    fn only_a_due_deadline_makes_a_round_and_the_round_learns_the_next() {
+        let t0 = Instant::now();
+        let ns = |t: Instant| t.saturating_duration_since(t0).as_nanos() as u64;
+        let table = QpTable::new(1);
+        let qps: Vec<Arc<Q>> = [Some(10), Some(30), None]
+            .into_iter()
+            .map(|ms| {
+                Arc::new(Q {
+                    at: Mutex::new(ms.map(|ms| t0 + Duration::from_millis(ms))),
+                    fired: AtomicU32::new(0),
+                })
+            })
+            .collect();
+        for (i, q) in qps.iter().enumerate() {
+            table.insert(i as u32 + 1, q);
+        }
+        let deadline = Deadline::default();
+        let mut scratch = Vec::new();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        // Nothing announced: no round, however late.
+        assert_eq!(
+            table.run_due_timers(at(50), ns(at(50)), &deadline, ns, &mut scratch),
+            0
+        );
+        deadline.announce(ns(at(10)));
+        deadline.announce(ns(at(30)));
+        assert_eq!(deadline.get(), ns(at(10)));
+        assert_eq!(
+            table.run_due_timers(at(5), ns(at(5)), &deadline, ns, &mut scratch),
+            0,
+            "not due yet"
+        );
+        assert_eq!(
+            table.run_due_timers(at(10), ns(at(10)), &deadline, ns, &mut scratch),
+            3
+        );
+        let fired: Vec<u32> = qps
+            .iter()
+            .map(|q| q.fired.load(Ordering::Relaxed))
+            .collect();
+        assert_eq!(fired, [1, 0, 0]);
+        assert_eq!(deadline.get(), ns(at(30)), "the next deadline, learnt");
+        assert!(scratch.is_empty(), "no QP kept alive by the scratch");
+        assert_eq!(
+            table.run_due_timers(at(30), ns(at(30)), &deadline, ns, &mut scratch),
+            3
+        );
+        assert_eq!(qps[1].fired.load(Ordering::Relaxed), 1);
+        assert_eq!(deadline.get(), u64::MAX, "none left");
     }
 }

@@ -32,7 +32,7 @@ use super::{Options, DEVICE};
 use crate::soft::cq::ProgressHook;
 use crate::soft::poller::{self, BusyGrace, Poller, SleepTimer};
 pub(crate) use crate::soft::poller::{ProgressMode, BUSY_GRACE};
-use crate::soft::qp_table::{QpTable, TimedQp};
+use crate::soft::qp_table::{Deadline, QpTable};
 use crate::{DeviceInfo, Result, VerbsError};
 
 const TOKEN_LISTENER: u64 = 1;
@@ -171,7 +171,7 @@ pub(crate) struct Engine {
     /// The earliest QP deadline announced since the QPs' timers were last looked at
     /// (nanoseconds on the poller's clock, `u64::MAX`: none): the thread sleeps until it, and
     /// the thread and busy pollers look at the QPs' timers only once it is due.
-    timer_deadline_ns: AtomicU64,
+    timer_deadline: Deadline,
 }
 
 impl Engine {
@@ -223,7 +223,7 @@ impl Engine {
             deferred: AtomicBool::new(false),
             held_acks: Mutex::new(Vec::new()),
             acks_held: AtomicBool::new(false),
-            timer_deadline_ns: AtomicU64::new(u64::MAX),
+            timer_deadline: Deadline::default(),
         });
         poller::spawn_progress_thread(
             format!("fabriq-tcp0-{}", local_addr.port()),
@@ -356,10 +356,7 @@ impl Engine {
     /// post, input batch, timer and transition).
     pub fn note_deadline(&self, deadline: Option<Instant>) {
         let Some(d) = deadline else { return };
-        let ns = self.poller.nanos(d);
-        if ns < self.timer_deadline_ns.load(Ordering::Relaxed) {
-            self.timer_deadline_ns.fetch_min(ns, Ordering::AcqRel);
-        }
+        self.timer_deadline.announce(self.poller.nanos(d));
         self.poller.note_deadline(Some(d));
     }
 
@@ -367,11 +364,7 @@ impl Engine {
     /// connections' next one, or [`MAX_SLEEP`].
     fn next_timeout(&self, now: Instant) -> Duration {
         let now_ns = self.poller.nanos(now);
-        let qps = Duration::from_nanos(
-            self.timer_deadline_ns
-                .load(Ordering::Acquire)
-                .saturating_sub(now_ns),
-        );
+        let qps = Duration::from_nanos(self.timer_deadline.get().saturating_sub(now_ns));
         let held = self
             .held
             .lock()
@@ -384,33 +377,24 @@ impl Engine {
     /// looked at then, and the next deadline learnt (lowered meanwhile by every announcement).
     /// O(1) until then, however many QPs the context has.
     fn run_due_timers(&self, now: Instant) {
-        if self.poller.nanos(now) < self.timer_deadline_ns.load(Ordering::Acquire) {
-            return;
-        }
         thread_local! {
             static SCRATCH: std::cell::RefCell<Vec<Arc<TcpQp>>> =
                 const { std::cell::RefCell::new(Vec::new()) };
         }
         SCRATCH.with(|scratch| {
+            // Only taken on re-entry (no timer work polls): the outer round runs the timers.
             let Ok(mut qps) = scratch.try_borrow_mut() else {
                 return;
             };
-            // Reset before the look: a deadline announced from here on is kept, and every QP
-            // is looked at after it. Upgraded under the table's read lock, used without it:
-            // dropping the last handle of a QP here takes the write lock.
-            self.timer_deadline_ns.store(u64::MAX, Ordering::Release);
-            self.qps.extend_live(&mut qps);
-            self.timer_looks
-                .fetch_add(qps.len() as u64, Ordering::Relaxed);
-            for qp in qps.drain(..) {
-                match qp.poll_timeout() {
-                    Some(t) if t <= now => qp.on_timer(now),
-                    Some(t) => {
-                        self.timer_deadline_ns
-                            .fetch_min(self.poller.nanos(t), Ordering::AcqRel);
-                    }
-                    None => {}
-                }
+            let looked = self.qps.run_due_timers(
+                now,
+                self.poller.nanos(now),
+                &self.timer_deadline,
+                |t| self.poller.nanos(t),
+                &mut qps,
+            );
+            if looked > 0 {
+                self.timer_looks.fetch_add(looked as u64, Ordering::Relaxed);
             }
         });
     }

@@ -37,7 +37,7 @@ use super::wire::{Header, Kind};
 use super::{Options, DEVICE};
 use crate::soft::cq::ProgressHook;
 use crate::soft::poller::{self, BusyGrace, Poller, ProgressMode, SleepTimer, BUSY_GRACE};
-use crate::soft::qp_table::{QpTable, TimedQp};
+use crate::soft::qp_table::{Deadline, QpTable};
 use crate::{DeviceInfo, Result, VerbsError};
 
 /// Longest sleep of the progress thread when no timer is armed.
@@ -85,9 +85,8 @@ pub(crate) struct Engine {
     rx_state: Mutex<RxState>,
     /// Busy mode: when a CQ poller last drove the context.
     grace: BusyGrace,
-    /// Busy mode: the earliest QP deadline a poller has to look at (nanoseconds on the
-    /// poller's clock, `u64::MAX`: none known).
-    poll_deadline_ns: AtomicU64,
+    /// Busy mode: the earliest QP deadline a poller has to look at (on the poller's clock).
+    poll_deadline: Deadline,
     /// Busy mode: some QP's messages wait for ACKs ([`Engine::sender_blocked`]).
     blocked: AtomicBool,
     /// Busy mode: the thread left the sockets to an active poller (its one-shot registration
@@ -238,7 +237,7 @@ impl Engine {
             }),
             deferred: AtomicBool::new(false),
             blocked: AtomicBool::new(false),
-            poll_deadline_ns: AtomicU64::new(u64::MAX),
+            poll_deadline: Deadline::default(),
         });
         poller::spawn_progress_thread(
             format!("fabriq-udp0-{}", local_addr.port()),
@@ -400,24 +399,16 @@ impl Engine {
         };
         self.collect_ready(&mut st);
         self.read_ready(&mut st, true);
-        if self.poller.nanos(now) < self.poll_deadline_ns.load(Ordering::Acquire) {
-            return;
-        }
-        // Due: run what is due and learn the next deadline (lowered meanwhile by every pump
-        // that arms an earlier one).
-        self.poll_deadline_ns.store(u64::MAX, Ordering::Release);
+        // When due: run what is due and learn the next deadline (lowered meanwhile by every
+        // pump that arms an earlier one).
         let RxState { qps, .. } = &mut *st;
-        self.qps.extend_live(qps);
-        for qp in qps.drain(..) {
-            match qp.poll_timeout() {
-                Some(t) if t <= now => qp.on_timer(now),
-                Some(t) => {
-                    self.poll_deadline_ns
-                        .fetch_min(self.poller.nanos(t), Ordering::AcqRel);
-                }
-                None => {}
-            }
-        }
+        self.qps.run_due_timers(
+            now,
+            self.poller.nanos(now),
+            &self.poll_deadline,
+            |t| self.poller.nanos(t),
+            qps,
+        );
     }
 
     /// The mpath clock: nanoseconds since this context's poller started.
@@ -506,8 +497,7 @@ impl Engine {
     /// runs the timers then).
     pub fn note_deadline(&self, deadline: Option<Instant>) {
         if let (ProgressMode::Busy, Some(d)) = (self.opts.progress, deadline) {
-            self.poll_deadline_ns
-                .fetch_min(self.poller.nanos(d), Ordering::AcqRel);
+            self.poll_deadline.announce(self.poller.nanos(d));
         }
         self.poller.note_deadline(deadline);
     }

@@ -168,9 +168,9 @@ pub(crate) struct Engine {
     /// it since), and whether there are any (set and cleared under the list's lock).
     held_acks: Mutex<Vec<u32>>,
     acks_held: AtomicBool,
-    /// The earliest QP deadline announced since the QPs' timers were last looked at
-    /// (nanoseconds on the poller's clock, `u64::MAX`: none): the thread sleeps until it, and
-    /// the thread and busy pollers look at the QPs' timers only once it is due.
+    /// The earliest QP deadline announced since the QPs' timers were last looked at (on the
+    /// poller's clock): the thread sleeps until it, and the thread and busy pollers look at the
+    /// QPs' timers only once it is due.
     timer_deadline: Deadline,
 }
 
@@ -513,9 +513,9 @@ impl Engine {
         input
     }
 
-    /// Busy mode, thread side: the connections' set has ready connections. Read them unless
-    /// a poller is active (it reads them; the thread looks again when it goes quiet), and
-    /// watch the set again.
+    /// Busy mode, thread side: the connections' set has ready connections. Read them and
+    /// watch the set again; while a poller is active, read only the held ones and leave the
+    /// set to the poller (the thread looks again when it goes quiet).
     fn thread_reads_conns(&self) {
         if self.poller_active(Instant::now()) {
             // The connections no QP owns are still the thread's: a HELLO read now is a

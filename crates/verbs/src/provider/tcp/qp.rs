@@ -667,8 +667,8 @@ impl TcpQp {
                 // If no poller comes back, the progress thread sends it.
                 self.engine.ack_held(self.qp_num.0, now + BUSY_GRACE);
             }
-            // The frames may have armed a timer: pollers look at QP timers only when one is
-            // due (see `Engine::note_deadline`).
+            // The frames may have armed a timer: the thread and pollers look at QP timers only
+            // when an announced one is due (see `Engine::note_deadline`).
             self.engine.note_deadline(side.core.poll_timeout());
         } else {
             self.transmit(side, now);

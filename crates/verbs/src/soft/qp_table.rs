@@ -1,13 +1,13 @@
 //! A context's table of live QPs by number: allocation of fresh 24-bit QP numbers and lookup
 //! of the QP an incoming frame names. Entries are weak, so dropping the last handle of a QP
-//! ends it; the table never keeps a QP alive. Also the timer rounds over the table
-//! ([`TimedQp`]): every QP on each round, or only once the earliest deadline announced to a
-//! [`Deadline`] is due.
+//! ends it; the table never keeps a QP alive. Also the timer round over the table
+//! ([`TimedQp`]): every QP is looked at only once the earliest deadline announced to a
+//! [`Deadline`] is due, so a context's idle QPs cost its progress nothing per wake-up.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use parking_lot::RwLock;
 
@@ -57,13 +57,6 @@ impl<Q> QpTable<Q> {
     pub fn extend_live(&self, out: &mut Vec<Arc<Q>>) {
         out.extend(self.qps.read().values().filter_map(Weak::upgrade));
     }
-
-    /// Every live QP.
-    pub fn all(&self) -> Vec<Arc<Q>> {
-        let mut v = Vec::new();
-        self.extend_live(&mut v);
-        v
-    }
 }
 
 /// A QP with timers the context's progress thread runs.
@@ -75,27 +68,6 @@ pub trait TimedQp {
 }
 
 impl<Q: TimedQp> QpTable<Q> {
-    /// How long the progress thread may sleep: until the earliest QP deadline, at most
-    /// `max_sleep`.
-    pub fn next_timeout(&self, now: Instant, max_sleep: Duration) -> Duration {
-        let mut next = now + max_sleep;
-        for qp in self.all() {
-            if let Some(t) = qp.poll_timeout() {
-                next = next.min(t);
-            }
-        }
-        next.saturating_duration_since(now)
-    }
-
-    /// Run the timers of every QP with a deadline up to `now`.
-    pub fn run_timers(&self, now: Instant) {
-        for qp in self.all() {
-            if qp.poll_timeout().is_some_and(|t| t <= now) {
-                qp.on_timer(now);
-            }
-        }
-    }
-
     /// Run the timers due by `now` (`now_ns` on `deadline`'s clock) if `deadline` is: every
     /// live QP is looked at then and the next deadline learnt (lowered meanwhile by every
     /// announcement). `scratch` holds the QPs during the round: they are upgraded under the
@@ -167,6 +139,7 @@ impl Deadline {
 mod tests {
     use super::*;
     use parking_lot::Mutex;
+    use std::time::Duration;
 
     /// A QP with one deadline, counting its timer calls.
     struct Q {

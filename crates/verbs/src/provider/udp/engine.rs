@@ -2,8 +2,9 @@
 //!
 //! Owns: one UDP socket per virtual path (socket `k` is VP `k`'s source port), the QP table
 //! (`qpn → Weak<UdpQp>`), the clock edge (std `Instant` ↔ `fabriq_mpath::Instant`) and what the
-//! progress thread does when it wakes: read datagrams, pump the QPs they touched, run timers.
-//! The epoll set, wake-ups, the timerfd and the thread's loop are [`crate::soft::poller`]'s.
+//! progress thread does when it wakes: read datagrams, pump the QPs they touched, run the QPs'
+//! timers once the earliest deadline a pump announced is due (a wake-up costs nothing per idle
+//! QP). The epoll set, wake-ups, the timerfd and the thread's loop are [`crate::soft::poller`]'s.
 //! Does not own any protocol decision: datagrams go to the QP named in their header
 //! ([`super::wire`]), which feeds its mpath connection.
 //!
@@ -60,8 +61,6 @@ struct RxState {
     ready: Vec<usize>,
     /// QPs fed by the datagrams read, to pump once the batch is read.
     touched: Vec<Arc<UdpQp>>,
-    /// Busy mode: the live QPs, for a poller's look at their timers.
-    qps: Vec<Arc<UdpQp>>,
     /// Reads so far: the socket read first turns with it.
     rounds: usize,
 }
@@ -85,8 +84,12 @@ pub(crate) struct Engine {
     rx_state: Mutex<RxState>,
     /// Busy mode: when a CQ poller last drove the context.
     grace: BusyGrace,
-    /// Busy mode: the earliest QP deadline a poller has to look at (on the poller's clock).
-    poll_deadline: Deadline,
+    /// The earliest QP deadline announced since the QPs' timers were last looked at (on the
+    /// poller's clock): the thread sleeps until it, and the thread and busy pollers look at
+    /// the QPs' timers only once it is due.
+    timer_deadline: Deadline,
+    /// QPs looked at by timer rounds (statistics and tests).
+    pub timer_looks: AtomicU64,
     /// Busy mode: some QP's messages wait for ACKs ([`Engine::sender_blocked`]).
     blocked: AtomicBool,
     /// Busy mode: the thread left the sockets to an active poller (its one-shot registration
@@ -232,12 +235,12 @@ impl Engine {
                 rx: RecvBatch::new(slot_len),
                 ready: Vec::new(),
                 touched: Vec::new(),
-                qps: Vec::new(),
                 rounds: 0,
             }),
             deferred: AtomicBool::new(false),
             blocked: AtomicBool::new(false),
-            poll_deadline: Deadline::default(),
+            timer_deadline: Deadline::default(),
+            timer_looks: AtomicU64::new(0),
         });
         poller::spawn_progress_thread(
             format!("fabriq-udp0-{}", local_addr.port()),
@@ -246,7 +249,7 @@ impl Engine {
             |engine: &Engine, now| {
                 // Timers are the thread's too while a poller polls: it may poll another queue
                 // for a while (a pacing or burst timer must not wait for its next poll).
-                let t = engine.qps.next_timeout(now, MAX_SLEEP);
+                let t = engine.next_timeout(now);
                 if engine.resume_deferred(now) {
                     t.min(BUSY_GRACE)
                 } else {
@@ -298,7 +301,7 @@ impl Engine {
             }
             self.read_ready(&mut st, false);
         }
-        self.qps.run_timers(Instant::now());
+        self.run_due_timers(Instant::now());
         if set_ready {
             self.arm_socket_set();
         }
@@ -399,16 +402,41 @@ impl Engine {
         };
         self.collect_ready(&mut st);
         self.read_ready(&mut st, true);
-        // When due: run what is due and learn the next deadline (lowered meanwhile by every
-        // pump that arms an earlier one).
-        let RxState { qps, .. } = &mut *st;
-        self.qps.run_due_timers(
-            now,
-            self.poller.nanos(now),
-            &self.poll_deadline,
-            |t| self.poller.nanos(t),
-            qps,
-        );
+        drop(st);
+        self.run_due_timers(now);
+    }
+
+    /// How long the thread may sleep: until the earliest announced QP deadline, at most
+    /// [`MAX_SLEEP`].
+    fn next_timeout(&self, now: Instant) -> Duration {
+        let due = self.timer_deadline.get();
+        Duration::from_nanos(due.saturating_sub(self.poller.nanos(now))).min(MAX_SLEEP)
+    }
+
+    /// Run the QP timers that are due, if the earliest announced deadline is: every QP is
+    /// looked at then and the next deadline learnt (lowered meanwhile by every pump that arms
+    /// an earlier one). O(1) until then, however many QPs the context has.
+    fn run_due_timers(&self, now: Instant) {
+        thread_local! {
+            static SCRATCH: std::cell::RefCell<Vec<Arc<UdpQp>>> =
+                const { std::cell::RefCell::new(Vec::new()) };
+        }
+        SCRATCH.with(|scratch| {
+            // Only taken on re-entry (no timer work polls): the outer round runs the timers.
+            let Ok(mut qps) = scratch.try_borrow_mut() else {
+                return;
+            };
+            let looked = self.qps.run_due_timers(
+                now,
+                self.poller.nanos(now),
+                &self.timer_deadline,
+                |t| self.poller.nanos(t),
+                &mut qps,
+            );
+            if looked > 0 {
+                self.timer_looks.fetch_add(looked as u64, Ordering::Relaxed);
+            }
+        });
     }
 
     /// The mpath clock: nanoseconds since this context's poller started.
@@ -493,13 +521,13 @@ impl Engine {
         }
     }
 
-    /// Make sure the progress thread wakes by `deadline` (and, in busy mode, that a poller
-    /// runs the timers then).
+    /// A QP's timers may fire at `deadline`: the thread wakes by then, and it or a busy
+    /// poller looks at the QPs' timers then. Every path that may bring a QP's deadline forward
+    /// ends in a pump, which announces it here.
     pub fn note_deadline(&self, deadline: Option<Instant>) {
-        if let (ProgressMode::Busy, Some(d)) = (self.opts.progress, deadline) {
-            self.poll_deadline.announce(self.poller.nanos(d));
-        }
-        self.poller.note_deadline(deadline);
+        let Some(d) = deadline else { return };
+        self.timer_deadline.announce(self.poller.nanos(d));
+        self.poller.note_deadline(Some(d));
     }
 
     /// Read what the ready sockets hold and hand each datagram to its QP. The sockets take

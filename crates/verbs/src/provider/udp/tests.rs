@@ -345,3 +345,52 @@ fn a_close_of_the_peers_earlier_connection_is_not_taken_for_the_new_one() {
         std::thread::sleep(std::time::Duration::from_millis(1));
     }
 }
+
+/// The QP timers are looked at only when an announced deadline is due, however many idle QPs
+/// a context has: 200 messages beside 32 idle QP pairs, in thread mode (the thread serves
+/// every datagram), with retransmission timeouts a second and ACK timeouts an hour away, make no timer round at
+/// all. (Before, the thread looked at every QP's timers twice per wake-up: ≈ 66 looks per
+/// datagram here.)
+#[test]
+fn the_thread_looks_at_qp_timers_only_when_a_deadline_is_due() {
+    let opts = [
+        ("progress", "thread"),
+        ("min_rto_ms", "1000"),
+        ("min_ack_timeout_ms", "3600000"),
+    ];
+    let (ca, cb) = (open(&opts), open(&opts));
+    let pair_in = |ca: &Context, cb: &Context| {
+        let (a, b) = (side(ca), side(cb));
+        connect_with(&a, &b, QpAttr::rts);
+        (a, b)
+    };
+    let (a, b) = pair_in(&ca, &cb);
+    let idle: Vec<(Side, Side)> = (0..32).map(|_| pair_in(&ca, &cb)).collect();
+    let looks = || {
+        [&a, &b]
+            .iter()
+            .map(|s| {
+                let qp = s.qp.ops().as_any().downcast_ref::<super::qp::UdpQp>();
+                qp.expect("a udp QP")
+                    .engine()
+                    .timer_looks
+                    .load(std::sync::atomic::Ordering::Relaxed)
+            })
+            .sum::<u64>()
+    };
+    let before = looks();
+    let rounds = 200u64;
+    for i in 0..rounds {
+        b.qp.post_recv(&[RecvWr::new(i, &[])]).unwrap();
+        a.qp.post_send(&[SendWr::new(i, &[], WrOpcode::Send)])
+            .unwrap();
+        assert_eq!(wait(&b.cq, 1)[0].wr_id, i);
+        assert_eq!(wait(&a.cq, 1)[0].wr_id, i);
+    }
+    let looked = looks() - before;
+    assert!(
+        looked <= 33 * 2,
+        "{looked} QP timer looks for {rounds} messages beside {} idle QP pairs",
+        idle.len()
+    );
+}

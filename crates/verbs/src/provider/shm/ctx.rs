@@ -48,8 +48,9 @@ pub(crate) struct CtxShared {
     /// before sleeping). Accessed under the `timers` lock.
     svc_wake_at: AtomicU64,
     epoch: Instant,
-    /// Peer processes whose death we watch (pidfds in `epoll`), by pid.
-    pub(crate) watched: Mutex<HashMap<i32, Arc<Segment>>>,
+    /// Peer processes whose death we watch (pidfds in `epoll`), by pid, with the segments of
+    /// theirs this context has attached (kept mapped while the peer lives).
+    pub(crate) watched: Mutex<HashMap<i32, Watched>>,
     pub(crate) epoll: OwnedFd,
     pub(crate) shutdown: AtomicBool,
     pub(crate) next_pd: AtomicU32,
@@ -151,23 +152,68 @@ impl CtxShared {
     }
 
     /// Watch the owner of `seg` for death, unless it is this process (the owner of this
-    /// context's own segment: no system call to tell, and a QP's RTR comes here every time).
+    /// context's own segment: no system call to tell, and a QP's RTR comes here every time),
+    /// and keep `seg` mapped while the owner lives: a later connect to a QP of that segment
+    /// finds the mapping instead of attaching again (`pidfd_getfd`, a 64 GiB `mmap`, and a
+    /// `munmap` with its TLB shootdown when the last QP to it goes). A peer process with
+    /// several contexts has several segments, all kept (up to [`KEPT_PER_PEER`]).
     pub(crate) fn watch(&self, seg: &Arc<Segment>) {
         if seg.pid == self.seg.pid {
             return;
         }
         let mut w = self.watched.lock();
-        if w.contains_key(&seg.pid) {
+        if let Some(watched) = w.get_mut(&seg.pid) {
+            watched.keep(seg);
             return;
         }
         if let Some(pidfd) = seg.pidfd() {
             match sys::epoll_add(self.epoll.as_fd(), pidfd, seg.pid as u64) {
                 Ok(()) => {
-                    w.insert(seg.pid, seg.clone());
+                    w.insert(
+                        seg.pid,
+                        Watched {
+                            watch: seg.clone(),
+                            more: Vec::new(),
+                        },
+                    );
                 }
                 Err(err) => tracing::warn!(%err, pid = seg.pid, "shm: cannot watch peer process"),
             }
         }
+    }
+}
+
+/// Segments of one peer process kept beside the one whose pidfd is watched.
+pub(crate) const KEPT_PER_PEER: usize = 16;
+
+/// A watched peer process: the segment whose pidfd sits in the context's epoll, and the
+/// peer's other segments this context attached.
+pub(crate) struct Watched {
+    pub(crate) watch: Arc<Segment>,
+    more: Vec<Arc<Segment>>,
+}
+
+impl Watched {
+    /// Keep `seg` mapped too. Beyond [`KEPT_PER_PEER`] the oldest segment no QP uses any more
+    /// is let go (a peer that opens and closes contexts does not pin their memory here).
+    fn keep(&mut self, seg: &Arc<Segment>) {
+        if Arc::ptr_eq(&self.watch, seg) || self.more.iter().any(|s| Arc::ptr_eq(s, seg)) {
+            return;
+        }
+        if self.more.len() >= KEPT_PER_PEER {
+            if let Some(i) = self.more.iter().position(|s| Arc::strong_count(s) == 1) {
+                self.more.remove(i);
+            } else {
+                return;
+            }
+        }
+        self.more.push(seg.clone());
+    }
+
+    /// Segments kept (the watched one included).
+    #[cfg(test)]
+    fn kept(&self) -> usize {
+        1 + self.more.len()
     }
 }
 
@@ -232,5 +278,52 @@ impl Drop for CtxCore {
                 let _ = t.join();
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every segment of a peer process is kept once (the bug this guards against: only the
+    /// first was, so connects to a peer's second context attached and unmapped its segment
+    /// every time), up to a bound; beyond it only segments no QP uses are let go.
+    #[test]
+    fn a_peer_processes_segments_are_all_kept_up_to_a_bound() {
+        let seg = || Segment::create().expect("segment");
+        let mut w = Watched {
+            watch: seg(),
+            more: Vec::new(),
+        };
+        let second = seg();
+        w.keep(&second);
+        w.keep(&second);
+        w.keep(&w.watch.clone());
+        assert_eq!(w.kept(), 2, "each segment once");
+        // Fill up with segments that QPs still use (held here).
+        let used: Vec<_> = (1..KEPT_PER_PEER).map(|_| seg()).collect();
+        for s in &used {
+            w.keep(s);
+        }
+        assert_eq!(w.kept(), 1 + KEPT_PER_PEER);
+        // Full: a new one replaces the oldest unused one (`second` once dropped here), never
+        // a used one.
+        let extra = seg();
+        w.keep(&extra);
+        assert!(
+            w.more.iter().any(|s| Arc::ptr_eq(s, &second)),
+            "second is in use"
+        );
+        assert!(
+            !w.more.iter().any(|s| Arc::ptr_eq(s, &extra)),
+            "nothing to let go"
+        );
+        drop(second);
+        w.keep(&extra);
+        assert!(w.more.iter().any(|s| Arc::ptr_eq(s, &extra)));
+        assert_eq!(w.kept(), 1 + KEPT_PER_PEER);
+        assert!(used
+            .iter()
+            .all(|u| w.more.iter().any(|s| Arc::ptr_eq(s, u))));
     }
 }

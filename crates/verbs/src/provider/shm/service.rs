@@ -65,9 +65,9 @@ fn serve(sh: &Arc<CtxShared>) {
 }
 
 fn peer_died(sh: &CtxShared, pid: i32) {
-    let seg = sh.watched.lock().remove(&pid);
-    if let Some(seg) = &seg {
-        if let Some(pidfd) = seg.pidfd() {
+    let watched = sh.watched.lock().remove(&pid);
+    if let Some(w) = &watched {
+        if let Some(pidfd) = w.watch.pidfd() {
             sys::epoll_del(sh.epoll.as_fd(), pidfd);
         }
     }

@@ -81,6 +81,75 @@ fn rpc_lat_on_tcp0() {
     rpc_lat("tcp0");
 }
 
+/// `connect_lat`: a row for cold connects and one for cached ones, both measured; the run
+/// itself fails when the cached connects did not reuse their QP and control stream or the cold
+/// ones did (the client checks its endpoints' counters), and when a connection did not close
+/// and settle on both sides.
+fn connect_lat(device: &str) {
+    let v = perf_json(&[
+        "--layer",
+        "channel",
+        "-d",
+        device,
+        "-t",
+        "connect_lat",
+        "-n",
+        "30",
+        "-w",
+        "3",
+    ]);
+    assert_header(&v, "channel", "connect_lat", device);
+    assert_eq!(v["latency"], "connect");
+    let rows = v["results"].as_array().expect("results array");
+    let cases: Vec<_> = rows.iter().map(|r| r["case"].as_str()).collect();
+    assert_eq!(cases, [Some("cold"), Some("cached")], "{v}");
+    for r in rows {
+        assert_eq!(r["iters"], 30, "{r}");
+        assert_eq!(r["warmup"], 3, "{r}");
+        assert_eq!(r["errors"], 0, "{r}");
+        let p50 = r["p50_us"].as_f64().expect("p50");
+        assert!(
+            p50 > 0.0 && p50 <= r["max_us"].as_f64().expect("max"),
+            "{r}"
+        );
+    }
+}
+
+#[test]
+fn connect_lat_on_shm0() {
+    connect_lat("shm0");
+}
+
+#[test]
+fn connect_lat_on_tcp0() {
+    connect_lat("tcp0");
+}
+
+#[test]
+fn connect_lat_text_report_gives_the_ratio() {
+    let _one_at_a_time = PERF.lock().unwrap_or_else(|e| e.into_inner());
+    let out = fabriq(&[
+        "perf",
+        "--local",
+        "--layer",
+        "channel",
+        "-d",
+        "shm0",
+        "-t",
+        "connect_lat",
+        "-n",
+        "10",
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}");
+    assert!(stdout.contains("Endpoint::connect"), "{stdout}");
+    assert!(
+        stdout.contains("cold") && stdout.contains("cached"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("faster than cold ones"), "{stdout}");
+}
+
 #[test]
 fn rpc_is_the_default_test_of_the_rpc_layer() {
     let v = perf_json(&["--layer", "rpc", "-d", "shm0", "-n", "50"]);
@@ -168,6 +237,16 @@ fn wrong_layer_and_bad_input_are_clean_errors() {
             "not available",
         ),
         (&["perf", "--local", "-t", "rpc_rate"][..], 1, "--layer rpc"),
+        (
+            &["perf", "--local", "-t", "connect_lat"][..],
+            1,
+            "--layer channel",
+        ),
+        (
+            &["perf", "--local", "--layer", "rpc", "-t", "connect_lat"][..],
+            1,
+            "not available at --layer rpc",
+        ),
         (
             &[
                 "perf",

@@ -264,6 +264,11 @@ fn run_verbs(
                 p.test.name()
             )))
         }
+        TestKind::ConnectLat => {
+            return Err(PerfError::Protocol(
+                "connect_lat runs at --layer channel".into(),
+            ))
+        }
     };
     control.send(&Msg::End)?;
     let report = match control.recv()? {

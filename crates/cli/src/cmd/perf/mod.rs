@@ -71,6 +71,10 @@ pub enum TestKind {
     RpcLat,
     /// `fabriq::Rpc` calls per second with `--callers` concurrent callers (`--layer rpc`).
     RpcRate,
+    /// `fabriq::Endpoint::connect` until the channel is usable, cold (no cached QP or control
+    /// stream on either side) and cached (both reused), in alternating blocks (`--layer
+    /// channel`).
+    ConnectLat,
 }
 
 /// The software layer a run measures.
@@ -119,6 +123,7 @@ impl TestKind {
             TestKind::TcpLat => "tcp_lat",
             TestKind::RpcLat => "rpc_lat",
             TestKind::RpcRate => "rpc_rate",
+            TestKind::ConnectLat => "connect_lat",
         }
     }
 
@@ -137,6 +142,7 @@ impl TestKind {
             TestKind::ReadLat | TestKind::AtomicLat | TestKind::RpcLat => {
                 Some(LatencyKind::RoundTrip)
             }
+            TestKind::ConnectLat => Some(LatencyKind::Connect),
             _ => None,
         }
     }
@@ -144,9 +150,11 @@ impl TestKind {
     /// Device capabilities the test uses.
     pub fn needs(self) -> Capabilities {
         match self {
-            TestKind::SendLat | TestKind::SendBw | TestKind::RpcLat | TestKind::RpcRate => {
-                Capabilities::SEND
-            }
+            TestKind::SendLat
+            | TestKind::SendBw
+            | TestKind::RpcLat
+            | TestKind::RpcRate
+            | TestKind::ConnectLat => Capabilities::SEND,
             TestKind::WriteLat | TestKind::WriteBw => Capabilities::WRITE,
             TestKind::ReadLat | TestKind::ReadBw => Capabilities::READ,
             TestKind::AtomicLat => Capabilities::ATOMICS,
@@ -210,6 +218,11 @@ pub fn validate(p: &RunParams) -> Result<()> {
             "{} measures the middleware: use --layer rpc",
             p.test.name()
         )));
+    }
+    if p.test == TestKind::ConnectLat {
+        return Err(PerfError::Unsupported(
+            "connect_lat measures the middleware's connect: use --layer channel".into(),
+        ));
     }
     if p.test == TestKind::WriteLat && p.mode == Mode::Event {
         return Err(PerfError::Unsupported(

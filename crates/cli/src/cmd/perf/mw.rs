@@ -13,6 +13,9 @@
 //! send_bw:   warmup × data → Count{messages};  iters × data → Count{messages}  (clock: first
 //!            measured send .. the second Count)
 //! rpc_*:     calls of `echo` (served by the server's worker thread, not by this loop)
+//! connect_lat: Run → Listeners{cold_port, cached_port} instead of Ready; then
+//!            (warmup + iters) connects to each listener, in alternating blocks, each one
+//!            closed and settled on both sides (the `perf.settled` RPC) before the next
 //! End → Done{errors}
 //! Bye (server exits with --once)
 //! ```
@@ -29,6 +32,16 @@
 //! thread waits on them. `rpc_rate` adds `--callers` caller threads. `send_bw` sends buffers
 //! taken from the channel (`Channel::alloc` + `send_buf`): no copy per message, and — as in
 //! perftest — the payload is written once per buffer, not per message.
+//!
+//! `connect_lat` times `Endpoint::connect` from the client's benchmark thread: **cold** from an
+//! endpoint without a QP cache or kept control streams to a server endpoint without them (a
+//! new QP on both sides, a new TCP control stream), **cached** between two endpoints with the
+//! defaults (the QPs and the control stream of the previous connection reused). Neither
+//! client endpoint has any other connection to the server, so the connection pool never
+//! answers a connect. The server's listeners and their accepting threads run on the server's
+//! pinned CPU; between connects the client waits until both sides have closed the connection
+//! and put its QPs back (out of the timed part), and the run fails if the cached connects did
+//! not reuse QPs or the cold ones did.
 
 use std::io::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -64,6 +77,14 @@ pub enum Ctl {
     },
     /// Server → client: ready for the data phase.
     Ready,
+    /// Server → client (connect_lat): the ports of its two listeners, on the address the
+    /// client reached it at.
+    Listeners {
+        /// The listener of an endpoint without QP cache or kept control streams.
+        cold_port: u16,
+        /// The listener of the server's own endpoint (defaults).
+        cached_port: u16,
+    },
     /// Server → client (send_bw): messages received in the phase just ended.
     Count {
         /// Messages.
@@ -89,6 +110,13 @@ pub enum Ctl {
 
 /// Largest control message accepted (a `Run` is well under 200 bytes).
 const MAX_CTL: usize = 4096;
+
+/// RPC method of the server (connect_lat): how many of the test's accepted connections have
+/// been closed and have their QPs back (a `u64`, little-endian).
+pub const SETTLED: &str = "perf.settled";
+
+/// connect_lat: connects of one kind in a row before the other kind's turn.
+const CONNECT_BLOCK: u64 = 10;
 
 fn chan_err(context: impl Into<String>) -> impl FnOnce(fabriq::ChannelError) -> PerfError {
     let context = context.into();
@@ -126,13 +154,16 @@ fn expect_ctl(ch: &Channel, waiting_for: &str) -> Result<Ctl> {
 /// Check a run's parameters for a middleware layer (command line or peer input).
 pub fn validate(layer: Layer, test: TestKind, size: u32, iters: u64, warmup: u64) -> Result<()> {
     let ok = match layer {
-        Layer::Channel => matches!(test, TestKind::SendLat | TestKind::SendBw),
+        Layer::Channel => matches!(
+            test,
+            TestKind::SendLat | TestKind::SendBw | TestKind::ConnectLat
+        ),
         Layer::Rpc => matches!(test, TestKind::RpcLat | TestKind::RpcRate),
         Layer::Verbs => false,
     };
     if !ok {
         return Err(PerfError::Unsupported(format!(
-            "test {} is not available at --layer {} (channel: send_lat, send_bw; rpc: rpc_lat, rpc_rate)",
+            "test {} is not available at --layer {} (channel: send_lat, send_bw, connect_lat; rpc: rpc_lat, rpc_rate)",
             test.name(),
             layer.name()
         )));
@@ -157,9 +188,18 @@ pub fn validate(layer: Layer, test: TestKind, size: u32, iters: u64, warmup: u64
 /// The endpoint's configuration: `FABRIQ_*` variables (and `FABRIQ_CONFIG`) tune it, the
 /// command line sets device and progress.
 fn open_endpoint(device: &str, progress: Progress) -> Result<Endpoint> {
+    open_endpoint_with(device, progress, false)
+}
+
+/// [`open_endpoint`]; `cold`: without QP cache and kept control streams (connect_lat).
+fn open_endpoint_with(device: &str, progress: Progress, cold: bool) -> Result<Endpoint> {
     let mut config = Config::from_env().map_err(|e| PerfError::Unsupported(format!("{e}")))?;
     config.device = device.to_string();
     config.progress = progress;
+    if cold {
+        config.qp_cache_size = 0;
+        config.reuse_control_streams = false;
+    }
     // Worker threads must not inherit a benchmark thread's single-CPU mask.
     affinity::unpinned(|| Endpoint::new(config))
         .map_err(chan_err(format!("open a middleware endpoint on {device}")))
@@ -186,9 +226,20 @@ pub struct ServerOpts {
 pub fn serve(opts: &ServerOpts) -> Result<()> {
     let ep = open_endpoint(&opts.device, opts.progress)?;
     ep.serve(ECHO, |req| Ok(req.to_vec()));
+    let settled = Arc::new(AtomicU64::new(0));
+    let count = settled.clone();
+    ep.serve(SETTLED, move |_| {
+        Ok(count.load(Ordering::Acquire).to_le_bytes().to_vec())
+    });
     let listener = ep
         .listen(opts.bind.as_str())
         .map_err(chan_err(format!("listen on {}", opts.bind)))?;
+    let rig = ServerRig {
+        ep: &ep,
+        opts,
+        ip: listener.local_addr().ip(),
+        settled: &settled,
+    };
     if let Some(cpu) = opts.cpu {
         affinity::pin(cpu)?;
     }
@@ -206,7 +257,7 @@ pub fn serve(opts: &ServerOpts) -> Result<()> {
         } else {
             listener.accept().map_err(chan_err("accept a channel"))?
         };
-        let result = session(&ch);
+        let result = session(&ch, &rig);
         if let Err(e) = &result {
             let message = super::error::chain(e);
             if send_ctl(
@@ -231,7 +282,17 @@ pub fn serve(opts: &ServerOpts) -> Result<()> {
     }
 }
 
-fn session(ch: &Channel) -> Result<()> {
+/// What a session needs besides its channel.
+struct ServerRig<'a> {
+    ep: &'a Endpoint,
+    opts: &'a ServerOpts,
+    /// The address the session's listener is bound to (connect_lat's listeners too).
+    ip: std::net::IpAddr,
+    /// connect_lat: accepted connections closed and settled (the `perf.settled` RPC).
+    settled: &'a AtomicU64,
+}
+
+fn session(ch: &Channel, rig: &ServerRig<'_>) -> Result<()> {
     loop {
         // Between runs the client may take its time (printing, the next size's set-up), but a
         // vanished client must not hold the server forever.
@@ -248,6 +309,10 @@ fn session(ch: &Channel) -> Result<()> {
                     Layer::Channel
                 };
                 validate(layer, test, size, iters, warmup)?;
+                if test == TestKind::ConnectLat {
+                    serve_connects(ch, rig)?;
+                    continue;
+                }
                 send_ctl(ch, &Ctl::Ready)?;
                 let errors = match test {
                     TestKind::SendLat => serve_pingpong(ch, size, iters + warmup)?,
@@ -273,6 +338,115 @@ fn session(ch: &Channel) -> Result<()> {
             }
         }
     }
+}
+
+/// connect_lat, server side: two listeners (a cold endpoint's and this endpoint's), their
+/// ports to the client, and a thread per listener that accepts, waits for the client's close
+/// and counts the connection once its QP is back; until the client's `End`.
+fn serve_connects(ch: &Channel, rig: &ServerRig<'_>) -> Result<()> {
+    let cold_ep = open_endpoint_with(&rig.opts.device, rig.opts.progress, true)?;
+    let at = std::net::SocketAddr::new(rig.ip, 0);
+    let cold = cold_ep
+        .listen(at)
+        .map_err(chan_err("connect_lat: listen (cold)"))?;
+    let cached = rig
+        .ep
+        .listen(at)
+        .map_err(chan_err("connect_lat: listen (cached)"))?;
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let result = std::thread::scope(|scope| {
+        let accepting = [(&cold_ep, &cold), (rig.ep, &cached)].map(|(ep, l)| {
+            let stop = &stop;
+            scope.spawn(move || accept_and_settle(ep, l, stop, rig.settled))
+        });
+        let ran = (|| {
+            send_ctl(
+                ch,
+                &Ctl::Listeners {
+                    cold_port: cold.local_addr().port(),
+                    cached_port: cached.local_addr().port(),
+                },
+            )?;
+            match expect_ctl(ch, "the end of the run")? {
+                Ctl::End => Ok(()),
+                other => Err(PerfError::Protocol(format!("expected End, got {other:?}"))),
+            }
+        })();
+        stop.store(true, Ordering::Release);
+        let mut errors = 0;
+        for t in accepting {
+            match t.join() {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => {
+                    if !rig.opts.quiet {
+                        eprintln!("fabriq perf server: connect_lat: {}", super::error::chain(&e));
+                    }
+                    errors += 1;
+                }
+                Err(_) => errors += 1,
+            }
+        }
+        ran.map(|()| errors)
+    });
+    let errors = result?;
+    send_ctl(ch, &Ctl::Done { errors })
+}
+
+/// QPs of `ep` in use now (created, not cached, not destroyed).
+fn qps_in_use(ep: &Endpoint) -> u64 {
+    let st = ep.conn_stats();
+    st.qps_created
+        .saturating_sub(st.qps_dropped)
+        .saturating_sub(st.qps_cached)
+}
+
+/// Wait until `ep` has no more than `baseline` QPs in use.
+fn await_qps_back(ep: &Endpoint, baseline: u64, who: &str) -> Result<()> {
+    let until = Instant::now() + STALL;
+    while qps_in_use(ep) > baseline {
+        if Instant::now() > until {
+            return Err(PerfError::Protocol(format!(
+                "connect_lat: the {who}'s QPs did not come back after a close ({:?})",
+                ep.conn_stats()
+            )));
+        }
+        std::thread::yield_now();
+    }
+    Ok(())
+}
+
+fn accept_and_settle(
+    ep: &Endpoint,
+    listener: &fabriq::Listener,
+    stop: &std::sync::atomic::AtomicBool,
+    settled: &AtomicU64,
+) -> Result<()> {
+    let baseline = qps_in_use(ep);
+    while !stop.load(Ordering::Acquire) {
+        let ch = match listener.accept_timeout(Duration::from_millis(50)) {
+            Ok(ch) => ch,
+            Err(fabriq::ChannelError::Timeout) => continue,
+            Err(e) => return Err(chan_err("connect_lat: accept")(e)),
+        };
+        // The client closes right after its connect returns: the receive ends with that.
+        match ch.recv_timeout(STALL) {
+            Err(fabriq::ChannelError::Timeout) => {
+                return Err(PerfError::Protocol(
+                    "connect_lat: the client did not close its connection".into(),
+                ))
+            }
+            Ok(_) => {
+                return Err(PerfError::Protocol(
+                    "connect_lat: a message on a connect-only channel".into(),
+                ))
+            }
+            Err(_) => {}
+        }
+        drop(ch);
+        await_qps_back(ep, baseline, "server")?;
+        settled.fetch_add(1, Ordering::AcqRel);
+    }
+    Ok(())
 }
 
 /// Echo `count` messages; count the ones of the wrong length.
@@ -372,6 +546,20 @@ pub fn run_client(plan: &ClientPlan) -> Result<PerfReport> {
                 warmup: plan.warmup,
             },
         )?;
+        if plan.test == TestKind::ConnectLat {
+            let rows = connect_lat(plan, &ch, &rpc, plan.iters, plan.warmup)?;
+            send_ctl(&ch, &Ctl::End)?;
+            let server_errors = match expect_ctl(&ch, "Done")? {
+                Ctl::Done { errors } => errors,
+                other => {
+                    return Err(PerfError::Protocol(format!("expected Done, got {other:?}")))
+                }
+            };
+            let mut rows = rows.into_iter();
+            results.extend(rows.next().map(|r| add_errors(r, server_errors)));
+            results.extend(rows);
+            break;
+        }
         match expect_ctl(&ch, "Ready")? {
             Ctl::Ready => {}
             other => {
@@ -470,6 +658,118 @@ fn latency_loop(
     Ok(RunResult::Latency(LatStats::from_rtt(
         size, warmup, kind, &h, errors,
     )))
+}
+
+/// connect_lat, client side: cold and cached connects in turn (blocks of [`CONNECT_BLOCK`]),
+/// each closed and settled on both sides before the next; a row for each kind.
+fn connect_lat(
+    plan: &ClientPlan,
+    ch: &Channel,
+    rpc: &Rpc,
+    iters: u64,
+    warmup: u64,
+) -> Result<Vec<RunResult>> {
+    let (cold_port, cached_port) = match expect_ctl(ch, "Listeners")? {
+        Ctl::Listeners {
+            cold_port,
+            cached_port,
+        } => (cold_port, cached_port),
+        other => {
+            return Err(PerfError::Protocol(format!(
+                "expected Listeners, got {other:?}"
+            )))
+        }
+    };
+    let ip = std::net::ToSocketAddrs::to_socket_addrs(plan.server.as_str())
+        .ok()
+        .and_then(|mut a| a.next())
+        .map(|a| a.ip())
+        .ok_or_else(|| PerfError::Protocol(format!("server address {:?}", plan.server)))?;
+    let settled = || -> Result<u64> {
+        let r = rpc
+            .call(SETTLED, &[], STALL)
+            .map_err(rpc_err("connect_lat: ask the server"))?;
+        let bytes: [u8; 8] = r
+            .try_into()
+            .map_err(|_| PerfError::Protocol("connect_lat: a bad settled count".into()))?;
+        Ok(u64::from_le_bytes(bytes))
+    };
+    struct Kind {
+        ep: Endpoint,
+        to: std::net::SocketAddr,
+        h: Histogram<u64>,
+        name: &'static str,
+    }
+    let mut kinds = [
+        Kind {
+            ep: open_endpoint_with(&plan.device, plan.progress, true)?,
+            to: std::net::SocketAddr::new(ip, cold_port),
+            h: histogram()?,
+            name: "cold",
+        },
+        Kind {
+            ep: open_endpoint_with(&plan.device, plan.progress, false)?,
+            to: std::net::SocketAddr::new(ip, cached_port),
+            h: histogram()?,
+            name: "cached",
+        },
+    ];
+    let base = settled()?;
+    let total = warmup + iters;
+    let mut done = 0u64;
+    let mut next = [0u64; 2];
+    while next.iter().any(|&n| n < total) {
+        for (k, kind) in kinds.iter_mut().enumerate() {
+            for _ in 0..CONNECT_BLOCK.min(total - next[k]) {
+                let t0 = Instant::now();
+                let c = kind
+                    .ep
+                    .connect(kind.to)
+                    .map_err(chan_err(format!("connect_lat: connect ({})", kind.name)))?;
+                let took = t0.elapsed();
+                drop(c);
+                if next[k] >= warmup {
+                    record(&mut kind.h, took);
+                }
+                next[k] += 1;
+                done += 1;
+                // Untimed: both sides have closed and have their QPs back.
+                await_qps_back(&kind.ep, 0, "client")?;
+                let until = Instant::now() + STALL;
+                while settled()? < base + done {
+                    if Instant::now() > until {
+                        return Err(PerfError::Protocol(
+                            "connect_lat: the server did not settle a closed connection".into(),
+                        ));
+                    }
+                    std::thread::yield_now();
+                }
+            }
+        }
+    }
+    // Self-check: the kinds measured what they say.
+    let [cold, cached] = &kinds;
+    let (cs, hs) = (cold.ep.conn_stats(), cached.ep.conn_stats());
+    if cs.qp_cache_hits > 0 || cs.stream_reuses > 0 {
+        return Err(PerfError::Protocol(format!(
+            "connect_lat: cold connects reused a QP or a control stream ({cs:?})"
+        )));
+    }
+    // The first connect creates the QP and opens a TCP control stream, the second opens the
+    // server's local one (same host); every later one reuses both.
+    if hs.qp_cache_hits + 1 < total || hs.stream_reuses + 2 < total {
+        return Err(PerfError::Protocol(format!(
+            "connect_lat: cached connects did not reuse their QP and control stream ({hs:?})"
+        )));
+    }
+    Ok(kinds
+        .iter()
+        .map(|k| {
+            let mut l = LatStats::from_rtt(0, warmup, LatencyKind::Connect, &k.h, 0);
+            l.case = Some(k.name);
+            RunResult::Latency(l)
+        })
+        .collect())
 }
 
 fn send_lat(ch: &Channel, size: u32, iters: u64, warmup: u64) -> Result<RunResult> {
@@ -628,6 +928,18 @@ mod tests {
         let back: Ctl = serde_json::from_slice(&bytes).expect("decode");
         assert_eq!(back, m);
         assert!(serde_json::from_slice::<Ctl>(b"\x00\x01garbage").is_err());
+        let m = Ctl::Listeners {
+            cold_port: 1,
+            cached_port: 65535,
+        };
+        let back: Ctl = serde_json::from_slice(&serde_json::to_vec(&m).expect("encode"))
+            .expect("decode");
+        assert_eq!(back, m);
+        // A port out of range is a decode error, not a wrapped number.
+        assert!(serde_json::from_slice::<Ctl>(
+            br#"{"op":"listeners","cold_port":70000,"cached_port":1}"#
+        )
+        .is_err());
     }
 
     #[test]
@@ -636,6 +948,8 @@ mod tests {
         assert!(validate(Layer::Channel, TestKind::SendBw, 8, 10, 0).is_ok());
         assert!(validate(Layer::Rpc, TestKind::RpcLat, 8, 10, 0).is_ok());
         assert!(validate(Layer::Rpc, TestKind::RpcRate, 8, 10, 0).is_ok());
+        assert!(validate(Layer::Channel, TestKind::ConnectLat, 8, 10, 0).is_ok());
+        assert!(validate(Layer::Rpc, TestKind::ConnectLat, 8, 10, 0).is_err());
         assert!(validate(Layer::Channel, TestKind::RpcLat, 8, 10, 0).is_err());
         assert!(validate(Layer::Rpc, TestKind::SendLat, 8, 10, 0).is_err());
         assert!(validate(Layer::Channel, TestKind::WriteLat, 8, 10, 0).is_err());

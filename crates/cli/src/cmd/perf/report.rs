@@ -19,6 +19,8 @@ pub enum LatencyKind {
     OneWay,
     /// The request-to-completion round trip itself.
     RoundTrip,
+    /// The time for `Endpoint::connect` to return a usable channel.
+    Connect,
 }
 
 /// Latency of one message size, microseconds.
@@ -48,6 +50,10 @@ pub struct LatStats {
     pub stddev_us: f64,
     /// Failed data checks (client and server).
     pub errors: u64,
+    /// What the row measured where it is not a message size (`connect_lat`: `cold`,
+    /// `cached`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub case: Option<&'static str>,
 }
 
 impl LatStats {
@@ -61,7 +67,7 @@ impl LatStats {
     ) -> Self {
         let div = match kind {
             LatencyKind::OneWay => 2000.0,
-            LatencyKind::RoundTrip => 1000.0,
+            LatencyKind::RoundTrip | LatencyKind::Connect => 1000.0,
         };
         let q = |x: f64| rtt_ns.value_at_quantile(x) as f64 / div;
         LatStats {
@@ -77,6 +83,7 @@ impl LatStats {
             mean_us: rtt_ns.mean() / div,
             stddev_us: rtt_ns.stdev() / div,
             errors,
+            case: None,
         }
     }
 }
@@ -226,6 +233,9 @@ pub fn render_text(r: &PerfReport) -> String {
         let what = match kind {
             LatencyKind::OneWay => "one-way latency (RTT/2), microseconds",
             LatencyKind::RoundTrip => "round-trip latency, microseconds",
+            LatencyKind::Connect => {
+                "time for Endpoint::connect to return a usable channel, microseconds"
+            }
         };
         let _ = writeln!(out, " {what}");
     }
@@ -249,7 +259,8 @@ pub fn render_text(r: &PerfReport) -> String {
                 let _ = writeln!(
                     out,
                     " {:>10} {:>9} {:>9.3} {:>9.3} {:>9.3} {:>10.3} {:>9.3} {:>9.3} {:>6}",
-                    human(u64::from(l.size)),
+                    l.case
+                        .map_or_else(|| human(u64::from(l.size)), str::to_string),
                     l.iters,
                     l.min_us,
                     l.p50_us,
@@ -279,8 +290,26 @@ pub fn render_text(r: &PerfReport) -> String {
             }
         }
     }
+    if let Some(ratio) = cold_to_cached(r) {
+        let _ = writeln!(
+            out,
+            " cached connects {ratio:.2}x faster than cold ones (p50 over p50, one run, in turn)"
+        );
+    }
     let _ = writeln!(out, "{rule}");
     out
+}
+
+/// `connect_lat`: the cold connect's p50 over the cached one's.
+pub fn cold_to_cached(r: &PerfReport) -> Option<f64> {
+    let p50 = |case: &str| {
+        r.results.iter().find_map(|row| match row {
+            RunResult::Latency(l) if l.case == Some(case) => Some(l.p50_us),
+            _ => None,
+        })
+    };
+    let (cold, cached) = (p50("cold")?, p50("cached")?);
+    (cached > 0.0).then(|| cold / cached)
 }
 
 /// A progress bar on stderr for long runs; a no-op when off. Updates are cheap (one branch) and

@@ -203,6 +203,11 @@ fn run_verbs(ctx: &Context, control: &mut Control, p: &RunParams) -> Result<Serv
                 p.test.name()
             )))
         }
+        TestKind::ConnectLat => {
+            return Err(PerfError::Protocol(
+                "connect_lat runs at --layer channel".into(),
+            ))
+        }
     };
     Ok(report)
 }

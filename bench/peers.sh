@@ -183,6 +183,29 @@ fabriq_mw_one() {
     rm -f "$tmp"
 }
 
+# fabriq_connect_one DEVICE cold|cached|ratio → connect_lat's cold or cached p50 (µs), or cold ÷
+# cached, of one run (two processes, each pinned; cold and cached connects in turn)
+fabriq_connect_one() {
+    local dev=$1 what=$2 n=200 tmp cold cached
+    [ "$QUICK" = 1 ] && n=50
+    tmp=$(mktemp)
+    if timeout "$RUN_TIMEOUT" "$FABRIQ" perf --local --layer channel --progress "$MW_PROGRESS" \
+        -d "$dev" -t connect_lat -n "$n" --cpu "$CLIENT_CPU" --server-cpu "$SERVER_CPU" \
+        --json >"$tmp" 2>>"$LOG"; then
+        # Rows in order: cold, then cached.
+        cold=$(grep -o '"p50_us": *[-0-9.eE+]*' "$tmp" | sed -n 1p | sed 's/.*: *//')
+        cached=$(grep -o '"p50_us": *[-0-9.eE+]*' "$tmp" | sed -n 2p | sed 's/.*: *//')
+        case $what in
+            cold) echo "$cold" ;;
+            cached) echo "$cached" ;;
+            ratio) awk -v a="$cold" -v b="$cached" 'BEGIN { printf "%.2f\n", a / b }' ;;
+        esac
+    else
+        echo "FAIL:fabriq connect_lat failed (exit $?)"
+    fi
+    rm -f "$tmp"
+}
+
 # ---------------------------------------------------------------- one kernel TCP stream
 # iperf3_one → MiB/s received over one TCP connection, 1 MiB writes, 3 s, pinned like the rest
 iperf3_one() {
@@ -314,6 +337,9 @@ measure_mw() {
         RES[$transport,mw,chan_bw,ucx]=$(repeat ucx_one "$tls" tag_bw 1048576 7)
         RES[$transport,mw,rpc_lat,fabriq]=$(repeat fabriq_mw_one "$dev" rpc rpc_lat 8 p50_us)
         RES[$transport,mw,rpc_rate,fabriq]=$(repeat fabriq_mw_one "$dev" rpc rpc_rate 8 calls_per_s)
+        RES[$transport,mw,conn_cold,fabriq]=$(repeat fabriq_connect_one "$dev" cold)
+        RES[$transport,mw,conn_cached,fabriq]=$(repeat fabriq_connect_one "$dev" cached)
+        RES[$transport,mw,conn_ratio,fabriq]=$(repeat fabriq_connect_one "$dev" ratio)
     done
 }
 
@@ -429,6 +455,7 @@ write_report() {
                 echo "| $transport | channel send_bw 1 MiB, MiB/s | $(cell "$transport,mw,chan_bw,fabriq") | $(cell "$transport,mw,chan_bw,ucx") (tag_bw) |"
                 echo "| $transport | rpc_lat 8 B, round-trip p50 µs | $(cell "$transport,mw,rpc_lat,fabriq") | — |"
                 echo "| $transport | rpc_rate 8 B, 8 callers, calls/s | $(cell "$transport,mw,rpc_rate,fabriq") | — |"
+                echo "| $transport | connect_lat p50 µs, cold / cached (cold ÷ cached) | $(cell "$transport,mw,conn_cold,fabriq") / $(cell "$transport,mw,conn_cached,fabriq") ($(cell "$transport,mw,conn_ratio,fabriq")) | — |"
             done
             echo
         fi
@@ -458,6 +485,10 @@ write_report() {
             fi
             target_line "shm channel 1 MiB send_bw" "$(cell shm,mw,chan_bw,fabriq)" ge 6144 MiB/s
             target_line "tcp channel 1 MiB send_bw" "$(cell tcp,mw,chan_bw,fabriq)" ge 4096 MiB/s
+            for transport in shm tcp; do
+                target_line "$transport cached connect ≥ 5 × faster than cold (two processes)" "$(cell "$transport,mw,conn_ratio,fabriq")" ge 5 ×
+                target_line "$transport cached connect p50 (two processes)" "$(cell "$transport,mw,conn_cached,fabriq")" le 50 µs
+            done
         fi
         echo
         echo "Reference points from the same run: UCX shm tag_lat 8 B = $(cell shm,send_lat,8,ucx) µs,"
@@ -483,6 +514,7 @@ write_report() {
             echo "# fabriq middleware layers (rpc_rate: -n 20000, 8 callers)"
             echo "fabriq perf --local --layer channel --progress $MW_PROGRESS -d {shm0|tcp0} -t {send_lat|send_bw} -s SIZE -n N --cpu $CLIENT_CPU --server-cpu $SERVER_CPU --json"
             echo "fabriq perf --local --layer rpc --progress $MW_PROGRESS -d {shm0|tcp0} -t {rpc_lat|rpc_rate} -s 8 -n N --cpu $CLIENT_CPU --server-cpu $SERVER_CPU --json"
+            echo "fabriq perf --local --layer channel --progress $MW_PROGRESS -d {shm0|tcp0} -t connect_lat -n 200 --cpu $CLIENT_CPU --server-cpu $SERVER_CPU --json"
             echo "UCX_TLS={posix,self|tcp} ucx_perftest … -t {ucp_am_lat|tag_bw} (as above)"
         fi
         echo "# one kernel TCP stream"

@@ -4,6 +4,7 @@
 //! ([`TimedQp`]): every QP is looked at only once the earliest deadline announced to a
 //! [`Deadline`] is due, so a context's idle QPs cost its progress nothing per wake-up.
 
+use std::cell::Cell;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
@@ -70,32 +71,48 @@ pub trait TimedQp {
 impl<Q: TimedQp> QpTable<Q> {
     /// Run the timers due by `now` (`now_ns` on `deadline`'s clock) if `deadline` is: every
     /// live QP is looked at then and the next deadline learnt (lowered meanwhile by every
-    /// announcement). `scratch` holds the QPs during the round: they are upgraded under the
-    /// table's read lock and used without it (dropping the last handle of a QP takes the write
-    /// lock). Returns the QPs looked at (0 when nothing was due).
+    /// announcement); the QPs looked at are added to `looks`. O(1) until a deadline is due,
+    /// however many QPs the table has. The QPs are upgraded under the table's read lock and
+    /// looked at without it (dropping the last handle of a QP takes the write lock). A call
+    /// from inside a round's timer work (on the same thread) does nothing: the outer round
+    /// holds QP locks that a nested look would take again. Returns the QPs looked at (0 when
+    /// nothing was due).
     pub fn run_due_timers(
         &self,
         now: Instant,
         now_ns: u64,
         deadline: &Deadline,
         nanos: impl Fn(Instant) -> u64,
-        scratch: &mut Vec<Arc<Q>>,
+        looks: &AtomicU64,
     ) -> usize {
-        if !deadline.is_due(now_ns) {
+        thread_local! {
+            static IN_ROUND: Cell<bool> = const { Cell::new(false) };
+        }
+        if !deadline.is_due(now_ns) || IN_ROUND.with(Cell::get) {
             return 0;
         }
+        IN_ROUND.with(|r| r.set(true));
+        struct Leave;
+        impl Drop for Leave {
+            fn drop(&mut self) {
+                IN_ROUND.with(|r| r.set(false));
+            }
+        }
+        let _leave = Leave;
         // Reset before the look: a deadline announced from here on is kept, and every QP is
-        // looked at after it.
+        // looked at after it. (A round is rare: the allocation is not worth keeping.)
         deadline.reset();
-        self.extend_live(scratch);
-        let looked = scratch.len();
-        for qp in scratch.drain(..) {
+        let mut qps = Vec::new();
+        self.extend_live(&mut qps);
+        let looked = qps.len();
+        for qp in qps {
             match qp.poll_timeout() {
                 Some(t) if t <= now => qp.on_timer(now),
                 Some(t) => deadline.announce(nanos(t)),
                 None => {}
             }
         }
+        looks.fetch_add(looked as u64, Ordering::Relaxed);
         looked
     }
 }
@@ -175,23 +192,23 @@ mod tests {
             table.insert(i as u32 + 1, q);
         }
         let deadline = Deadline::default();
-        let mut scratch = Vec::new();
+        let looks = AtomicU64::new(0);
         let at = |ms: u64| t0 + Duration::from_millis(ms);
         // Nothing announced: no round, however late.
         assert_eq!(
-            table.run_due_timers(at(50), ns(at(50)), &deadline, ns, &mut scratch),
+            table.run_due_timers(at(50), ns(at(50)), &deadline, ns, &looks),
             0
         );
         deadline.announce(ns(at(10)));
         deadline.announce(ns(at(30)));
         assert_eq!(deadline.get(), ns(at(10)));
         assert_eq!(
-            table.run_due_timers(at(5), ns(at(5)), &deadline, ns, &mut scratch),
+            table.run_due_timers(at(5), ns(at(5)), &deadline, ns, &looks),
             0,
             "not due yet"
         );
         assert_eq!(
-            table.run_due_timers(at(10), ns(at(10)), &deadline, ns, &mut scratch),
+            table.run_due_timers(at(10), ns(at(10)), &deadline, ns, &looks),
             3
         );
         let fired: Vec<u32> = qps
@@ -200,12 +217,16 @@ mod tests {
             .collect();
         assert_eq!(fired, [1, 0, 0]);
         assert_eq!(deadline.get(), ns(at(30)), "the next deadline, learnt");
-        assert!(scratch.is_empty(), "no QP kept alive by the scratch");
+        assert!(
+            qps.iter().all(|q| Arc::strong_count(q) == 1),
+            "no QP kept alive by the round"
+        );
         assert_eq!(
-            table.run_due_timers(at(30), ns(at(30)), &deadline, ns, &mut scratch),
+            table.run_due_timers(at(30), ns(at(30)), &deadline, ns, &looks),
             3
         );
         assert_eq!(qps[1].fired.load(Ordering::Relaxed), 1);
         assert_eq!(deadline.get(), u64::MAX, "none left");
+        assert_eq!(looks.load(Ordering::Relaxed), 6, "two rounds of three");
     }
 }

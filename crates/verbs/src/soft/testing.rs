@@ -74,6 +74,38 @@ fn connect_through(
     }
 }
 
+/// `rounds` empty SENDs from `a` to `b`, one at a time: each received and completed before
+/// the next.
+pub fn empty_sends(a: &Side, b: &Side, rounds: u64) {
+    for i in 0..rounds {
+        b.qp.post_recv(&[RecvWr::new(i, &[])]).unwrap();
+        a.qp.post_send(&[SendWr::new(i, &[], WrOpcode::Send)])
+            .unwrap();
+        assert_eq!(wait(&b.cq, 1)[0].wr_id, i);
+        assert_eq!(wait(&a.cq, 1)[0].wr_id, i);
+    }
+}
+
+/// 200 empty SENDs from `a` to `b` beside `idle` other QP pairs of the same two contexts
+/// make at most one timer round per context (`looks`: the QPs the two contexts' timer rounds
+/// looked at so far), however many messages: the progress looks at QP timers only when an
+/// announced deadline is due.
+pub fn assert_timer_rounds_do_not_follow_messages(
+    a: &Side,
+    b: &Side,
+    idle: usize,
+    looks: impl Fn() -> u64,
+) {
+    let before = looks();
+    let rounds = 200u64;
+    empty_sends(a, b, rounds);
+    let looked = looks() - before;
+    assert!(
+        looked <= (idle as u64 + 1) * 2,
+        "{looked} QP timer looks for {rounds} messages beside {idle} idle QP pairs"
+    );
+}
+
 /// `n` completions from `cq`, in order.
 pub fn wait(cq: &CompletionQueue, n: usize) -> Vec<WorkCompletion> {
     let mut got = Vec::new();

@@ -413,30 +413,17 @@ impl Engine {
         Duration::from_nanos(due.saturating_sub(self.poller.nanos(now))).min(MAX_SLEEP)
     }
 
-    /// Run the QP timers that are due, if the earliest announced deadline is: every QP is
-    /// looked at then and the next deadline learnt (lowered meanwhile by every pump that arms
-    /// an earlier one). O(1) until then, however many QPs the context has.
+    /// Run the QP timers that are due, if the earliest announced deadline is
+    /// ([`QpTable::run_due_timers`]: O(1) until then, however many QPs the context has).
     fn run_due_timers(&self, now: Instant) {
-        thread_local! {
-            static SCRATCH: std::cell::RefCell<Vec<Arc<UdpQp>>> =
-                const { std::cell::RefCell::new(Vec::new()) };
-        }
-        SCRATCH.with(|scratch| {
-            // Only taken on re-entry (no timer work polls): the outer round runs the timers.
-            let Ok(mut qps) = scratch.try_borrow_mut() else {
-                return;
-            };
-            let looked = self.qps.run_due_timers(
-                now,
-                self.poller.nanos(now),
-                &self.timer_deadline,
-                |t| self.poller.nanos(t),
-                &mut qps,
-            );
-            if looked > 0 {
-                self.timer_looks.fetch_add(looked as u64, Ordering::Relaxed);
-            }
-        });
+        let nanos = |t| self.poller.nanos(t);
+        self.qps.run_due_timers(
+            now,
+            nanos(now),
+            &self.timer_deadline,
+            nanos,
+            &self.timer_looks,
+        );
     }
 
     /// The mpath clock: nanoseconds since this context's poller started.

@@ -378,19 +378,5 @@ fn the_thread_looks_at_qp_timers_only_when_a_deadline_is_due() {
             })
             .sum::<u64>()
     };
-    let before = looks();
-    let rounds = 200u64;
-    for i in 0..rounds {
-        b.qp.post_recv(&[RecvWr::new(i, &[])]).unwrap();
-        a.qp.post_send(&[SendWr::new(i, &[], WrOpcode::Send)])
-            .unwrap();
-        assert_eq!(wait(&b.cq, 1)[0].wr_id, i);
-        assert_eq!(wait(&a.cq, 1)[0].wr_id, i);
-    }
-    let looked = looks() - before;
-    assert!(
-        looked <= 33 * 2,
-        "{looked} QP timer looks for {rounds} messages beside {} idle QP pairs",
-        idle.len()
-    );
+    fixture::assert_timer_rounds_do_not_follow_messages(&a, &b, idle.len(), looks);
 }

@@ -301,7 +301,7 @@ pub fn render_text(r: &PerfReport) -> String {
 }
 
 /// `connect_lat`: the cold connect's p50 over the cached one's.
-pub fn cold_to_cached(r: &PerfReport) -> Option<f64> {
+fn cold_to_cached(r: &PerfReport) -> Option<f64> {
     let p50 = |case: &str| {
         r.results.iter().find_map(|row| match row {
             RunResult::Latency(l) if l.case == Some(case) => Some(l.p50_us),

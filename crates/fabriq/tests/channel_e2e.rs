@@ -607,3 +607,57 @@ fn protocol_under_load_on_named_devices() {
         one_sided_without_owner_code(device);
     }
 }
+
+/// A thread that works on a worker directly (each send here) wakes the worker's sleeping
+/// thread only when it filed a timer earlier than the one that thread sleeps toward — not on
+/// every operation while some timer (here an RPC call's deadline) is pending.
+#[test]
+fn direct_operations_do_not_wake_a_worker_sleeping_toward_an_unchanged_timer() {
+    let cfg = Config {
+        device: "shm0".into(),
+        progress: Progress::Thread,
+        idle_spin_us: 0,
+        workers: 1,
+        ..Config::default()
+    };
+    let slow_server = Endpoint::new(cfg.clone()).expect("server endpoint");
+    slow_server.serve("slow", |_| {
+        std::thread::sleep(Duration::from_millis(1500));
+        Ok(vec![])
+    });
+    let slow_listener = slow_server.listen("127.0.0.1:0").expect("listen");
+    let (_se, client, s, c) = {
+        let server = Endpoint::new(cfg.clone()).expect("server endpoint");
+        let client = Endpoint::new(cfg).expect("client endpoint");
+        let listener = server.listen("127.0.0.1:0").expect("listen");
+        let c = client.connect(listener.local_addr()).expect("connect");
+        let s = listener.accept_timeout(HANG).expect("accept");
+        (server, client, s, c)
+    };
+    let rpc = Rpc::new(
+        client
+            .connect(slow_listener.local_addr())
+            .expect("connect to the slow server"),
+    );
+    std::thread::scope(|scope| {
+        // A call in flight for the whole loop: its deadline is the client worker's next timer.
+        let call = scope.spawn(|| rpc.call("slow", b"", HANG));
+        std::thread::sleep(Duration::from_millis(100));
+        let before = client.worker_wakeups();
+        const ROUNDS: u64 = 200;
+        // One way, so that the client files no timer of its own (an ack due for a message it
+        // received would be earlier, and rightly wake its worker); a pause before each send
+        // lets the client's worker thread fall asleep.
+        for i in 0..ROUNDS {
+            std::thread::sleep(Duration::from_millis(1));
+            c.send(&i.to_le_bytes()).expect("send");
+            assert_eq!(&s.recv_timeout(HANG).expect("recv")[..], &i.to_le_bytes());
+        }
+        let woken = client.worker_wakeups() - before;
+        assert!(
+            woken < ROUNDS / 10,
+            "{woken} wake-ups of the client's worker in {ROUNDS} sends"
+        );
+        call.join().expect("caller").expect("the slow call");
+    });
+}

@@ -909,11 +909,9 @@ impl Worker {
         let _ = self.cq.ack_events();
     }
 
-    /// Time to the earliest timer.
-    fn next_timer_in(&self) -> Option<Duration> {
-        self.timers
-            .next_deadline()
-            .map(|t| t.saturating_duration_since(now()))
+    /// The earliest timer's deadline.
+    pub(crate) fn next_deadline(&self) -> Option<Instant> {
+        self.timers.next_deadline()
     }
 
     /// Handle what epoll reported: control streams that became readable.

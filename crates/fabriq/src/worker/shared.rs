@@ -457,24 +457,34 @@ impl WorkerShared {
                 self.woke();
                 return Some(v);
             }
-            let mut timeout = g.next_timer_in();
+            // The sleep ends at the earliest of: the next timer, the caller's deadline, the
+            // 1 ms poll of a CQ without events. `until` is that end itself, on the worker's
+            // clock: a thread that files a timer compares it with exactly the deadline the
+            // sleeper already sleeps toward, so only a timer that is really earlier wakes it.
+            let now = super::now();
+            let mut end = g.next_deadline().map(|t| {
+                let ns = t.as_nanos().max(now.as_nanos());
+                (ns, Duration::from_nanos(ns - now.as_nanos()))
+            });
+            let mut bound = |d: Duration| {
+                if end.map_or(true, |(_, t)| d < t) {
+                    let ns = now
+                        .as_nanos()
+                        .saturating_add(u64::try_from(d.as_nanos()).unwrap_or(u64::MAX));
+                    end = Some((ns, d));
+                }
+            };
             if let Some(d) = deadline {
-                let left = d.saturating_duration_since(StdInstant::now());
-                timeout = Some(timeout.map_or(left, |t| t.min(left)));
+                bound(d.saturating_duration_since(StdInstant::now()));
             }
             if !armed {
                 // No CQ events: wake now and then to poll.
-                timeout = Some(timeout.map_or(Duration::from_millis(1), |t| {
-                    t.min(Duration::from_millis(1))
-                }));
+                bound(Duration::from_millis(1));
             }
-            // Set under the lock: whoever takes it next and arms an earlier timer sees it.
-            let until = timeout.map_or(u64::MAX, |d| {
-                super::now()
-                    .as_nanos()
-                    .saturating_add(u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
-                    .max(1)
-            });
+            let (until, timeout) = match end {
+                Some((ns, d)) => (ns.max(1), Some(d)),
+                None => (u64::MAX, None),
+            };
             self.sleep_until_ns.store(until, Ordering::Relaxed);
             (armed, timeout)
         };

@@ -465,7 +465,7 @@ impl ConnManager {
                 phase,
                 deadline,
                 allowed: timeout,
-                spin: self.spin_for(local),
+                spin: self.ack_spin(local),
             };
             let mut stray = false;
             let reply = step("hello")
@@ -637,6 +637,22 @@ impl ConnManager {
         match local {
             true => Duration::ZERO,
             false => self.inner.cfg.handshake_spin,
+        }
+    }
+
+    /// How long the connecting side's wait for the hello-ack busy-polls: as
+    /// [`ConnManager::spin_for`], except that a thread pinned to one CPU spins on a local
+    /// stream too. Such a thread has its core to itself by the application's choice, so its
+    /// spin takes no core from the listener's thread, and the hello-ack then costs neither a
+    /// wake-up of this thread nor, in the listener's write, the cross-CPU signal of one: cached
+    /// shm0 connects between two processes pinned to their own CPUs took 57–82 µs instead of
+    /// 72–107 µs (p50, six alternating runs of `fabriq perf -t connect_lat`; `docs/arch/conn.md`,
+    /// "Waiting on the control stream"). Unpinned, spinning there measured no better (two
+    /// processes) or worse (one process): the woken listener thread may need this very core.
+    pub(crate) fn ack_spin(&self, local: bool) -> Duration {
+        match local && runs_on_one_cpu() {
+            true => self.inner.cfg.handshake_spin,
+            false => self.spin_for(local),
         }
     }
 
@@ -1439,6 +1455,11 @@ pub(crate) fn reached_at(endpoint: &QpEndpoint, control_peer: SocketAddr) -> QpE
         }
         _ => endpoint.clone(),
     }
+}
+
+/// True when the calling thread may run on one CPU only (its affinity mask has one CPU).
+pub(crate) fn runs_on_one_cpu() -> bool {
+    rustix::thread::sched_getaffinity(None).is_ok_and(|set| set.count() == 1)
 }
 
 #[cfg(test)]

@@ -1446,3 +1446,37 @@ fn frames_that_arrive_together_are_told_apart() {
     assert_eq!(cli.stats().qps_cached, 1, "the QP went back to the cache");
     h.join().unwrap();
 }
+
+/// The hello-ack wait spins on a local stream only on a thread pinned to one CPU; on TCP it
+/// spins either way, and a zero budget never spins.
+#[test]
+fn the_hello_ack_wait_spins_on_a_local_stream_only_on_a_pinned_thread() {
+    let spin = Duration::from_micros(50);
+    let (mgr, _) = manager(ConnConfig {
+        handshake_spin: spin,
+        ..short_cfg()
+    });
+    let (zero, _) = manager(ConnConfig {
+        handshake_spin: Duration::ZERO,
+        ..short_cfg()
+    });
+    let unpinned = rustix::thread::sched_getaffinity(None).expect("affinity");
+    if unpinned.count() > 1 {
+        assert_eq!(mgr.ack_spin(true), Duration::ZERO, "unpinned, local stream");
+    }
+    assert_eq!(mgr.ack_spin(false), spin, "TCP");
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let first = (0..rustix::thread::CpuSet::MAX_CPU)
+                .find(|&c| unpinned.is_set(c))
+                .expect("a CPU");
+            let mut one = rustix::thread::CpuSet::new();
+            one.set(first);
+            rustix::thread::sched_setaffinity(None, &one).expect("pin this thread");
+            assert!(manager::runs_on_one_cpu());
+            assert_eq!(mgr.ack_spin(true), spin, "pinned, local stream");
+            assert_eq!(mgr.ack_spin(false), spin, "pinned, TCP");
+            assert_eq!(zero.ack_spin(true), Duration::ZERO, "pinned, no budget");
+        });
+    });
+}

@@ -161,8 +161,9 @@ pub struct Config {
     pub handshake_timeout_ms: u64,
     /// Busy-poll budget of each wait on a control stream during a connection handshake
     /// (hello-ack, hello, Ready, the listener's wait for the next peer), microseconds; then the
-    /// wait sleeps. 0: never spin. `None`: [`crate::conn::default_handshake_spin`] (50 µs on a
-    /// host of 2 or more CPUs, else 0).
+    /// wait sleeps. On a same-host (Unix) control stream only a pinned thread's wait for the
+    /// hello-ack spins ([`crate::conn::ConnConfig::handshake_spin`]). 0: never spin. `None`:
+    /// [`crate::conn::default_handshake_spin`] (50 µs on a host of 2 or more CPUs, else 0).
     pub handshake_spin_us: Option<u64>,
     /// Link speed for the threshold profile (0: ask the device).
     pub link_speed_gbps: u32,

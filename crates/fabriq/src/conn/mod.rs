@@ -219,9 +219,11 @@ pub struct ConnConfig {
     /// the next peer): the socket is polled without blocking for this long, then the wait
     /// sleeps in the kernel until the message or the deadline. Spinning saves the thread
     /// wake-up at each hop of the exchange (tens of microseconds on a loaded host) at the cost
-    /// of a busy core while it lasts. Zero: never spin (block at once); at most
-    /// `handshake_timeout`. Default: [`default_handshake_spin`] (50 µs on a host of 2 or more
-    /// CPUs, else zero).
+    /// of a busy core while it lasts. On a local (Unix) control stream, whose writer wakes the
+    /// reader in about a microsecond, only the client's wait for the hello-ack spins, and only
+    /// on a thread pinned to one CPU (`docs/arch/conn.md`, "Waiting on the control stream").
+    /// Zero: never spin (block at once); at most `handshake_timeout`. Default:
+    /// [`default_handshake_spin`] (50 µs on a host of 2 or more CPUs, else zero).
     pub handshake_spin: Duration,
     /// Remote-access rights granted to the peer on each QP. Default READ | WRITE | ATOMIC.
     pub access: AccessFlags,

@@ -626,14 +626,7 @@ fn direct_operations_do_not_wake_a_worker_sleeping_toward_an_unchanged_timer() {
         Ok(vec![])
     });
     let slow_listener = slow_server.listen("127.0.0.1:0").expect("listen");
-    let (_se, client, s, c) = {
-        let server = Endpoint::new(cfg.clone()).expect("server endpoint");
-        let client = Endpoint::new(cfg).expect("client endpoint");
-        let listener = server.listen("127.0.0.1:0").expect("listen");
-        let c = client.connect(listener.local_addr()).expect("connect");
-        let s = listener.accept_timeout(HANG).expect("accept");
-        (server, client, s, c)
-    };
+    let (_se, client, s, c) = pair_with(cfg);
     let rpc = Rpc::new(
         client
             .connect(slow_listener.local_addr())

@@ -423,11 +423,11 @@ impl QueuePair {
             self.ops.state().check_transition(to)?;
         }
         if let Some(remote) = &attr.remote {
-            let me = self.ops.endpoint();
-            if remote.provider != me.provider {
+            let mine = self.ops.provider();
+            if remote.provider != mine {
                 return Err(VerbsError::InvalidArgument(format!(
-                    "cannot connect a {} QP to a {} QP",
-                    me.provider, remote.provider
+                    "cannot connect a {mine} QP to a {} QP",
+                    remote.provider
                 )));
             }
         }

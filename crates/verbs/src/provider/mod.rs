@@ -166,6 +166,11 @@ pub trait QpOps: Send + Sync + 'static {
     fn query(&self) -> QpInfo;
     /// Endpoint for the peer.
     fn endpoint(&self) -> QpEndpoint;
+    /// The provider's name, as in the endpoint (checked against the remote's at every RTR):
+    /// providers say it without building an endpoint.
+    fn provider(&self) -> std::borrow::Cow<'static, str> {
+        self.endpoint().provider.into()
+    }
     /// Apply a modify; the transition was already checked against the state machine, but the
     /// provider re-checks under its own lock (the state may have moved to ERROR meanwhile).
     fn modify(&self, attr: &QpAttr) -> Result<()>;

@@ -48,6 +48,10 @@ impl<T: SoftQpDriver> QpOps for T {
         self.current_endpoint()
     }
 
+    fn provider(&self) -> std::borrow::Cow<'static, str> {
+        self.advertised().provider.clone().into()
+    }
+
     fn modify(&self, attr: &QpAttr) -> Result<()> {
         if attr.state == Some(QpState::Rtr) && self.state() == QpState::Init {
             return self.modify_rtr(attr);

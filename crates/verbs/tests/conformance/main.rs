@@ -98,6 +98,7 @@ macro_rules! conformance_tests {
             qp_state::qp_reset_frees_the_full_depth_of_both_queues,
             qp_state::qp_reset_gives_a_new_initial_psn,
             qp_state::qp_rtr_before_peer_carries_traffic,
+            qp_state::qp_rtr_toward_another_providers_endpoint_is_refused,
             cq::cq_overflow_is_reported,
             cq::cq_event_fd_wakes_a_sleeper_on_completion,
             cq::cq_event_fires_once_per_arm,

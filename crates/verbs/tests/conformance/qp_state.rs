@@ -871,3 +871,34 @@ pub fn qp_query_reports_the_attributes_in_force<P: TestProvider>(env: &Env<P>) -
     }
     Ok(())
 }
+
+/// RTR toward an endpoint of another provider is refused with `InvalidArgument` and leaves
+/// the QP in INIT, where it connects to its real peer afterwards; an endpoint of this
+/// provider passes the check (the QP compares the remote's provider with its own name, which
+/// must be the one its endpoints carry).
+pub fn qp_rtr_toward_another_providers_endpoint_is_refused<P: TestProvider>(
+    env: &Env<P>,
+) -> TestResult {
+    let lab = Lab::new(env)?;
+    let a = lab.qp(QpCaps::default())?;
+    let b = lab.qp(QpCaps::default())?;
+    let o = ConnectOpts::default();
+    a.modify(&QpAttr::init(o.access))?;
+    let mut foreign = b.endpoint();
+    foreign.provider = format!("not-{}", foreign.provider);
+    match a.modify(&QpAttr::rtr(foreign)) {
+        Err(VerbsError::InvalidArgument(_)) => {}
+        other => {
+            return Err(fail(format!(
+                "RTR toward another provider's endpoint: {other:?}"
+            )))
+        }
+    }
+    if a.state() != QpState::Init {
+        return Err(fail(format!("left in {:?} by a refused RTR", a.state())));
+    }
+    drive_to_rts(&b, &a.endpoint(), &o)?;
+    a.modify(&QpAttr::rtr(b.endpoint()))?;
+    a.modify(&QpAttr::rts())?;
+    Ok(())
+}

@@ -240,6 +240,10 @@ impl QpOps for Qp {
         }
     }
 
+    fn provider(&self) -> std::borrow::Cow<'static, str> {
+        PROVIDER.into()
+    }
+
     fn endpoint(&self) -> QpEndpoint {
         let psn = self.lock().psn;
         let ctx = &self.pd.ctx;

@@ -31,6 +31,8 @@ pub(crate) struct CtxShared {
     pub(crate) seg: Arc<Segment>,
     pub(crate) device: DeviceInfo,
     pub(crate) boot_id: String,
+    /// The address of this context's QPs in their endpoints (`boot/pid/fd/nonce`), made once.
+    pub(crate) qp_address: String,
     pub(crate) heap: Mutex<Heap>,
     pub(crate) mr_ids: Mutex<IndexAlloc>,
     pub(crate) qp_ids: Mutex<IndexAlloc>,
@@ -230,10 +232,19 @@ impl CtxCore {
         let epoll = sys::epoll_create().map_err(|e| VerbsError::io("epoll_create", e))?;
         sys::epoll_add(epoll.as_fd(), seg.doorbell(), DOORBELL_TAG)
             .map_err(|e| VerbsError::io("watch doorbell", e))?;
+        let boot_id = sys::boot_id();
+        let qp_address = format!(
+            "{}/{}/{}/{:016x}",
+            boot_id,
+            seg.pid,
+            std::os::fd::AsRawFd::as_raw_fd(&seg.memfd()),
+            seg.nonce
+        );
         let shared = Arc::new(CtxShared {
             seg,
             device,
-            boot_id: sys::boot_id(),
+            boot_id,
+            qp_address,
             heap: Mutex::new(Heap::new()),
             mr_ids: Mutex::new(IndexAlloc::new(MAX_MR)),
             qp_ids: Mutex::new(IndexAlloc::new(MAX_QP)),

@@ -15,7 +15,6 @@
 use std::any::Any;
 use std::collections::VecDeque;
 use std::mem::MaybeUninit;
-use std::os::fd::AsRawFd;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
@@ -468,13 +467,7 @@ impl QpInner {
         QpEndpoint {
             provider: "shm".into(),
             device: sh.device.name.clone(),
-            address: format!(
-                "{}/{}/{}/{:016x}",
-                sh.boot_id,
-                sh.seg.pid,
-                sh.seg.memfd().as_raw_fd(),
-                sh.seg.nonce
-            ),
+            address: sh.qp_address.clone(),
             qp_num: QpNum(self.qpn),
             psn: 0,
             lid: 0,
@@ -1005,6 +998,9 @@ impl QpOps for ShmQp {
     }
     fn endpoint(&self) -> QpEndpoint {
         self.inner.endpoint()
+    }
+    fn provider(&self) -> std::borrow::Cow<'static, str> {
+        "shm".into()
     }
     fn modify(&self, attr: &QpAttr) -> Result<()> {
         self.inner.modify(attr)

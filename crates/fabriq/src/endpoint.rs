@@ -424,34 +424,64 @@ impl Endpoint {
         Ok(geo)
     }
 
+    /// A channel driver for `qp` (in INIT) with its receive ring posted, for a peer of ring
+    /// geometry `geo`. The ring and header slots are a released connection's when the region
+    /// cache has them (no registration, no fresh pages), else new ones.
+    fn ready_driver(
+        w: &WorkerRef,
+        cfg: &ChannelConfig,
+        qp: &fabriq_verbs::QueuePair,
+        geo: PeerGeometry,
+    ) -> Result<ChannelDriver, ChannelError> {
+        let [rx, tx] = ChannelDriver::region_sizes(cfg);
+        let ring = w.conn.region(rx, REGION_ACCESS)?;
+        let heads = w.conn.region(tx, REGION_ACCESS)?;
+        let mut driver = ChannelDriver::with_regions(qp.clone(), cfg.clone(), geo, [ring, heads])?;
+        driver.post_ready(worker::now())?;
+        Ok(driver)
+    }
+
+    /// Connecting side, while the hello is on its way: the driver and its posted ring, made
+    /// with this side's own ring geometry in place of the peer's (set from the hello-ack, in
+    /// [`Endpoint::finish_pending`]).
+    fn early_driver(
+        &self,
+        w: &WorkerRef,
+        qp: &fabriq_verbs::QueuePair,
+    ) -> Result<ChannelDriver, ChannelError> {
+        let cfg = self.channel_config(w);
+        let own = PeerGeometry {
+            rx_slots: cfg.rx_slots,
+            rx_slot_size: cfg.rx_slot_size,
+        };
+        Self::ready_driver(w, &cfg, qp, own)
+    }
+
     /// Second half of either side: the peer's hello is known and the QP is in INIT. Post the
-    /// receive ring, then let the handshake finish (no RNR: the peer learns it may send only
-    /// after this), and hand the connection to the worker with its control stream and QP lease.
-    /// `accept`: the accepting side's queue for the streams the peer will open.
+    /// receive ring (or, connecting side, take `early`: the driver posted while the hello-ack
+    /// was on its way), then let the handshake finish (no RNR: the peer learns it may send
+    /// only after this), and hand the connection to the worker with its control stream and
+    /// QP lease. `accept`: the accepting side's queue for the streams the peer will open.
     fn finish_pending(
         &self,
         w: &WorkerRef,
         pending: PendingConn,
         accept: Option<std::sync::mpsc::Sender<Accepted>>,
+        early: Option<Result<ChannelDriver, ChannelError>>,
     ) -> Result<Adopted, ChannelError> {
         let cfg = self.channel_config(w);
         let geo = match Self::peer_geometry(pending.peer()) {
             Ok(g) => g,
             Err(e) => {
+                drop(early);
                 pending.reject(RejectCode::Unavailable, &e.to_string());
                 return Err(e);
             }
         };
-        // The ring and header slots of a released connection when the region cache has them
-        // (no registration, no fresh pages), else new ones.
-        let [rx, tx] = ChannelDriver::region_sizes(&cfg);
-        let regions = w
-            .conn
-            .region(rx, REGION_ACCESS)
-            .and_then(|ring| Ok([ring, w.conn.region(tx, REGION_ACCESS)?]))
-            .map_err(ChannelError::from);
-        let driver = regions
-            .and_then(|r| ChannelDriver::with_regions(pending.qp().clone(), cfg.clone(), geo, r));
+        let driver = match early {
+            Some(made) => made.and_then(|mut d| d.set_peer(geo).map(|()| d)),
+            None => Self::ready_driver(w, &cfg, pending.qp(), geo),
+        };
         let mut driver = match driver {
             Ok(d) => d,
             Err(e) => {
@@ -459,11 +489,6 @@ impl Endpoint {
                 return Err(e);
             }
         };
-        if let Err(e) = driver.post_ready(worker::now()) {
-            drop(driver);
-            pending.reject(RejectCode::Internal, &e.to_string());
-            return Err(e);
-        }
         // Accepting side: the channel is handed out once the hello-ack is sent; its sends wait
         // in the driver for the peer's Ready (or first message).
         let accepting = accept.is_some();
@@ -555,8 +580,11 @@ impl Endpoint {
     /// A new connection to `addr` from worker `w` (the full handshake).
     fn new_connection(&self, w: &WorkerRef, addr: SocketAddr) -> Result<ConnHandle, ChannelError> {
         let timeout = self.inner.config.handshake_timeout();
-        let pending = w.conn.connect_pending(addr, None, timeout)?;
-        let a = self.finish_pending(w, pending, None)?;
+        // The receive ring is posted while the server answers the hello.
+        let (pending, early) = w
+            .conn
+            .connect_pending_early(addr, None, timeout, |qp| self.early_driver(w, qp))?;
+        let a = self.finish_pending(w, pending, None, Some(early))?;
         Ok(ConnHandle::new(
             Arc::clone(&w.shared),
             a.conn,
@@ -681,7 +709,8 @@ impl Endpoint {
             None => self.pick_worker(fabric),
         };
         let pending = w.conn.accept_incoming(incoming)?;
-        self.finish_pending(w, pending, Some(accept)).map(|_| ())
+        self.finish_pending(w, pending, Some(accept), None)
+            .map(|_| ())
     }
 
     /// Counters of the connection pools of every worker: connects served by a live shared

@@ -1091,3 +1091,63 @@ fn what_was_sent_before_the_endpoint_is_dropped_is_delivered() {
         }
     }
 }
+
+/// The connecting side posts its ring while the hello-ack is on its way, before it knows the
+/// server's ring, and then takes the server's geometry: a client with a larger ring than the
+/// server's sends a reader that does not read no more than the server's ring holds
+/// (`rnr_retry = 0`: one SEND into a full ring would fail the connection), on a fresh QP and
+/// on a cached one.
+#[test]
+fn a_client_with_a_larger_ring_sends_no_more_than_the_servers_ring_holds() {
+    for device in devices() {
+        let base = Config {
+            device: device.clone(),
+            rnr_retry: 0,
+            handshake_timeout_ms: 10_000,
+            ..Config::default()
+        };
+        let Ok(server) = Endpoint::new(Config {
+            rx_slots: 4,
+            ..base.clone()
+        }) else {
+            eprintln!("skipping {device}");
+            continue;
+        };
+        let client = Endpoint::new(Config {
+            rx_slots: 64,
+            ..base
+        })
+        .expect("client");
+        let listener = server.listen("127.0.0.1:0").expect("listen");
+        for round in 0..2 {
+            let c = client.connect(listener.local_addr()).expect("connect");
+            let s = listener.accept_timeout(HANG).expect("accept");
+            let mut sent = 0u64;
+            let deadline = Instant::now() + HANG;
+            loop {
+                match c.send_timeout(&sent.to_le_bytes(), Duration::from_millis(500)) {
+                    Ok(()) => sent += 1,
+                    Err(ChannelError::Timeout) => break,
+                    Err(e) => panic!("{device} round {round}: send {sent}: {e}"),
+                }
+                assert!(Instant::now() < deadline, "{device}: never back-pressured");
+            }
+            assert!(sent > 4, "{device} round {round}: only {sent} sent");
+            for i in 0..sent {
+                let m = s
+                    .recv_timeout(HANG)
+                    .unwrap_or_else(|e| panic!("{device} round {round}: message {i}: {e}"));
+                assert_eq!(m[..8], i.to_le_bytes(), "{device} round {round}");
+            }
+            ping(&c, &s, b"after");
+            ping(&s, &c, b"back");
+            assert!(!c.is_closed() && !s.is_closed(), "{device} round {round}");
+            close_and_wait_cached((&client, &server), (c, s), round, &device);
+        }
+        assert!(
+            client.conn_stats().qp_cache_hits >= 1,
+            "{device}: the second connect reused a QP: {:?}",
+            client.conn_stats()
+        );
+    }
+}

@@ -186,6 +186,12 @@ impl ChannelDriver {
         [self.rx_ring, self.tx_heads]
     }
 
+    /// The peer's receive ring, once its hello is read ([`ChannelCore::set_peer`]): a driver
+    /// may be made, and its ring posted, before it is known.
+    pub fn set_peer(&mut self, peer: PeerGeometry) -> Result<(), ChannelError> {
+        self.core.set_peer(peer)
+    }
+
     /// Hold every send and READ until [`ChannelDriver::set_peer_ready`] or a receive
     /// completion shows that the peer has its receive ring posted (the accepting side returns
     /// its channel as soon as its hello-ack is out, the way an IB CM passive side may use its

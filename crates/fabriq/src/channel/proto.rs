@@ -192,6 +192,17 @@ impl ChannelConfig {
     }
 }
 
+/// A peer ring the protocol can work with: room for a few frames, each at least a header and
+/// a rendezvous body.
+fn check_peer(peer: PeerGeometry) -> Result<(), ChannelError> {
+    if peer.rx_slots < 4 || (peer.rx_slot_size as usize) < HEADER_LEN + RTS_BODY_LEN {
+        return Err(ChannelError::InvalidConfig(format!(
+            "peer ring geometry {peer:?} too small"
+        )));
+    }
+    Ok(())
+}
+
 /// What the peer told us about its receive ring at connection time.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct PeerGeometry {
@@ -533,11 +544,7 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
     /// driver must post them before the peer may send (before completing the handshake).
     pub fn new(config: ChannelConfig, peer: PeerGeometry) -> Result<Self, ChannelError> {
         config.validate()?;
-        if peer.rx_slots < 4 || (peer.rx_slot_size as usize) < HEADER_LEN + RTS_BODY_LEN {
-            return Err(ChannelError::InvalidConfig(format!(
-                "peer ring geometry {peer:?} too small"
-            )));
-        }
+        check_peer(peer)?;
         let reposts = (0..config.rx_slots).collect();
         let sq = config.sq_depth;
         Ok(ChannelCore {
@@ -580,6 +587,26 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
     /// The configuration in force.
     pub fn config(&self) -> &ChannelConfig {
         &self.config
+    }
+
+    /// The peer's receive ring, learnt after this end was made (a connecting side posts its
+    /// own ring while the peer's hello-ack is on its way). Only before any message went or
+    /// came: the peer's geometry sets the credits the first frames spend.
+    pub fn set_peer(&mut self, peer: PeerGeometry) -> Result<(), ChannelError> {
+        check_peer(peer)?;
+        let untouched = self.next_seq == 1
+            && self.received_total == 0
+            && self.queued.is_empty()
+            && self.sq_free == self.config.sq_depth
+            && self.credits == self.peer.rx_slots;
+        if !untouched {
+            return Err(ChannelError::InvalidConfig(
+                "the peer's ring geometry changes only before the first message".into(),
+            ));
+        }
+        self.peer = peer;
+        self.credits = peer.rx_slots;
+        Ok(())
     }
 
     /// Change thresholds on the live channel; applies to messages sent and pulls started from

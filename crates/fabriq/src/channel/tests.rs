@@ -6,7 +6,7 @@ use fabriq_verbs::{RemoteAddr, Rkey, WcOpcode, WcStatus};
 use proptest::prelude::*;
 
 use super::harness::{Got, Pair};
-use super::proto::{ChannelConfig, Thresholds};
+use super::proto::{ChannelConfig, ChannelCore, PeerGeometry, Thresholds};
 use super::wire::{self, FrameBody, HeadBuf, MsgHeader, MsgKind, TraceHeader};
 use super::ChannelError;
 
@@ -352,6 +352,77 @@ mod slow_receiver {
         p.send(0, data(64, 1)).expect("room again");
         p.sides[1].hold = false;
         p.drive();
+        assert_clean(&p);
+    }
+
+    /// A connecting side makes its end (and posts its ring) before the peer's hello-ack says
+    /// how large the peer's ring is: the geometry set afterwards, not the one it was made
+    /// with, bounds what it sends.
+    #[test]
+    fn a_peer_ring_learnt_after_the_end_was_made_bounds_the_first_burst() {
+        let big = ChannelConfig {
+            rx_slots: 16,
+            max_queued: 32,
+            ..ChannelConfig::default()
+        };
+        let mut p = Pair::new(big.clone(), small_ring());
+        let own = PeerGeometry {
+            rx_slots: big.rx_slots,
+            rx_slot_size: big.rx_slot_size,
+        };
+        let peer = PeerGeometry {
+            rx_slots: small_ring().rx_slots,
+            rx_slot_size: small_ring().rx_slot_size,
+        };
+        p.sides[0].core = ChannelCore::new(big, own).expect("valid");
+        p.sides[0].core.set_peer(peer).expect("before any message");
+        assert_eq!(p.sides[0].core.credits(), peer.rx_slots);
+        p.sides[1].hold = true;
+        let mut accepted = 0u64;
+        while p.send(0, data(64, accepted as u8)).is_ok() {
+            accepted += 1;
+            p.drive();
+        }
+        assert!(
+            accepted > 8,
+            "the sender queued beyond the ring: {accepted}"
+        );
+        assert_eq!(
+            p.sides[1].rnr_events, 0,
+            "sent more than the peer's ring holds"
+        );
+        assert_eq!(p.sides[1].received.len(), 8, "the held ring is full");
+        while p.sides[1].held > 0 {
+            p.sides[1].release(u64::MAX);
+            p.drive();
+        }
+        assert_eq!(p.sides[1].received.len() as u64, accepted);
+        assert_clean(&p);
+    }
+
+    #[test]
+    fn the_peer_ring_changes_only_before_the_first_message() {
+        let mut p = Pair::symmetric(small_ring());
+        let geo = PeerGeometry {
+            rx_slots: 6,
+            rx_slot_size: small_ring().rx_slot_size,
+        };
+        let tiny = PeerGeometry { rx_slots: 2, ..geo };
+        assert!(matches!(
+            p.sides[0].core.set_peer(tiny),
+            Err(ChannelError::InvalidConfig(_))
+        ));
+        p.send(0, data(8, 1)).expect("accepted");
+        assert!(matches!(
+            p.sides[0].core.set_peer(geo),
+            Err(ChannelError::InvalidConfig(_))
+        ));
+        // The side that has only received may not change it either.
+        p.drive();
+        assert!(matches!(
+            p.sides[1].core.set_peer(geo),
+            Err(ChannelError::InvalidConfig(_))
+        ));
         assert_clean(&p);
     }
 }

@@ -437,23 +437,43 @@ impl ConnManager {
         target_worker: Option<u32>,
         timeout: Duration,
     ) -> Result<PendingConn, ConnError> {
-        let result = self.connect_pending_inner(addr, target_worker, timeout);
+        self.connect_pending_early(addr, target_worker, timeout, |_| ())
+            .map(|(pending, ())| pending)
+    }
+
+    /// [`ConnManager::connect_pending`], running `early` with the QP (in INIT) once the hello
+    /// has left and before the wait for the hello-ack: what the caller can set up without the
+    /// peer's hello — its receive ring, posted — is then done while the server works, off the
+    /// connect's path (the wait busy-polls or sleeps otherwise). What `early` returns comes
+    /// back beside the [`PendingConn`]; on an error it is dropped before the QP goes back to
+    /// the cache, so it may hold a clone of the QP. `early` runs at most once (not at all when
+    /// no hello could be sent).
+    pub fn connect_pending_early<T>(
+        &self,
+        addr: SocketAddr,
+        target_worker: Option<u32>,
+        timeout: Duration,
+        early: impl FnOnce(&QueuePair) -> T,
+    ) -> Result<(PendingConn, T), ConnError> {
+        let result = self.connect_pending_inner(addr, target_worker, timeout, early);
         if result.is_err() {
             self.inner.failed.fetch_add(1, Ordering::Relaxed);
         }
         result
     }
 
-    fn connect_pending_inner(
+    fn connect_pending_inner<T>(
         &self,
         addr: SocketAddr,
         target_worker: Option<u32>,
         timeout: Duration,
-    ) -> Result<PendingConn, ConnError> {
+        early: impl FnOnce(&QueuePair) -> T,
+    ) -> Result<(PendingConn, T), ConnError> {
         let deadline = Instant::now() + timeout;
         let (qp, reused_qp) = self.obtain_qp()?;
-        let local = self.local_hello(&qp, target_worker);
-        let hello = Message::Hello(local.clone());
+        let hello = Message::Hello(self.local_hello(&qp, target_worker));
+        let mut early = Some(early);
+        let mut prepared: Option<T> = None;
         let outcome = (|| loop {
             let (mut stream, from_idle) = match self.take_idle_stream(addr) {
                 Some(s) => (s, true),
@@ -470,6 +490,12 @@ impl ConnManager {
             let mut stray = false;
             let reply = step("hello")
                 .write_msg(&mut stream, &hello)
+                .map(|()| {
+                    // Once the hello is out, while the server works on it.
+                    if let Some(f) = early.take() {
+                        prepared = Some(f(&qp));
+                    }
+                })
                 .and_then(|()| loop {
                     let ack = step("hello-ack");
                     let read = match stray {
@@ -520,9 +546,14 @@ impl ConnManager {
                 }
             }
         })();
-        let (mut stream, msg) = match outcome {
-            Ok(v) => v,
-            Err(e) => {
+        let Message::Hello(local) = hello else {
+            unreachable!("the hello sent is a Hello");
+        };
+        let (mut stream, msg, prepared) = match (outcome, prepared) {
+            (Ok((stream, msg)), Some(prepared)) => (stream, msg, prepared),
+            (Ok(_), None) => unreachable!("a hello-ack follows a hello written"),
+            (Err(e), prepared) => {
+                drop(prepared);
                 self.release_qp(qp);
                 return Err(e);
             }
@@ -545,7 +576,7 @@ impl ConnManager {
         match checked {
             Ok(peer) => {
                 self.learn_local_control(addr, &stream, &peer);
-                Ok(PendingConn {
+                let pending = PendingConn {
                     mgr: self.clone(),
                     qp: Some(qp),
                     stream: Some(stream),
@@ -555,12 +586,14 @@ impl ConnManager {
                     role: Role::Client,
                     reused_qp,
                     home: None,
-                })
+                };
+                Ok((pending, prepared))
             }
             Err(e) => {
                 if let Some(code) = reject_code_for(&e) {
                     send_reject(&mut stream, code, &self.inner.provider, &e.to_string());
                 }
+                drop(prepared);
                 self.release_qp(qp);
                 Err(e)
             }

@@ -13,10 +13,10 @@
 //!   ```text
 //!   client                                        server
 //!   QP INIT ── Hello{client QP} ───────────────▶  read hello, QP INIT
-//!                                                 caller posts receives   (accept_pending)
-//!                                                 RTR → RTS               (finish)
+//!   caller may post receives now                  caller posts receives   (accept_pending)
+//!     (connect_pending_early)                     RTR → RTS               (finish)
 //!   read ack ◀──────────── HelloAck{server QP} ──
-//!   caller posts receives  (connect_pending)
+//!   caller posts receives, if not yet (connect_pending)
 //!   RTR → RTS              (finish)
 //!   ─── Ready ─────────────────────────────────▶  read Ready → Established
 //!   Established: may send at once                 may send at once

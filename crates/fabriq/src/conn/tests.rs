@@ -1480,3 +1480,92 @@ fn the_hello_ack_wait_spins_on_a_local_stream_only_on_a_pinned_thread() {
         });
     });
 }
+
+/// What the connecting side sets up early runs once the hello has left and before the
+/// hello-ack is read: the server here answers only after it ran.
+#[test]
+fn the_early_set_up_runs_once_after_the_hello_and_before_the_hello_ack() {
+    let (srv, _) = manager(short_cfg());
+    let listener = srv.listen("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr();
+    let (ran_tx, ran_rx) = std::sync::mpsc::channel::<()>();
+    let server = std::thread::spawn(move || {
+        let pending = listener.accept_pending(Some(LONG)).unwrap();
+        ran_rx
+            .recv_timeout(LONG)
+            .expect("the client's early set-up ran before the hello-ack");
+        pending.finish()
+    });
+    let (cli, _) = manager(ConnConfig::default());
+    let mut runs = 0;
+    let (pending, qp) = cli
+        .connect_pending_early(addr, None, LONG, |qp| {
+            runs += 1;
+            assert_eq!(
+                qp.state(),
+                QpState::Init,
+                "the QP is in INIT, its ring postable"
+            );
+            ran_tx.send(()).unwrap();
+            qp.clone()
+        })
+        .unwrap();
+    assert_eq!(runs, 1);
+    assert_eq!(qp.qp_num(), pending.qp().qp_num());
+    drop(qp);
+    pending.finish().unwrap();
+    server.join().unwrap().unwrap();
+}
+
+/// A connect that fails after the early set-up drops what it made (here a clone of the QP)
+/// before the QP goes back to the cache.
+#[test]
+fn a_failed_connect_drops_the_early_set_up_before_caching_the_qp() {
+    struct Made {
+        _qp: QueuePair,
+        mgr: ConnManager,
+        cached_at_drop: Arc<std::sync::Mutex<Option<u64>>>,
+    }
+    impl Drop for Made {
+        fn drop(&mut self) {
+            *self.cached_at_drop.lock().unwrap() = Some(self.mgr.stats().qps_cached);
+        }
+    }
+    let (srv, counters) = manager(short_cfg());
+    counters.fail_rtr.store(1, Ordering::SeqCst);
+    let listener = srv.listen("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr();
+    let server = serve(listener, 1);
+    let (cli, _) = manager(ConnConfig::default());
+    let cached_at_drop = Arc::new(std::sync::Mutex::new(None));
+    let mut runs = 0;
+    let err = cli
+        .connect_pending_early(addr, None, LONG, |qp| {
+            runs += 1;
+            Made {
+                _qp: qp.clone(),
+                mgr: cli.clone(),
+                cached_at_drop: Arc::clone(&cached_at_drop),
+            }
+        })
+        .map(|_| ())
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            ConnError::Rejected {
+                code: wire::RejectCode::Internal,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert_eq!(runs, 1);
+    assert_eq!(
+        *cached_at_drop.lock().unwrap(),
+        Some(0),
+        "dropped before caching"
+    );
+    assert_eq!(cli.stats().qps_cached, 1, "the QP went back to the cache");
+    assert!(server.join().unwrap().pop().unwrap().is_err());
+}

@@ -469,7 +469,6 @@ impl Endpoint {
         accept: Option<std::sync::mpsc::Sender<Accepted>>,
         early: Option<Result<ChannelDriver, ChannelError>>,
     ) -> Result<Adopted, ChannelError> {
-        let cfg = self.channel_config(w);
         let geo = match Self::peer_geometry(pending.peer()) {
             Ok(g) => g,
             Err(e) => {
@@ -480,7 +479,7 @@ impl Endpoint {
         };
         let driver = match early {
             Some(made) => made.and_then(|mut d| d.set_peer(geo).map(|()| d)),
-            None => Self::ready_driver(w, &cfg, pending.qp(), geo),
+            None => Self::ready_driver(w, &self.channel_config(w), pending.qp(), geo),
         };
         let mut driver = match driver {
             Ok(d) => d,
@@ -516,7 +515,11 @@ impl Endpoint {
         let conn = driver.qp().qp_num().0;
         let peer = control.peer_addr();
         let failed = Arc::new(AtomicBool::new(false));
-        let eager_max = cfg.thresholds.eager_max;
+        // The configuration the driver was made with (an early one's may be a little older).
+        let (eager_max, max_queued) = {
+            let cfg = driver.core().config();
+            (cfg.thresholds.eager_max, cfg.max_queued)
+        };
         // The stream the handshake opened exists on the worker from the adoption on, on both
         // sides: the peer may send on it as soon as its side is ready, and a message for a
         // stream the worker does not know is dropped. Accepting side: it goes to the listener
@@ -525,7 +528,7 @@ impl Endpoint {
         let first = Arc::new(ChannelShared::new(
             stream_key(conn, FIRST_STREAM),
             Arc::clone(&w.shared),
-            u64::from(cfg.max_queued),
+            u64::from(max_queued),
             stream_window,
         ));
         // Thread mode, worker awake (progressing, or spinning for its idle budget) and no

@@ -450,11 +450,7 @@ impl Endpoint {
         qp: &fabriq_verbs::QueuePair,
     ) -> Result<ChannelDriver, ChannelError> {
         let cfg = self.channel_config(w);
-        let own = PeerGeometry {
-            rx_slots: cfg.rx_slots,
-            rx_slot_size: cfg.rx_slot_size,
-        };
-        Self::ready_driver(w, &cfg, qp, own)
+        Self::ready_driver(w, &cfg, qp, cfg.ring_geometry())
     }
 
     /// Second half of either side: the peer's hello is known and the QP is in INIT. Post the

@@ -471,10 +471,7 @@ mod tests {
             q.modify(&QpAttr::init(access)).expect("init");
         }
         let cfg = ChannelConfig::default();
-        let geo = PeerGeometry {
-            rx_slots: cfg.rx_slots,
-            rx_slot_size: cfg.rx_slot_size,
-        };
+        let geo = cfg.ring_geometry();
         let t = Instant::from_nanos(1);
         let mut a = ChannelDriver::new(&pd, qa.clone(), cfg.clone(), geo).expect("driver a");
         let mut b = ChannelDriver::new(&pd, qb.clone(), cfg, geo).expect("driver b");
@@ -550,10 +547,7 @@ mod tests {
         let cq = ctx.create_cq(64).expect("cq");
         let qp = pd.create_qp(&QpInitAttr::new(&cq)).expect("qp");
         let cfg = ChannelConfig::default();
-        let geo = PeerGeometry {
-            rx_slots: cfg.rx_slots,
-            rx_slot_size: cfg.rx_slot_size,
-        };
+        let geo = cfg.ring_geometry();
         let old = ChannelDriver::new(&pd, qp.clone(), cfg.clone(), geo).expect("old driver");
         let mut new = ChannelDriver::new(&pd, qp.clone(), cfg, geo).expect("new driver");
         assert_ne!(old.epoch, new.epoch);

@@ -261,12 +261,8 @@ impl Side {
 
 impl Pair {
     pub fn new(cfg_a: ChannelConfig, cfg_b: ChannelConfig) -> Pair {
-        let geo = |c: &ChannelConfig| PeerGeometry {
-            rx_slots: c.rx_slots,
-            rx_slot_size: c.rx_slot_size,
-        };
-        let a = Side::new(cfg_a.clone(), geo(&cfg_b));
-        let b = Side::new(cfg_b, geo(&cfg_a));
+        let a = Side::new(cfg_a.clone(), cfg_b.ring_geometry());
+        let b = Side::new(cfg_b, cfg_a.ring_geometry());
         Pair {
             sides: [a, b],
             now: Instant::ZERO,

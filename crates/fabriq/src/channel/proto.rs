@@ -167,6 +167,14 @@ impl Default for ChannelConfig {
 }
 
 impl ChannelConfig {
+    /// The receive ring this configuration posts, as a peer sees it (every slot a credit).
+    pub fn ring_geometry(&self) -> PeerGeometry {
+        PeerGeometry {
+            rx_slots: self.rx_slots,
+            rx_slot_size: self.rx_slot_size,
+        }
+    }
+
     /// Check internal consistency.
     pub fn validate(&self) -> Result<(), ChannelError> {
         let bad = |what: &str| Err(ChannelError::InvalidConfig(what.to_string()));

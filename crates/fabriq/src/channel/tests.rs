@@ -366,14 +366,8 @@ mod slow_receiver {
             ..ChannelConfig::default()
         };
         let mut p = Pair::new(big.clone(), small_ring());
-        let own = PeerGeometry {
-            rx_slots: big.rx_slots,
-            rx_slot_size: big.rx_slot_size,
-        };
-        let peer = PeerGeometry {
-            rx_slots: small_ring().rx_slots,
-            rx_slot_size: small_ring().rx_slot_size,
-        };
+        let own = big.ring_geometry();
+        let peer = small_ring().ring_geometry();
         p.sides[0].core = ChannelCore::new(big, own).expect("valid");
         p.sides[0].core.set_peer(peer).expect("before any message");
         assert_eq!(p.sides[0].core.credits(), peer.rx_slots);

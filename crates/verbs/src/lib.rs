@@ -30,6 +30,8 @@ mod cq;
 mod device;
 mod error;
 #[allow(unsafe_code)]
+pub mod hint;
+#[allow(unsafe_code)]
 mod mr;
 pub mod oob;
 #[allow(unsafe_code)]

@@ -112,6 +112,12 @@ pub struct ChannelDriver {
     peer_ready: bool,
     /// Send-queue work requests held until the peer is ready.
     held: VecDeque<WorkRequest>,
+    /// Receive slots in the ring.
+    rx_slots: usize,
+    /// Where the peer's next message is expected: the address of the receive slot after the
+    /// last one completed (slots are posted, and taken by the peer's sends, in ring order).
+    /// 0 before the first message. A prefetch hint ([`ChannelDriver::next_rx_addr`]).
+    next_rx: usize,
 }
 
 impl std::fmt::Debug for ChannelDriver {
@@ -163,6 +169,7 @@ impl ChannelDriver {
             ));
         }
         let slot_size = config.rx_slot_size as usize;
+        let rx_slots = config.rx_slots as usize;
         let core = ChannelCore::new(config, peer)?;
         let inline_max = qp.query().caps.max_inline_data;
         Ok(ChannelDriver {
@@ -177,6 +184,8 @@ impl ChannelDriver {
             stale: 0,
             peer_ready: true,
             held: VecDeque::new(),
+            rx_slots,
+            next_rx: 0,
         })
     }
 
@@ -265,6 +274,8 @@ impl ChannelDriver {
             // The peer posts its ring before it may send: a message from it confirms it.
             self.peer_ready = true;
             let slot = (wc.wr_id & 0xFFFF_FFFF) as usize;
+            let next = (slot + 1) % self.rx_slots.max(1);
+            self.next_rx = self.rx_ring.as_ptr() as usize + next * self.slot_size;
             let n = (wc.byte_len as usize).min(self.slot_size);
             let read = self
                 .scratch
@@ -280,6 +291,16 @@ impl ChannelDriver {
         } else {
             self.core.handle_completion(now, wc, &[]);
         }
+    }
+
+    /// Where the peer's next message will be written: the receive slot after the last one
+    /// completed, 0 before the first message. A thread about to poll the completion of that
+    /// message can start fetching the slot first ([`fabriq_verbs::hint::prefetch_read`]), so
+    /// that reading it does not wait for the line to come over from the writer's core after
+    /// the completion was found. Only a hint: the peer may not have sent, or a flushed
+    /// connection may take its slots out of order.
+    pub fn next_rx_addr(&self) -> usize {
+        self.next_rx
     }
 
     /// Answer buffer requests from `pool`, then post every work request the core has (send
@@ -534,6 +555,92 @@ mod tests {
         }
         assert_eq!(got, vec![b"first".to_vec(), b"second".to_vec()]);
         assert!(!b.awaiting_peer());
+    }
+
+    /// `next_rx_addr` names the slot the next message lands in: the one after the slot just
+    /// completed, wrapping at the ring's end (the receiving side's prefetch hint relies on the
+    /// peer's sends taking the posted slots in ring order, reposts included).
+    #[test]
+    fn the_next_receive_lands_where_the_hint_says() {
+        let ctx = Context::open("shm0").expect("shm0");
+        let pd = ctx.alloc_pd().expect("pd");
+        let (cq_a, cq_b) = (
+            ctx.create_cq(64).expect("cq"),
+            ctx.create_cq(64).expect("cq"),
+        );
+        let qa = pd.create_qp(&QpInitAttr::new(&cq_a)).expect("qp");
+        let qb = pd.create_qp(&QpInitAttr::new(&cq_b)).expect("qp");
+        for q in [&qa, &qb] {
+            q.modify(&QpAttr::init(
+                AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ,
+            ))
+            .expect("init");
+        }
+        let cfg = ChannelConfig {
+            rx_slots: 4,
+            ..ChannelConfig::default()
+        };
+        let geo = cfg.ring_geometry();
+        let t = Instant::from_nanos(1);
+        let mut a = ChannelDriver::new(&pd, qa.clone(), cfg.clone(), geo).expect("driver a");
+        let mut b = ChannelDriver::new(&pd, qb.clone(), cfg.clone(), geo).expect("driver b");
+        a.post_ready(t).expect("ring a");
+        b.post_ready(t).expect("ring b");
+        for (q, peer) in [(&qa, &qb), (&qb, &qa)] {
+            q.modify(&QpAttr::rtr(peer.endpoint())).expect("rtr");
+            q.modify(&QpAttr::rts()).expect("rts");
+        }
+        assert_eq!(b.next_rx_addr(), 0, "no hint before the first message");
+        let base = b.rx_ring.as_ptr() as usize;
+        let slot_size = cfg.rx_slot_size as usize;
+        let mut pool = MemPool::new(&pd, PoolConfig::default()).expect("pool");
+        let mut wcs = vec![WorkCompletion::EMPTY; 8];
+        let mut hinted = None;
+        let mut now = 1u64;
+        // Three times round the ring, each message delivered (and its slot reposted) before
+        // the next is sent; the time moves on, so that the credit and ack updates go out.
+        for i in 0..12u32 {
+            let body =
+                crate::channel::outbuf::SmallBuf::from_parts(&[&i.to_le_bytes()]).expect("small");
+            a.send(OutBuf::Small(body), TraceInfo::default())
+                .map_err(|(e, _)| e)
+                .expect("send");
+            let deadline = std::time::Instant::now() + Duration::from_secs(5);
+            let mut slot = None;
+            while slot.is_none() && std::time::Instant::now() < deadline {
+                now += 1_000_000;
+                let t = Instant::from_nanos(now);
+                a.pump(t, &mut pool);
+                let n = cq_b.poll(&mut wcs).expect("poll b");
+                for wc in wcs.iter().take(n) {
+                    if wc.opcode == WcOpcode::Recv && wc.status == WcStatus::Success {
+                        let s = (wc.wr_id & 0xFFFF_FFFF) as usize;
+                        if slot.replace(s).is_some() {
+                            panic!("two messages for one send");
+                        }
+                    }
+                    b.handle_completion(t, wc);
+                }
+                while let Some(ev) = b.poll_event() {
+                    if matches!(ev, Event::Received { .. }) {
+                        b.core_mut().handle_released(1); // read by the application
+                    }
+                }
+                b.pump(t, &mut pool);
+                let n = cq_a.poll(&mut wcs).expect("poll a");
+                for wc in wcs.iter().take(n) {
+                    a.handle_completion(t, wc);
+                }
+                while a.poll_event().is_some() {}
+            }
+            let slot = slot.unwrap_or_else(|| panic!("message {i} not received"));
+            if let Some(h) = hinted {
+                assert_eq!(base + slot * slot_size, h, "message {i} landed elsewhere");
+            }
+            let next = b.next_rx_addr();
+            assert_eq!(next, base + ((slot + 1) % 4) * slot_size);
+            hinted = Some(next);
+        }
     }
 
     /// A completion left over from an earlier connection on the same QP (it raced the QP's

@@ -389,6 +389,10 @@ pub(crate) struct WorkerConfig {
 pub(crate) struct Worker {
     /// The worker's own shared half (streams created here point back at it).
     me: Weak<WorkerShared>,
+    /// The receive slot of the connection that received last where its next message is
+    /// expected (`ChannelDriver::next_rx_addr`), published after each pass for the threads
+    /// that spin on the CQ ([`WorkerShared::prefetch_next_rx`]).
+    next_rx: usize,
     cq: CompletionQueue,
     buffers: Arc<Buffers>,
     conns: FxHashMap<u32, ConnState>,
@@ -462,6 +466,7 @@ pub(crate) fn spawn(
     let cq_peek = cq.clone();
     let worker = Worker {
         me: Arc::downgrade(&shared),
+        next_rx: 0,
         epoll,
         cq,
         buffers: Arc::clone(&buffers),
@@ -519,6 +524,7 @@ fn run_thread(shared: &WorkerShared, idle_spin: Duration) {
         if shared.stopped.load(Ordering::Acquire) {
             return;
         }
+        shared.prefetch_next_rx();
         match shared.try_progress_at(recent.take()) {
             Some(0) => {}
             Some(_) | None => {
@@ -746,6 +752,7 @@ impl Worker {
             self.stop_when_delivered(shared);
         }
         self.nudge_sleeper(shared);
+        shared.publish_next_rx(self.next_rx);
         work
     }
 
@@ -972,6 +979,7 @@ impl Worker {
             }
         } else {
             st.driver.handle_completion(now, wc);
+            self.next_rx = st.driver.next_rx_addr();
         }
         self.mark_dirty(id);
     }

@@ -290,19 +290,23 @@ impl WorkerShared {
         }
     }
 
-    /// A thread about to run a pass: when the CQ shows a completion, start fetching the
-    /// receive slot the next message is expected in, so that the pass finds it in this core's
-    /// cache when it reads the message — the fetch overlaps taking the state, the inbox and
-    /// the CQ poll instead of following them. Nothing is fetched while the CQ is empty: the
-    /// line would be pulled away from the core about to write it. Cross-core one-way channel
-    /// latency on shm0 2–6% lower (`docs/BENCHMARKS.md`, "2026-12-04, fourth round").
+    /// A thread about to run a pass (the thread-mode loop, every round): when the CQ shows a
+    /// completion, start fetching the receive slot the next message is expected in, so that
+    /// the pass finds it in this core's cache when it reads the message — the line's transfer
+    /// from the writer's core overlaps taking the state, the inbox and the CQ poll instead of
+    /// following them. Nothing is fetched while the CQ is empty, which is every round of an
+    /// idle thread-mode loop.
     pub(crate) fn prefetch_next_rx(&self) {
         if self.cq.get().is_some_and(|cq| cq.may_have_completions()) {
             self.prefetch_next_rx_now();
         }
     }
 
-    /// [`WorkerShared::prefetch_next_rx`] for a thread that has just seen the CQ non-empty.
+    /// [`WorkerShared::prefetch_next_rx`] without looking at the CQ, for the wait loop: it
+    /// prefetches before each pass it runs — the round that saw a completion, and the few
+    /// that run a pass anyway (after work, every 64th) — so at most once per 64 idle rounds
+    /// without one. Cross-core one-way channel latency on shm0 2–6% lower in interleaved runs
+    /// (`docs/BENCHMARKS.md`, "2026-12-04, fourth round").
     fn prefetch_next_rx_now(&self) {
         let addr = self.next_rx.load(Ordering::Relaxed);
         if addr != 0 {
@@ -622,9 +626,11 @@ impl WorkerShared {
                     }
                     continue;
                 }
+                // The slot the next message lands in starts coming over while the pass takes
+                // the state and polls the CQ.
+                self.prefetch_next_rx_now();
                 // A round right after one that did work (handlers may have run for a while)
                 // lets its pass read the clock itself.
-                self.prefetch_next_rx_now();
                 let reading = (!after_work).then_some(now);
                 after_work = false;
                 if let Some(n) = self.progress_waiting(reading, reader) {

@@ -1,27 +1,29 @@
 #!/usr/bin/env bash
-# bench/ab.sh — two builds of `fabriq` side by side on one measurement: each pair of runs is one
-# run of build A then one of build B, so load that comes and goes on a shared host falls on both
-# alike. Prints every pair, then the median of each build's p50, the ratio B / A and in how many
-# pairs B was faster.
+# bench/ab.sh — builds of `fabriq` side by side on one measurement: each round runs every build
+# once, in an order that rotates from round to round (no build always goes first), so load that
+# comes and goes on a shared host falls on all alike. Prints every round, then the median of each
+# build's p50, its ratio to the first build's and in how many rounds it was faster than the first.
 #
 # Usage:
-#   bench/ab.sh A_BIN B_BIN [PAIRS] [-- fabriq perf arguments]
+#   bench/ab.sh A_BIN B_BIN [C_BIN ...] [ROUNDS] [-- fabriq perf arguments]
 # e.g. build the old tree, copy target/release/fabriq to /tmp/fabriq-old, build the new one:
 #   bench/ab.sh /tmp/fabriq-old target/release/fabriq 31
 # Default measurement (client CPU 0, server CPU 1, caller progress):
 #   perf --local --layer channel --progress caller -d shm0 -t send_lat -s 8 -n 50000 --cpu 0 --server-cpu 1
 set -u -o pipefail
 
-if [ $# -lt 2 ]; then
+BINS=()
+while [ $# -gt 0 ] && [ "$1" != "--" ] && ! [[ "$1" =~ ^[0-9]+$ ]]; do
+    BINS+=("$1")
+    shift
+done
+if [ ${#BINS[@]} -lt 2 ]; then
     sed -n '2,12p' "$0" >&2
     exit 2
 fi
-A=$1
-B=$2
-shift 2
-PAIRS=31
+ROUNDS=31
 if [ $# -gt 0 ] && [ "$1" != "--" ]; then
-    PAIRS=$1
+    ROUNDS=$1
     shift
 fi
 [ "${1:-}" = "--" ] && shift
@@ -30,7 +32,7 @@ if [ $# -gt 0 ]; then
 else
     ARGS=(--local --layer channel --progress caller -d shm0 -t send_lat -s 8 -n 50000 --cpu 0 --server-cpu 1)
 fi
-for bin in "$A" "$B"; do
+for bin in "${BINS[@]}"; do
     [ -x "$bin" ] || { echo "not an executable: $bin" >&2; exit 2; }
 done
 
@@ -43,23 +45,42 @@ except Exception:
     print("nan")'
 }
 
+names=ABCDEFGHIJKLMNOPQRSTUVWXYZ
+n=${#BINS[@]}
 out=$(mktemp)
 trap 'rm -f "$out"' EXIT
 echo "fabriq perf ${ARGS[*]}"
-for i in $(seq "$PAIRS"); do
-    a=$(p50 "$A")
-    b=$(p50 "$B")
-    echo "pair $i: A $a  B $b"
-    echo "$a $b" >>"$out"
+for k in $(seq 0 $((n - 1))); do
+    echo "${names:k:1}: ${BINS[k]}"
 done
-python3 - "$out" <<'PY'
+for i in $(seq "$ROUNDS"); do
+    vals=()
+    for k in $(seq 0 $((n - 1))); do
+        vals+=("")
+    done
+    for j in $(seq 0 $((n - 1))); do
+        k=$(((i - 1 + j) % n))
+        vals[k]=$(p50 "${BINS[k]}")
+    done
+    line="round $i:"
+    for k in $(seq 0 $((n - 1))); do
+        line="$line ${names:k:1} ${vals[k]} "
+    done
+    echo "$line"
+    echo "${vals[*]}" >>"$out"
+done
+python3 - "$out" "$names" <<'PY'
 import math, statistics, sys
+names = sys.argv[2]
 rows = [tuple(map(float, l.split())) for l in open(sys.argv[1])]
 rows = [r for r in rows if not any(math.isnan(x) for x in r)]
 if not rows:
-    sys.exit("no successful pairs")
-a = statistics.median(r[0] for r in rows)
-b = statistics.median(r[1] for r in rows)
-faster = sum(1 for x, y in rows if y < x)
-print(f"median p50: A {a:.3f} us, B {b:.3f} us, B/A {b / a:.3f}; B faster in {faster} of {len(rows)} pairs")
+    sys.exit("no successful rounds")
+n = len(rows[0])
+med = [statistics.median(r[k] for r in rows) for k in range(n)]
+parts = [f"{names[k]} {med[k]:.3f} us" for k in range(n)]
+print("median p50: " + ", ".join(parts))
+for k in range(1, n):
+    faster = sum(1 for r in rows if r[k] < r[0])
+    print(f"{names[k]}/A {med[k] / med[0]:.3f}; {names[k]} faster in {faster} of {len(rows)} rounds")
 PY

@@ -8,6 +8,10 @@
 #   bench/ab.sh A_BIN B_BIN [C_BIN ...] [ROUNDS] [-- fabriq perf arguments]
 # e.g. build the old tree, copy target/release/fabriq to /tmp/fabriq-old, build the new one:
 #   bench/ab.sh /tmp/fabriq-old target/release/fabriq 31
+# For a change of a few percent, build every side with functions and branch targets aligned
+# (RUSTFLAGS="-C llvm-args=-align-all-functions=6 -C llvm-args=-align-all-nofallthru-blocks=5"):
+# code placement alone moved the verbs SEND by 4-13% between two plain builds of code it shares
+# (docs/BENCHMARKS.md, 2026-12-04, fourth round).
 # Default measurement (client CPU 0, server CPU 1, caller progress):
 #   perf --local --layer channel --progress caller -d shm0 -t send_lat -s 8 -n 50000 --cpu 0 --server-cpu 1
 set -u -o pipefail
@@ -18,7 +22,7 @@ while [ $# -gt 0 ] && [ "$1" != "--" ] && ! [[ "$1" =~ ^[0-9]+$ ]]; do
     shift
 done
 if [ ${#BINS[@]} -lt 2 ]; then
-    sed -n '2,12p' "$0" >&2
+    sed -n '2,16p' "$0" >&2
     exit 2
 fi
 ROUNDS=31

@@ -305,8 +305,8 @@ impl WorkerShared {
     /// [`WorkerShared::prefetch_next_rx`] without looking at the CQ, for the wait loop: it
     /// prefetches before each pass it runs — the round that saw a completion, and the few
     /// that run a pass anyway (after work, every 64th) — so at most once per 64 idle rounds
-    /// without one. Cross-core one-way channel latency on shm0 2–6% lower in interleaved runs
-    /// (`docs/BENCHMARKS.md`, "2026-12-04, fourth round").
+    /// without one. Cross-core one-way channel latency on shm0 about 2% lower, builds with
+    /// aligned code side by side (`docs/BENCHMARKS.md`, "2026-12-04, fourth round").
     fn prefetch_next_rx_now(&self) {
         let addr = self.next_rx.load(Ordering::Relaxed);
         if addr != 0 {

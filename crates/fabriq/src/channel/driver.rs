@@ -471,14 +471,22 @@ mod tests {
     use std::time::Duration;
 
     use crate::mempool::PoolConfig;
-    use fabriq_verbs::{Context, QpAttr, QpInitAttr, WcOpcode, WcStatus};
+    use fabriq_verbs::{CompletionQueue, Context, QpAttr, QpInitAttr, WcOpcode, WcStatus};
 
     /// The accepting side's driver before the peer confirmed its ring: its receive ring is
     /// posted, but a message it is given stays held (nothing reaches the peer's QP, which has
     /// a receive posted and would complete it) until the peer is said to be ready; then the
     /// held SEND goes out, in order before a later one.
-    #[test]
-    fn sends_are_held_until_the_peer_is_ready_and_then_go_in_order() {
+    /// Two QPs of one shm0 context in INIT, each with a CQ of its own.
+    struct QpPair {
+        pd: ProtectionDomain,
+        cq_a: CompletionQueue,
+        cq_b: CompletionQueue,
+        qa: QueuePair,
+        qb: QueuePair,
+    }
+
+    fn qp_pair() -> QpPair {
         let ctx = Context::open("shm0").expect("shm0");
         let pd = ctx.alloc_pd().expect("pd");
         let (cq_a, cq_b) = (
@@ -491,6 +499,24 @@ mod tests {
         for q in [&qa, &qb] {
             q.modify(&QpAttr::init(access)).expect("init");
         }
+        QpPair {
+            pd,
+            cq_a,
+            cq_b,
+            qa,
+            qb,
+        }
+    }
+
+    #[test]
+    fn sends_are_held_until_the_peer_is_ready_and_then_go_in_order() {
+        let QpPair {
+            pd,
+            cq_a: _cq_a,
+            cq_b,
+            qa,
+            qb,
+        } = qp_pair();
         let cfg = ChannelConfig::default();
         let geo = cfg.ring_geometry();
         let t = Instant::from_nanos(1);
@@ -562,20 +588,13 @@ mod tests {
     /// peer's sends taking the posted slots in ring order, reposts included).
     #[test]
     fn the_next_receive_lands_where_the_hint_says() {
-        let ctx = Context::open("shm0").expect("shm0");
-        let pd = ctx.alloc_pd().expect("pd");
-        let (cq_a, cq_b) = (
-            ctx.create_cq(64).expect("cq"),
-            ctx.create_cq(64).expect("cq"),
-        );
-        let qa = pd.create_qp(&QpInitAttr::new(&cq_a)).expect("qp");
-        let qb = pd.create_qp(&QpInitAttr::new(&cq_b)).expect("qp");
-        for q in [&qa, &qb] {
-            q.modify(&QpAttr::init(
-                AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ,
-            ))
-            .expect("init");
-        }
+        let QpPair {
+            pd,
+            cq_a,
+            cq_b,
+            qa,
+            qb,
+        } = qp_pair();
         let cfg = ChannelConfig {
             rx_slots: 4,
             ..ChannelConfig::default()

@@ -729,16 +729,7 @@ fn a_qp_failure_on_the_server_is_reported_to_the_client() {
     let server = serve(listener, 1);
     let (cli, _) = manager(ConnConfig::default());
     let err = cli.connect(addr, LONG).unwrap_err();
-    assert!(
-        matches!(
-            err,
-            ConnError::Rejected {
-                code: wire::RejectCode::Internal,
-                ..
-            }
-        ),
-        "{err}"
-    );
+    assert_rejected_internal(&err);
     let srv_err = server.join().unwrap().pop().unwrap().unwrap_err();
     assert!(matches!(srv_err, ConnError::Verbs(_)), "{srv_err}");
     assert_eq!(srv.stats().qps_cached, 1);
@@ -754,16 +745,7 @@ fn an_abandoned_pending_connection_tells_the_peer() {
     let pending = cli.connect_pending(addr, None, LONG).unwrap();
     drop(pending);
     let err = server.join().unwrap().pop().unwrap().unwrap_err();
-    assert!(
-        matches!(
-            err,
-            ConnError::Rejected {
-                code: wire::RejectCode::Internal,
-                ..
-            }
-        ),
-        "{err}"
-    );
+    assert_rejected_internal(&err);
     assert_eq!(cli.stats().qps_cached, 1);
 }
 
@@ -1550,6 +1532,20 @@ fn a_failed_connect_drops_the_early_set_up_before_caching_the_qp() {
         })
         .map(|_| ())
         .unwrap_err();
+    assert_rejected_internal(&err);
+    assert_eq!(runs, 1);
+    assert_eq!(
+        *cached_at_drop.lock().unwrap(),
+        Some(0),
+        "dropped before caching"
+    );
+    assert_eq!(cli.stats().qps_cached, 1, "the QP went back to the cache");
+    assert!(server.join().unwrap().pop().unwrap().is_err());
+}
+
+/// `err` is the peer's rejection with `RejectCode::Internal`.
+#[track_caller]
+fn assert_rejected_internal(err: &ConnError) {
     assert!(
         matches!(
             err,
@@ -1560,12 +1556,4 @@ fn a_failed_connect_drops_the_early_set_up_before_caching_the_qp() {
         ),
         "{err}"
     );
-    assert_eq!(runs, 1);
-    assert_eq!(
-        *cached_at_drop.lock().unwrap(),
-        Some(0),
-        "dropped before caching"
-    );
-    assert_eq!(cli.stats().qps_cached, 1, "the QP went back to the cache");
-    assert!(server.join().unwrap().pop().unwrap().is_err());
 }

@@ -391,7 +391,7 @@ pub(crate) struct Worker {
     me: Weak<WorkerShared>,
     /// The receive slot of the connection that received last where its next message is
     /// expected (`ChannelDriver::next_rx_addr`), published after each pass for the threads
-    /// that spin on the CQ ([`WorkerShared::prefetch_next_rx`]).
+    /// that wait on the CQ ([`WorkerShared::prefetch_next_rx`]).
     next_rx: usize,
     cq: CompletionQueue,
     buffers: Arc<Buffers>,
@@ -524,7 +524,6 @@ fn run_thread(shared: &WorkerShared, idle_spin: Duration) {
         if shared.stopped.load(Ordering::Acquire) {
             return;
         }
-        shared.prefetch_next_rx();
         match shared.try_progress_at(recent.take()) {
             Some(0) => {}
             Some(_) | None => {

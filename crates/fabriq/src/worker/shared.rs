@@ -290,24 +290,17 @@ impl WorkerShared {
         }
     }
 
-    /// A thread about to run a pass (the thread-mode loop, every round): when the CQ shows a
-    /// completion, start fetching the receive slot the next message is expected in, so that
-    /// the pass finds it in this core's cache when it reads the message — the line's transfer
-    /// from the writer's core overlaps taking the state, the inbox and the CQ poll instead of
-    /// following them. Nothing is fetched while the CQ is empty, which is every round of an
-    /// idle thread-mode loop.
-    pub(crate) fn prefetch_next_rx(&self) {
-        if self.cq.get().is_some_and(|cq| cq.may_have_completions()) {
-            self.prefetch_next_rx_now();
-        }
-    }
-
-    /// [`WorkerShared::prefetch_next_rx`] without looking at the CQ, for the wait loop: it
-    /// prefetches before each pass it runs — the round that saw a completion, and the few
-    /// that run a pass anyway (after work, every 64th) — so at most once per 64 idle rounds
-    /// without one. Cross-core one-way channel latency on shm0 about 2% lower, builds with
-    /// aligned code side by side (`docs/BENCHMARKS.md`, "2026-12-04, fourth round").
-    fn prefetch_next_rx_now(&self) {
+    /// A waiting thread about to run a pass: start fetching the receive slot the next message
+    /// is expected in, so that the pass finds it in this core's cache when it reads the
+    /// message — the line's transfer from the writer's core overlaps taking the state, the
+    /// inbox and the CQ poll instead of following them. The wait loop calls it before each
+    /// pass it runs — the round that saw a completion, and the few that run a pass anyway
+    /// (after work, every 64th) — so at most once per 64 idle rounds without one; an idle
+    /// round does not pull the line away from the core about to write it. Cross-core one-way
+    /// channel latency on shm0 about 2% lower in caller mode, builds with aligned code side by
+    /// side (`docs/BENCHMARKS.md`, "2026-12-04, fourth round"). The thread-mode loop does not
+    /// call it: it measured no gain there (0.990, 1.000), and would read the CQ twice a round.
+    fn prefetch_next_rx(&self) {
         let addr = self.next_rx.load(Ordering::Relaxed);
         if addr != 0 {
             fabriq_verbs::hint::prefetch_read(addr);
@@ -628,7 +621,7 @@ impl WorkerShared {
                 }
                 // The slot the next message lands in starts coming over while the pass takes
                 // the state and polls the CQ.
-                self.prefetch_next_rx_now();
+                self.prefetch_next_rx();
                 // A round right after one that did work (handlers may have run for a while)
                 // lets its pass read the clock itself.
                 let reading = (!after_work).then_some(now);

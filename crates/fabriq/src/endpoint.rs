@@ -1017,6 +1017,54 @@ mod tests {
         assert!(handed <= n);
     }
 
+    /// Caller mode, both ends answering what they read (a ping-pong) on a small stream window:
+    /// the pass that hands a reader its message leaves the connection's housekeeping (slots to
+    /// repost, acks, completions of its sends) to the next pump — the answer's — and the flow
+    /// never stalls on what was left: every round trip completes in order, and the readers
+    /// took their messages from their own passes.
+    #[test]
+    fn a_ping_pong_of_handed_messages_keeps_flowing_on_a_small_window() {
+        use crate::{Config, Progress};
+        use std::time::Duration;
+        const WAIT: Duration = Duration::from_secs(10);
+        let cfg = Config {
+            device: "shm0".into(),
+            workers: 1,
+            progress: Progress::Caller,
+            stream_window: 4,
+            ..Config::default()
+        };
+        let a = super::Endpoint::new(cfg.clone()).expect("a");
+        let b = super::Endpoint::new(cfg).expect("b");
+        let listener = b.listen("127.0.0.1:0").expect("listen");
+        let ca = a.connect(listener.local_addr()).expect("connect");
+        let cb = listener.accept_timeout(WAIT).expect("accept");
+        let n = 3_000u64;
+        let echo = std::thread::spawn(move || {
+            for _ in 0..n {
+                let m = cb.recv_timeout(WAIT).expect("ping");
+                cb.send_timeout(&m, WAIT).expect("pong");
+            }
+            cb
+        });
+        for i in 0..n {
+            ca.send_timeout(&i.to_le_bytes(), WAIT).expect("send");
+            let m = ca.recv_timeout(WAIT).expect("recv");
+            assert_eq!(m[..], i.to_le_bytes(), "round trip {i}");
+        }
+        let cb = echo.join().expect("echo");
+        for (side, ch) in [("a", &ca), ("b", &cb)] {
+            let handed = ch.shared().handed_count();
+            assert!(
+                handed > 0,
+                "{side}: no message was handed to the reading thread"
+            );
+        }
+        // Nothing left behind: both ends still answer at once.
+        ca.send_timeout(b"last", WAIT).expect("send last");
+        assert_eq!(&cb.recv_timeout(WAIT).expect("recv last")[..], b"last");
+    }
+
     /// The peer of a pooled connection went away (its endpoint dropped: the `Close` and the
     /// hang-up of its control stream are in this host's socket) while the connecting side's
     /// worker has not read that stream yet — arranged here by holding every worker of the

@@ -274,7 +274,12 @@ impl ChannelDriver {
             // The peer posts its ring before it may send: a message from it confirms it.
             self.peer_ready = true;
             let slot = (wc.wr_id & 0xFFFF_FFFF) as usize;
-            let next = (slot + 1) % self.rx_slots.max(1);
+            // (No division on the message's path: `slot` is below `rx_slots`.)
+            let next = if slot + 1 < self.rx_slots {
+                slot + 1
+            } else {
+                0
+            };
             self.next_rx = self.rx_ring.as_ptr() as usize + next * self.slot_size;
             let n = (wc.byte_len as usize).min(self.slot_size);
             let read = self
@@ -462,6 +467,11 @@ impl ChannelDriver {
     /// Next event of the core.
     pub fn poll_event(&mut self) -> Option<CoreEvent> {
         self.core.poll_event()
+    }
+
+    /// Next send completion of the core ([`ChannelCore::poll_send_complete`]).
+    pub fn poll_send_complete(&mut self) -> Option<CoreEvent> {
+        self.core.poll_send_complete()
     }
 }
 

@@ -500,6 +500,11 @@ pub struct ChannelCore<O, I> {
     /// back only once it is posted ([`ChannelCore::returnable`]).
     reposts: VecDeque<u32>,
     events: VecDeque<Event<O, I>>,
+    /// `SendComplete` events, apart from `events`: [`ChannelCore::poll_event`] hands out
+    /// arrivals first, so that a frame that delivers a message and acknowledges sends gives
+    /// the waiting reader its message before the sender's bookkeeping
+    /// ([`ChannelCore::poll_send_complete`] takes the latter alone).
+    completed: VecDeque<Event<O, I>>,
     stats: ChannelStats,
 
     // ---- send side ----
@@ -561,6 +566,7 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
             out: VecDeque::new(),
             reposts,
             events: VecDeque::new(),
+            completed: VecDeque::new(),
             stats: ChannelStats::default(),
             next_seq: 1,
             queued: VecDeque::new(),
@@ -880,7 +886,7 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
 
     /// True when [`ChannelCore::poll_event`] has something.
     pub fn has_events(&self) -> bool {
-        !self.events.is_empty() || self.writable_due()
+        !self.events.is_empty() || !self.completed.is_empty() || self.writable_due()
     }
 
     /// A sender was refused for a full queue and there is room again: `Writable` is due.
@@ -888,13 +894,27 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
         self.state == State::Open && self.was_full && self.can_queue()
     }
 
-    /// Next event.
+    /// True when a message (or the channel's failure) waits in [`ChannelCore::poll_event`].
+    pub fn has_deliveries(&self) -> bool {
+        !self.events.is_empty()
+    }
+
+    /// Next event: what arrived (messages in order, the failure) before the completions of
+    /// sends, then `Writable`.
     pub fn poll_event(&mut self) -> Option<Event<O, I>> {
-        if self.events.is_empty() && self.writable_due() {
+        if let Some(ev) = self.events.pop_front() {
+            return Some(ev);
+        }
+        if self.completed.is_empty() && self.writable_due() {
             self.was_full = false;
             return Some(Event::Writable);
         }
-        self.events.pop_front()
+        self.completed.pop_front()
+    }
+
+    /// Next `SendComplete` event only (arrivals stay for [`ChannelCore::poll_event`]).
+    pub fn poll_send_complete(&mut self) -> Option<Event<O, I>> {
+        self.completed.pop_front()
     }
 
     // ------------------------------------------------------------------------------------
@@ -1192,7 +1212,7 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
     /// Message `seq` is done (sent, and the peer has it): its payload is handed back.
     fn complete(&mut self, seq: u64) {
         if let Some(m) = self.inflight.remove(seq) {
-            self.events.push_back(Event::SendComplete {
+            self.completed.push_back(Event::SendComplete {
                 id: MsgId(seq),
                 stream: m.stream,
                 flags: m.flags,

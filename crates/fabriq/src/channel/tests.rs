@@ -318,6 +318,48 @@ mod open_channel {
     }
 }
 
+mod event_order {
+    use super::*;
+
+    /// A frame that delivers a message and acknowledges a send of this end yields the
+    /// message first: a reader waiting for it is not held up by the sender's bookkeeping, and
+    /// the completion can be taken alone later (`poll_send_complete`).
+    #[test]
+    fn an_arrival_comes_before_the_send_completions_its_frame_acknowledges() {
+        use super::super::proto::Event;
+        let cfg = ChannelConfig {
+            signal_every: 1,
+            ack_delay: std::time::Duration::from_secs(10),
+            ..ChannelConfig::default()
+        };
+        let mut p = Pair::symmetric(cfg);
+        p.send(0, data(8, 1)).expect("first message");
+        while p.sides[1].received.is_empty() {
+            assert!(p.step(), "the first message never arrived");
+        }
+        // The answer lands at end 0, which does not look at its events yet.
+        p.sides[0].paused = true;
+        p.send(1, data(8, 2)).expect("answer");
+        for _ in 0..1000 {
+            if !p.step() {
+                break;
+            }
+        }
+        let core = &mut p.sides[0].core;
+        assert!(core.has_deliveries(), "the answer did not arrive");
+        match core.poll_event() {
+            Some(Event::Received { seq: 1, .. }) => {}
+            other => panic!("expected the answer first, got {other:?}"),
+        }
+        assert!(!core.has_deliveries());
+        match core.poll_send_complete() {
+            Some(Event::SendComplete { id, .. }) => assert_eq!(id.0, 1),
+            other => panic!("expected the first message's completion, got {other:?}"),
+        }
+        assert!(core.poll_event().is_none());
+    }
+}
+
 mod slow_receiver {
     use super::*;
 

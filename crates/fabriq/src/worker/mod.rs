@@ -273,6 +273,20 @@ impl ConnState {
         }
     }
 
+    /// A message the peer has: its buffer is recycled, its stream's send window opens.
+    fn send_complete(&self, buffers: &Buffers, payload: OutBuf, stream: u32, flags: TraceFlags) {
+        let len = payload.len() as u64;
+        if let OutBuf::Pool(b) = payload {
+            buffers.recycle(b);
+        }
+        // Stream-control messages are not in the stream's send window.
+        if !is_stream_control(flags) {
+            if let Some(ss) = self.streams.get(&stream) {
+                ss.shared.send_progress(1, len);
+            }
+        }
+    }
+
     /// Hand one message (in backlog order) to the core. It carries what the application of its
     /// stream consumed since the stream's last report, whether or not the worker was told (it
     /// is told only once a report's worth built up).
@@ -731,16 +745,23 @@ impl Worker {
             return work;
         }
         work += self.poll_cq();
+        if !self.awaiting.is_empty() {
+            self.check_awaiting();
+        }
+        self.pump_dirty();
+        if self.handoff.message.is_some() {
+            // The thread running the pass has its message: the rest (timers, the connections
+            // left for later) waits for the next pass, soon (see `pump_channel`).
+            shared.publish_next_rx(self.next_rx);
+            return work;
+        }
         // Timers (acks, deadlines: tens of microseconds and up) are looked at on every pass that
         // did work and on every 64th idle one (an idle pass takes well under a microsecond),
         // which keeps clock reads off the spin loop.
         if work > 0 || self.loops % 64 == 0 {
             work += self.fire_timers();
+            self.pump_dirty();
         }
-        if !self.awaiting.is_empty() {
-            self.check_awaiting();
-        }
-        self.pump_dirty();
         self.post_deferred();
         if work == 0 && self.loops % 1024 == 0 {
             // Busy for a while: look at the control streams without sleeping.
@@ -805,15 +826,6 @@ impl Worker {
     pub(crate) fn enqueue_send(&mut self, chan: StreamKey, buf: OutBuf, trace: TraceInfo) -> bool {
         let id = key_conn(chan);
         let stream = key_stream(chan);
-        let direct = self.conns.get(&id).is_some_and(|st| {
-            st.backlog.is_empty()
-                && st.failed.is_none()
-                && st.streams.get(&stream).is_some_and(|ss| !ss.peer_closed)
-        });
-        if !direct {
-            self.command_send(chan, buf, trace);
-            return false;
-        }
         let now = self.clock.get(now);
         let Worker {
             conns,
@@ -821,7 +833,14 @@ impl Worker {
             timers,
             ..
         } = self;
-        let Some(st) = conns.get_mut(&id) else {
+        // One look-up of the connection on the message's path.
+        let direct = conns.get_mut(&id).filter(|st| {
+            st.backlog.is_empty()
+                && st.failed.is_none()
+                && st.streams.get(&stream).is_some_and(|ss| !ss.peer_closed)
+        });
+        let Some(st) = direct else {
+            self.command_send(chan, buf, trace);
             return false;
         };
         let trace = TraceInfo { stream, ..trace };
@@ -830,6 +849,17 @@ impl Worker {
             st.backlog.push_back((buf, trace));
         }
         st.driver.pump(now, &mut &**buffers);
+        // The sends the peer acknowledged (a reader that answers left them for here: see
+        // `pump_channel`), after this one is out.
+        while let Some(CoreEvent::SendComplete {
+            payload,
+            stream,
+            flags,
+            ..
+        }) = st.driver.poll_send_complete()
+        {
+            st.send_complete(buffers, payload, stream, flags);
+        }
         st.arm_timer(id, timers);
         let settled = st.backlog.is_empty()
             && !st.driver.has_events()
@@ -1391,6 +1421,7 @@ impl Worker {
             timers,
             next_one_sided,
             handoff,
+            deferred_now,
             ..
         } = self;
         let Some(st) = conns.get_mut(&id) else {
@@ -1424,24 +1455,19 @@ impl Worker {
                         if let Err(e) = on_received(st, me, buffers, handlers, handoff, msg) {
                             newly_failed = Some(Failure::Error(e));
                         }
+                        if defer && handoff.message.is_some() && !st.driver.core().has_deliveries()
+                        {
+                            // The reader has its message and nothing else arrived: the
+                            // completions of sends wait for the next pump (see below).
+                            break;
+                        }
                     }
                     CoreEvent::SendComplete {
                         payload,
                         stream,
                         flags,
                         ..
-                    } => {
-                        let len = payload.len() as u64;
-                        if let OutBuf::Pool(b) = payload {
-                            buffers.recycle(b);
-                        }
-                        // Stream-control messages are not in the stream's send window.
-                        if !is_stream_control(flags) {
-                            if let Some(ss) = st.streams.get(&stream) {
-                                ss.shared.send_progress(1, len);
-                            }
-                        }
-                    }
+                    } => st.send_complete(buffers, payload, stream, flags),
                     CoreEvent::Writable => {
                         for ss in st.streams.values() {
                             ss.shared.send_progress(0, 0);
@@ -1464,6 +1490,16 @@ impl Worker {
                 }
             }
             progress += events;
+            // The thread running this pass was handed the message it waits for: it leaves with
+            // it now, and the rest of the round (reposts, a due ack, the backlog, the timer)
+            // is the next pass's — for a reader that answers, the pump of its send, which
+            // posts the answer first.
+            if defer && handoff.message.is_some() && newly_failed.is_none() {
+                if !deferred_now.contains(&id) {
+                    deferred_now.push(id);
+                }
+                return;
+            }
             // Backlog into the core, in order; each message carries its stream's window report.
             while let Some((buf, trace)) = st.backlog.pop_front() {
                 match st.offer(buffers, buf, trace) {

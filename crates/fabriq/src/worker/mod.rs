@@ -290,64 +290,79 @@ impl ConnState {
     /// Hand one message (in backlog order) to the core. It carries what the application of its
     /// stream consumed since the stream's last report, whether or not the worker was told (it
     /// is told only once a report's worth built up).
-    fn offer(&mut self, buffers: &Buffers, buf: OutBuf, mut trace: TraceInfo) -> Offered {
-        if let Some(ss) = self.streams.get_mut(&trace.stream) {
-            let owed = ss.to_report + ss.shared.take_released();
-            // A data message carries the count once half a report's worth built up, not every
-            // read: each count it carries costs the peer an atomic step on its send window,
-            // and a lag under half a report (an eighth of the window) never holds the peer
-            // back (a reader that does not send reports alone at a whole report's worth).
-            if is_stream_control(trace.flags) || owed >= (ss.shared.report_every / 2).max(1) {
-                ss.to_report = 0;
-                trace.stream_credits = trace
-                    .stream_credits
-                    .saturating_add(owed.min(u32::MAX.into()) as u32);
-            } else {
-                ss.to_report = owed;
-            }
-            if trace.flags.contains(TraceFlags::STREAM_CREDIT) {
-                ss.report_queued = false;
-            }
+    fn offer(&mut self, buffers: &Buffers, buf: OutBuf, trace: TraceInfo) -> Offered {
+        let ss = self.streams.get_mut(&trace.stream);
+        offer_to(&mut self.driver, ss, buffers, buf, trace)
+    }
+}
+
+/// [`ConnState::offer`] with the stream's state already looked up (`ss`: `None` for a stream
+/// the worker does not know).
+fn offer_to(
+    driver: &mut ChannelDriver,
+    mut ss: Option<&mut StreamState>,
+    buffers: &Buffers,
+    buf: OutBuf,
+    mut trace: TraceInfo,
+) -> Offered {
+    if let Some(ss) = ss.as_deref_mut() {
+        let owed = ss.to_report + ss.shared.take_released();
+        // A data message carries the count once half a report's worth built up, not every
+        // read: each count it carries costs the peer an atomic step on its send window,
+        // and a lag under half a report (an eighth of the window) never holds the peer
+        // back (a reader that does not send reports alone at a whole report's worth).
+        if is_stream_control(trace.flags) || owed >= (ss.shared.report_every / 2).max(1) {
+            ss.to_report = 0;
+            trace.stream_credits = trace
+                .stream_credits
+                .saturating_add(owed.min(u32::MAX.into()) as u32);
+        } else {
+            ss.to_report = owed;
         }
-        if trace.flags.contains(TraceFlags::STREAM_CREDIT) && trace.stream_credits == 0 {
-            // Already carried by a message before it.
-            if let OutBuf::Pool(b) = buf {
-                buffers.recycle(b);
-            }
-            return Offered::Dropped;
-        }
-        let buf = match buf {
-            // Held in place but above the eager limit (thresholds set below SMALL_MAX): it
-            // must go from registered memory, by rendezvous.
-            OutBuf::Small(s) if s.as_slice().len() as u64 > self.driver.eager_limit() => {
-                match alloc_registered(buffers, &[s.as_slice()]) {
-                    Ok(b) => OutBuf::Pool(b),
-                    Err(e) => {
-                        tracing::warn!(%e, "no memory to move a small message to the pool");
-                        return Offered::Later(OutBuf::Small(s), trace);
-                    }
-                }
-            }
-            other => other,
-        };
-        match self.driver.send(buf, trace) {
-            Ok(_) => Offered::Queued,
-            Err((ChannelError::WouldBlock, buf)) => Offered::Later(buf, trace),
-            Err((e, buf)) => {
-                tracing::warn!(%e, "message refused by the channel");
-                let rpc = trace.flags.0 & (TraceFlags::RPC_REQUEST | TraceFlags::RPC_RESPONSE) != 0;
-                match self.streams.get(&trace.stream) {
-                    Some(_) if is_stream_control(trace.flags) => {}
-                    // RPC messages count in the send window only.
-                    Some(ss) if rpc => ss.shared.send_progress(1, buf.len() as u64),
-                    Some(ss) => ss.shared.cancel_reservation(buf.len() as u64),
-                    None => {}
-                }
-                Offered::Dropped
-            }
+        if trace.flags.contains(TraceFlags::STREAM_CREDIT) {
+            ss.report_queued = false;
         }
     }
+    if trace.flags.contains(TraceFlags::STREAM_CREDIT) && trace.stream_credits == 0 {
+        // Already carried by a message before it.
+        if let OutBuf::Pool(b) = buf {
+            buffers.recycle(b);
+        }
+        return Offered::Dropped;
+    }
+    let buf = match buf {
+        // Held in place but above the eager limit (thresholds set below SMALL_MAX): it
+        // must go from registered memory, by rendezvous.
+        OutBuf::Small(s) if s.as_slice().len() as u64 > driver.eager_limit() => {
+            match alloc_registered(buffers, &[s.as_slice()]) {
+                Ok(b) => OutBuf::Pool(b),
+                Err(e) => {
+                    tracing::warn!(%e, "no memory to move a small message to the pool");
+                    return Offered::Later(OutBuf::Small(s), trace);
+                }
+            }
+        }
+        other => other,
+    };
+    match driver.send(buf, trace) {
+        Ok(_) => Offered::Queued,
+        Err((ChannelError::WouldBlock, buf)) => Offered::Later(buf, trace),
+        Err((e, buf)) => {
+            tracing::warn!(%e, "message refused by the channel");
+            let rpc = trace.flags.0 & (TraceFlags::RPC_REQUEST | TraceFlags::RPC_RESPONSE) != 0;
+            match ss {
+                Some(_) if is_stream_control(trace.flags) => {}
+                // RPC messages count in the send window only.
+                Some(ss) if rpc => ss.shared.send_progress(1, buf.len() as u64),
+                Some(ss) => ss.shared.cancel_reservation(buf.len() as u64),
+                None => {}
+            }
+            Offered::Dropped
+        }
+    }
+}
 
+impl ConnState {
     /// The accepting side closes a failed connection once every stream on it was dropped; the
     /// connecting side when its last [`streams::ConnHandle`] goes.
     fn retire_now(&self) -> bool {
@@ -833,18 +848,23 @@ impl Worker {
             timers,
             ..
         } = self;
-        // One look-up of the connection on the message's path.
-        let direct = conns.get_mut(&id).filter(|st| {
-            st.backlog.is_empty()
-                && st.failed.is_none()
-                && st.streams.get(&stream).is_some_and(|ss| !ss.peer_closed)
-        });
-        let Some(st) = direct else {
+        // One look-up of the connection and one of the stream on the message's path.
+        let Some(st) = conns
+            .get_mut(&id)
+            .filter(|st| st.backlog.is_empty() && st.failed.is_none())
+        else {
+            self.command_send(chan, buf, trace);
+            return false;
+        };
+        let ConnState {
+            streams, driver, ..
+        } = &mut *st;
+        let Some(ss) = streams.get_mut(&stream).filter(|ss| !ss.peer_closed) else {
             self.command_send(chan, buf, trace);
             return false;
         };
         let trace = TraceInfo { stream, ..trace };
-        let offered = st.offer(buffers, buf, trace);
+        let offered = offer_to(driver, Some(ss), buffers, buf, trace);
         if let Offered::Later(buf, trace) = offered {
             st.backlog.push_back((buf, trace));
         }

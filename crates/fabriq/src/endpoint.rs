@@ -1065,6 +1065,52 @@ mod tests {
         assert_eq!(&cb.recv_timeout(WAIT).expect("recv last")[..], b"last");
     }
 
+    /// Caller mode, a peer that closes and at once connects again (on the kept control
+    /// stream): its hello reaches the listener only once the accepting side has let that
+    /// stream go, which needs the peer's `Close` read — and no application thread reads
+    /// control streams while it calls in. The back-stop watches them meanwhile
+    /// (`WorkerShared::watch_control`); before it did, about a third of such reconnects waited
+    /// one or two back-stop graces (10–20 ms; 62 of 200 here). A reconnect that takes a whole
+    /// grace is that wait, not load: at most a few may, out of 50.
+    #[test]
+    fn a_reconnect_right_after_a_close_does_not_wait_for_the_back_stop() {
+        use crate::{Config, Progress};
+        use std::time::{Duration, Instant};
+        const WAIT: Duration = Duration::from_secs(10);
+        let cfg = Config {
+            device: "shm0".into(),
+            progress: Progress::Caller,
+            ..Config::default()
+        };
+        let server = super::Endpoint::new(cfg.clone()).expect("server");
+        let client = super::Endpoint::new(cfg).expect("client");
+        let listener = server.listen("127.0.0.1:0").expect("listen");
+        let rounds = 50;
+        let mut slow = Vec::new();
+        for i in 0..rounds {
+            let t = Instant::now();
+            let c = client.connect(listener.local_addr()).expect("connect");
+            let s = listener.accept_timeout(WAIT).expect("accept");
+            let took = t.elapsed();
+            c.send(b"x").expect("send");
+            assert_eq!(&s.recv_timeout(WAIT).expect("recv")[..], b"x");
+            drop((c, s));
+            if took >= crate::worker::shared::BACKSTOP_GRACE {
+                slow.push((i, took));
+            }
+        }
+        let stats = client.conn_stats();
+        assert!(
+            stats.stream_reuses > 0,
+            "the reconnects did not reuse the control stream: {stats:?}"
+        );
+        assert!(
+            slow.len() <= 3,
+            "{} of {rounds} reconnects took a back-stop grace or more: {slow:?}",
+            slow.len()
+        );
+    }
+
     /// The peer of a pooled connection went away (its endpoint dropped: the `Close` and the
     /// hang-up of its control stream are in this host's socket) while the connecting side's
     /// worker has not read that stream yet — arranged here by holding every worker of the

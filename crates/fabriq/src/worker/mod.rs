@@ -436,6 +436,8 @@ pub(crate) struct Worker {
     wcs: Vec<WorkCompletion>,
     loops: u64,
     epoll: OwnedFd,
+    /// The control streams alone (`WorkerShared::control_epoll`).
+    control_epoll: OwnedFd,
     /// The clock of the current pass, read at most once (see [`PassClock`]).
     clock: PassClock,
     /// Accepted connections whose peer has not confirmed its receive ring yet (their sends
@@ -492,11 +494,14 @@ pub(crate) fn spawn(
     }
     let epoll = rustix::io::dup(&shared.epoll)
         .map_err(|e| ChannelError::Verbs(fabriq_verbs::VerbsError::io("dup epoll", e)))?;
+    let control_epoll = rustix::io::dup(&shared.control_epoll)
+        .map_err(|e| ChannelError::Verbs(fabriq_verbs::VerbsError::io("dup epoll", e)))?;
     let cq_peek = cq.clone();
     let worker = Worker {
         me: Arc::downgrade(&shared),
         next_rx: 0,
         epoll,
+        control_epoll,
         cq,
         buffers: Arc::clone(&buffers),
         conns: FxHashMap::default(),
@@ -590,7 +595,7 @@ fn run_backstop(shared: &WorkerShared) {
             return;
         }
         if let Err(wait) = shared.callers_quiet(&mut watch) {
-            std::thread::sleep(wait);
+            shared.watch_control(wait);
             continue;
         }
         if !shared.try_become_poller() {
@@ -1100,12 +1105,14 @@ impl Worker {
         let ready_sent = control.as_mut().map_or(true, |c| c.send_ready());
         if let Some(c) = &control {
             let _ = c.set_nonblocking(true);
-            let _ = epoll::add(
-                &self.epoll,
-                c.as_fd(),
-                epoll::EventData::new_u64(EPOLL_CONTROL | u64::from(id)),
-                epoll::EventFlags::IN | epoll::EventFlags::RDHUP,
-            );
+            for ep in [&self.epoll, &self.control_epoll] {
+                let _ = epoll::add(
+                    ep,
+                    c.as_fd(),
+                    epoll::EventData::new_u64(EPOLL_CONTROL | u64::from(id)),
+                    epoll::EventFlags::IN | epoll::EventFlags::RDHUP,
+                );
+            }
         }
         self.conns.insert(
             id,
@@ -1346,6 +1353,7 @@ impl Worker {
         st.backlog.clear();
         if let Some(c) = st.control.take() {
             let _ = epoll::delete(&self.epoll, c.as_fd());
+            let _ = epoll::delete(&self.control_epoll, c.as_fd());
         }
         if !st.driver.core().is_failed() {
             st.driver.core_mut().handle_fatal(ChannelError::Closed);
@@ -1624,6 +1632,7 @@ impl Worker {
         } = st;
         if let Some(c) = &control {
             let _ = epoll::delete(&self.epoll, c.as_fd());
+            let _ = epoll::delete(&self.control_epoll, c.as_fd());
         }
         drop(control);
         match lease {

@@ -38,6 +38,9 @@ const PARK_CAP_CALLER: Duration = Duration::from_millis(1);
 /// Caller mode: how long no application thread must have called in before the back-stop thread
 /// starts progressing the worker.
 pub(crate) const BACKSTOP_GRACE: Duration = Duration::from_millis(10);
+/// Caller mode: how soon the back-stop looks again at a readable control stream it could not
+/// handle because an application thread held the worker.
+const CONTROL_RETRY: Duration = Duration::from_micros(200);
 /// Payload bytes in flight per channel before `send` waits (see `outstanding_bytes`).
 pub(crate) const WINDOW_BYTES: u64 = 16 << 20;
 /// One outstanding message in `ChannelShared::sends` (its low 32 bits).
@@ -133,6 +136,10 @@ pub(crate) struct WorkerShared {
     pub(crate) wakeups: AtomicU64,
     /// The worker's epoll set: its CQ event fd, `wake_fd`, the channels' control streams.
     pub(crate) epoll: OwnedFd,
+    /// The control streams alone, for the caller-mode back-stop while application threads call
+    /// in ([`WorkerShared::watch_control`]): it must not take the CQ's or the inbox's wake-ups
+    /// from a thread asleep in `epoll` (one waiter is woken per event).
+    pub(crate) control_epoll: OwnedFd,
     state: OnceLock<Mutex<Worker>>,
     buffers: OnceLock<Arc<Buffers>>,
     /// The worker's CQ, for a spinning waiter's look without the state's lock.
@@ -170,6 +177,7 @@ impl WorkerShared {
             rustix::event::EventfdFlags::CLOEXEC | rustix::event::EventfdFlags::NONBLOCK,
         )?;
         let ep = epoll::create(epoll::CreateFlags::CLOEXEC)?;
+        let control_epoll = epoll::create(epoll::CreateFlags::CLOEXEC)?;
         epoll::add(
             &ep,
             &wake_fd,
@@ -185,6 +193,7 @@ impl WorkerShared {
             wake_fd,
             wakeups: AtomicU64::new(0),
             epoll: ep,
+            control_epoll,
             state: OnceLock::new(),
             buffers: OnceLock::new(),
             cq: OnceLock::new(),
@@ -440,6 +449,29 @@ impl WorkerShared {
             Ok(())
         } else {
             Err(BACKSTOP_GRACE - quiet)
+        }
+    }
+
+    /// Caller mode, back-stop, while application threads call in: wait up to `wait` for a
+    /// control stream to turn readable — a peer's `Ready`, `Close` or hang-up, which no pass
+    /// of an application thread looks for (they read control streams only when they sleep, or
+    /// every 1024th idle pass) — and handle it if the worker is free. A peer that closes a
+    /// connection and at once connects again on the kept stream waits for this: its hello
+    /// reaches the listener only once this side let the stream go, which took up to two
+    /// back-stop graces (10–20 ms) before (`docs/BENCHMARKS.md`, "2026-12-04, fifth round").
+    pub(crate) fn watch_control(&self, wait: Duration) {
+        let keys = super::epoll_wait(&self.control_epoll, Some(wait));
+        if keys.is_empty() {
+            return;
+        }
+        match self.try_lock_state() {
+            Some(mut g) => {
+                g.handle_epoll(&keys);
+                drop(g);
+                self.notify_parked();
+            }
+            // The stream stays readable: look again shortly, without spinning on it.
+            None => std::thread::sleep(CONTROL_RETRY.min(wait)),
         }
     }
 

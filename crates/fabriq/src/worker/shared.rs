@@ -41,6 +41,9 @@ pub(crate) const BACKSTOP_GRACE: Duration = Duration::from_millis(10);
 /// Caller mode: how soon the back-stop looks again at a readable control stream it could not
 /// handle because an application thread held the worker.
 const CONTROL_RETRY: Duration = Duration::from_micros(200);
+/// Caller mode: how often the back-stop looks whether the thread asleep in the worker's epoll
+/// (which reads the control streams meanwhile) left.
+const POLLER_RECHECK: Duration = Duration::from_millis(1);
 /// Payload bytes in flight per channel before `send` waits (see `outstanding_bytes`).
 pub(crate) const WINDOW_BYTES: u64 = 16 << 20;
 /// One outstanding message in `ChannelShared::sends` (its low 32 bits).
@@ -460,6 +463,13 @@ impl WorkerShared {
     /// reaches the listener only once this side let the stream go, which took up to two
     /// back-stop graces (10–20 ms) before (`docs/BENCHMARKS.md`, "2026-12-04, fifth round").
     pub(crate) fn watch_control(&self, wait: Duration) {
+        if self.poller.load(Ordering::Acquire) {
+            // A thread asleep in the worker's own set (the poller) reads them, and waking this
+            // thread too for each event cost a reconnect on tcp0 a quarter more; look again
+            // soon, in case it leaves.
+            std::thread::sleep(POLLER_RECHECK.min(wait));
+            return;
+        }
         let keys = super::epoll_wait(&self.control_epoll, Some(wait));
         if keys.is_empty() {
             return;

@@ -464,9 +464,9 @@ impl WorkerShared {
     /// back-stop graces (10–20 ms) before (`docs/BENCHMARKS.md`, "2026-12-04, fifth round").
     pub(crate) fn watch_control(&self, wait: Duration) {
         if self.poller.load(Ordering::Acquire) {
-            // A thread asleep in the worker's own set (the poller) reads them, and waking this
-            // thread too for each event cost a reconnect on tcp0 a quarter more; look again
-            // soon, in case it leaves.
+            // A thread asleep in the worker's own set (the poller) reads them: this one would
+            // only add a wake-up and a contended lock per event. Look again soon, in case it
+            // leaves.
             std::thread::sleep(POLLER_RECHECK.min(wait));
             return;
         }

@@ -979,27 +979,36 @@ mod tests {
         }
     }
 
-    /// A reader in caller mode whose own pass delivers its stream's next message takes it
-    /// straight from the pass (no delivery queue); such reads still count as consumed, so a
-    /// one-way stream of many windows' worth keeps flowing, and messages stay in order
-    /// whichever way each one took.
-    #[test]
-    fn messages_handed_to_the_reading_thread_count_as_consumed_and_keep_their_order() {
+    /// Both ends of a channel between two caller-mode endpoints on shm0, one worker each, with
+    /// stream window `stream_window` (each end keeps its endpoint alive).
+    fn caller_mode_channel(stream_window: u32) -> (crate::Channel, crate::Channel) {
         use crate::{Config, Progress};
-        use std::time::Duration;
-        const WAIT: Duration = Duration::from_secs(10);
         let cfg = Config {
             device: "shm0".into(),
             workers: 1,
             progress: Progress::Caller,
-            stream_window: 8,
+            stream_window,
             ..Config::default()
         };
         let a = super::Endpoint::new(cfg.clone()).expect("a");
         let b = super::Endpoint::new(cfg).expect("b");
         let listener = b.listen("127.0.0.1:0").expect("listen");
         let ca = a.connect(listener.local_addr()).expect("connect");
-        let cb = listener.accept_timeout(WAIT).expect("accept");
+        let cb = listener
+            .accept_timeout(std::time::Duration::from_secs(10))
+            .expect("accept");
+        (ca, cb)
+    }
+
+    /// A reader in caller mode whose own pass delivers its stream's next message takes it
+    /// straight from the pass (no delivery queue); such reads still count as consumed, so a
+    /// one-way stream of many windows' worth keeps flowing, and messages stay in order
+    /// whichever way each one took.
+    #[test]
+    fn messages_handed_to_the_reading_thread_count_as_consumed_and_keep_their_order() {
+        use std::time::Duration;
+        const WAIT: Duration = Duration::from_secs(10);
+        let (ca, cb) = caller_mode_channel(8);
         let n = 2_000u64; // 250 stream windows
         let sender = std::thread::spawn(move || {
             for i in 0..n {
@@ -1024,21 +1033,9 @@ mod tests {
     /// took their messages from their own passes.
     #[test]
     fn a_ping_pong_of_handed_messages_keeps_flowing_on_a_small_window() {
-        use crate::{Config, Progress};
         use std::time::Duration;
         const WAIT: Duration = Duration::from_secs(10);
-        let cfg = Config {
-            device: "shm0".into(),
-            workers: 1,
-            progress: Progress::Caller,
-            stream_window: 4,
-            ..Config::default()
-        };
-        let a = super::Endpoint::new(cfg.clone()).expect("a");
-        let b = super::Endpoint::new(cfg).expect("b");
-        let listener = b.listen("127.0.0.1:0").expect("listen");
-        let ca = a.connect(listener.local_addr()).expect("connect");
-        let cb = listener.accept_timeout(WAIT).expect("accept");
+        let (ca, cb) = caller_mode_channel(4);
         let n = 3_000u64;
         let echo = std::thread::spawn(move || {
             for _ in 0..n {

@@ -1062,6 +1062,73 @@ mod tests {
         assert_eq!(&cb.recv_timeout(WAIT).expect("recv last")[..], b"last");
     }
 
+    /// Caller mode: the pass that gives a waiting caller its RPC reply ends there, leaving
+    /// the rest of its work (the reply's receive slot, acks, send completions) to the next
+    /// pass — the caller's next call or wait. On a receive ring of 8 slots and a stream window
+    /// of 4, 3 000 calls in a row from each of two threads keep flowing (a pass that left
+    /// slots or credits behind for good would stall them) and every reply is the right one.
+    #[test]
+    fn calls_whose_reply_ends_the_callers_pass_keep_flowing_on_a_small_ring() {
+        use crate::{Config, Progress};
+        use std::sync::atomic::{AtomicBool, Ordering};
+        use std::sync::Arc;
+        use std::time::Duration;
+        const WAIT: Duration = Duration::from_secs(10);
+        let cfg = Config {
+            device: "shm0".into(),
+            workers: 1,
+            progress: Progress::Caller,
+            rx_slots: 8,
+            stream_window: 4,
+            ..Config::default()
+        };
+        let a = super::Endpoint::new(cfg.clone()).expect("a");
+        let b = super::Endpoint::new(cfg).expect("b");
+        b.serve("echo", |req| Ok(req.to_vec()));
+        let listener = b.listen("127.0.0.1:0").expect("listen");
+        let ca = a.connect(listener.local_addr()).expect("connect");
+        let cb = listener.accept_timeout(WAIT).expect("accept");
+        // The server's handlers run in the passes of a thread that calls in.
+        let stop = Arc::new(AtomicBool::new(false));
+        let server = {
+            let stop = Arc::clone(&stop);
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    match cb.recv_timeout(Duration::from_millis(1)) {
+                        Err(crate::ChannelError::Timeout) => {}
+                        other => panic!("server: {other:?}"),
+                    }
+                }
+                cb
+            })
+        };
+        let rpc = crate::Rpc::new(ca);
+        let callers: Vec<_> = (0..2u64)
+            .map(|t| {
+                let rpc = rpc.clone();
+                std::thread::spawn(move || {
+                    for i in 0..3_000u64 {
+                        let req = (t << 32 | i).to_le_bytes();
+                        let reply = rpc.call("echo", &req, WAIT).expect("call");
+                        assert_eq!(reply[..], req, "caller {t}, call {i}");
+                    }
+                })
+            })
+            .collect();
+        for c in callers {
+            c.join().expect("caller");
+        }
+        let handed = rpc.channel().shared().replies_handed_count();
+        assert!(handed > 0, "no reply ended its caller's pass");
+        // Nothing left behind: a call still returns at once.
+        assert_eq!(
+            rpc.call("echo", b"last", WAIT).expect("last call")[..],
+            b"last"[..]
+        );
+        stop.store(true, Ordering::Relaxed);
+        let _cb = server.join().expect("server");
+    }
+
     /// Caller mode, a peer that closes and at once connects again (on the kept control
     /// stream): its hello reaches the listener only once the accepting side has let that
     /// stream go, which needs the peer's `Close` read — and no application thread reads

@@ -3,8 +3,9 @@
 //! the trace header (`wire` has the 12-byte RPC header). Handlers run to completion on the worker
 //! that received the request (in caller mode: the application thread that progressed it) and
 //! their reply is sent inline from there — no thread hop on the server. A call is posted by the
-//! calling thread when it gets the worker's lock, and the caller progresses the worker while it
-//! waits for the reply. Deadlines are kept by the caller's worker (its timer wheel), so a call always ends: with
+//! calling thread when it gets the worker's lock (a direct send, as a channel's), and the caller
+//! progresses the worker while it waits for the reply; the pass that gives it the reply ends
+//! there, leaving the rest of its work to the next pass. Deadlines are kept by the caller's worker (its timer wheel), so a call always ends: with
 //! the reply, [`RpcError::Timeout`], [`RpcError::UnknownMethod`] or [`RpcError::PeerGone`].
 
 pub mod wire;
@@ -15,12 +16,17 @@ use std::time::Duration;
 use tokio::sync::oneshot;
 
 use crate::channel::ChannelError;
-use crate::worker::{alloc_filled, direct_or_submit, now, wait_reply, Call, Command, Worker};
+use crate::worker::{
+    alloc_filled, direct_or_submit_settled, now, wait_call, Call, Command, Worker,
+};
 use crate::Channel;
 
 /// A method handler: request body in, reply body out, or an error text for the caller. Runs on a
 /// worker thread: it should not block for long (it holds up that worker's other channels).
 pub type Handler = Arc<dyn Fn(&[u8]) -> Result<Vec<u8>, String> + Send + Sync + 'static>;
+
+/// Where the reply of a submitted call arrives.
+type ReplyRx = oneshot::Receiver<Result<Vec<u8>, RpcError>>;
 
 /// Errors of an RPC call.
 #[derive(Debug, thiserror::Error)]
@@ -82,7 +88,7 @@ impl Rpc {
         method: &str,
         request: &[u8],
         timeout: Duration,
-    ) -> Result<oneshot::Receiver<Result<Vec<u8>, RpcError>>, RpcError> {
+    ) -> Result<(u64, ReplyRx), RpcError> {
         let shared = self.channel.shared();
         if let Some(f) = shared.failure() {
             return Err(match f.to_error() {
@@ -104,10 +110,10 @@ impl Rpc {
             deadline: now().saturating_add(timeout),
             reply: tx,
         };
-        direct_or_submit(w, call, Worker::enqueue_call, |c| {
+        direct_or_submit_settled(w, call, Worker::enqueue_call, |c| {
             Command::Call(Box::new(c))
         });
-        Ok(rx)
+        Ok((call_id, rx))
     }
 
     /// Call `method` and wait for the reply, at most `timeout`. Blocking: from async code use
@@ -118,8 +124,8 @@ impl Rpc {
         request: &[u8],
         timeout: Duration,
     ) -> Result<Vec<u8>, RpcError> {
-        let rx = self.submit(method, request, timeout)?;
-        wait_reply(&self.channel.shared().worker, rx).unwrap_or(Err(RpcError::PeerGone))
+        let (call_id, rx) = self.submit(method, request, timeout)?;
+        wait_call(&self.channel.shared().worker, rx, call_id).unwrap_or(Err(RpcError::PeerGone))
     }
 
     /// [`Rpc::call`] with the endpoint's default deadline.
@@ -134,7 +140,7 @@ impl Rpc {
         request: &[u8],
         timeout: Duration,
     ) -> Result<Vec<u8>, RpcError> {
-        let rx = self.submit(method, request, timeout)?;
+        let (_, rx) = self.submit(method, request, timeout)?;
         rx.await.unwrap_or(Err(RpcError::PeerGone))
     }
 

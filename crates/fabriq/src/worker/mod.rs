@@ -61,7 +61,7 @@ use crate::rpc::wire as rpcwire;
 use crate::rpc::{Handler, RpcError};
 pub(crate) use buffers::Buffers;
 use clock::PassClock;
-use shared::{ChannelShared, Failure, WorkerShared};
+use shared::{Awaited, ChannelShared, Failure, WorkerShared};
 use streams::{key_conn, key_stream, stream_key, Accepted, StreamKey};
 
 /// RPC handlers shared by every worker of an endpoint, by method id.
@@ -296,6 +296,16 @@ impl ConnState {
     }
 }
 
+/// The trace of the request of RPC call `call_id` on stream `chan`.
+fn request_trace(chan: StreamKey, call_id: u64) -> TraceInfo {
+    TraceInfo {
+        trace_id: call_id,
+        flags: TraceFlags(TraceFlags::RPC_REQUEST),
+        stream: key_stream(chan),
+        stream_credits: 0,
+    }
+}
+
 /// [`ConnState::offer`] with the stream's state already looked up (`ss`: `None` for a stream
 /// the worker does not know).
 fn offer_to(
@@ -459,13 +469,26 @@ pub(crate) struct Worker {
     handoff: Handoff,
 }
 
-/// A message handed straight to the application thread that runs the pass delivering it.
+/// What the application thread running a pass waits for, and whether the pass gave it: a
+/// message handed straight to it, or the reply of its RPC call. Once it has it, the pass ends
+/// (see `Worker::pass`).
 #[derive(Default)]
 pub(crate) struct Handoff {
     /// The stream (`ChannelShared::id`) the thread running the pass reads.
     reader: Option<u64>,
     /// The message handed to it.
     message: Option<Message>,
+    /// The RPC call (its id) the thread running the pass waits for.
+    call: Option<u64>,
+    /// That call's reply went to it (through the call's oneshot) in this pass.
+    answered: bool,
+}
+
+impl Handoff {
+    /// The thread running the pass has what it waits for.
+    fn done(&self) -> bool {
+        self.message.is_some() || self.answered
+    }
 }
 
 /// Start a worker: install its state in `shared` and start its thread (the poller in thread
@@ -682,7 +705,21 @@ pub(crate) fn direct_or_submit_settled<V>(
 /// Wait for a worker's reply on `rx`, progressing the worker from this thread: for the whole
 /// wait in caller mode, for the idle budget in thread mode (then block on `rx`). `None` if the
 /// sender was dropped.
-pub(crate) fn wait_reply<T>(w: &WorkerShared, mut rx: oneshot::Receiver<T>) -> Option<T> {
+pub(crate) fn wait_reply<T>(w: &WorkerShared, rx: oneshot::Receiver<T>) -> Option<T> {
+    wait_awaiting(w, rx, Awaited::Progress)
+}
+
+/// [`wait_reply`] for the reply of RPC call `call`: a pass of this thread that sends it ends
+/// there ([`Handoff`]).
+pub(crate) fn wait_call<T>(w: &WorkerShared, rx: oneshot::Receiver<T>, call: u64) -> Option<T> {
+    wait_awaiting(w, rx, Awaited::Reply(call))
+}
+
+fn wait_awaiting<T>(
+    w: &WorkerShared,
+    mut rx: oneshot::Receiver<T>,
+    awaited: Awaited<'_>,
+) -> Option<T> {
     use tokio::sync::oneshot::error::TryRecvError;
     let mut ready = || match rx.try_recv() {
         Ok(v) => Some(Some(v)),
@@ -690,7 +727,7 @@ pub(crate) fn wait_reply<T>(w: &WorkerShared, mut rx: oneshot::Receiver<T>) -> O
         Err(TryRecvError::Closed) => Some(None),
     };
     if w.is_caller_mode() {
-        return w.wait_for(None, ready).flatten();
+        return w.wait_reading(None, awaited, ready).flatten();
     }
     // Thread mode: spin for the idle budget if no other thread spins on this worker, then block
     // on the reply itself (the worker wakes exactly this thread).
@@ -699,7 +736,7 @@ pub(crate) fn wait_reply<T>(w: &WorkerShared, mut rx: oneshot::Receiver<T>) -> O
     }
     if !w.has_spinner() {
         let spin_until = std::time::Instant::now() + w.idle_spin();
-        if let Some(v) = w.wait_for(Some(spin_until), &mut ready) {
+        if let Some(v) = w.wait_reading(Some(spin_until), awaited, &mut ready) {
             return v;
         }
     }
@@ -754,6 +791,21 @@ impl Worker {
         (n, self.handoff.message.take())
     }
 
+    /// [`Worker::progress_at`] run by a thread that waits for the reply of RPC call `call`:
+    /// the pass that sends it that reply ends there, like one that hands a reader its message.
+    pub(crate) fn progress_calling(
+        &mut self,
+        shared: &WorkerShared,
+        recent: Option<Instant>,
+        call: u64,
+    ) -> usize {
+        self.handoff.call = Some(call);
+        let n = self.progress_at(shared, recent);
+        self.handoff.call = None;
+        self.handoff.answered = false;
+        n
+    }
+
     /// A progress pass on the clock already read (right after a direct operation).
     fn pass(&mut self, shared: &WorkerShared) -> usize {
         if shared.stopped.load(Ordering::Acquire) {
@@ -769,9 +821,9 @@ impl Worker {
             self.check_awaiting();
         }
         self.pump_dirty();
-        if self.handoff.message.is_some() {
-            // The thread running the pass has its message: the rest (timers, the connections
-            // left for later) waits for the next pass, soon (see `pump_channel`).
+        if self.handoff.done() {
+            // The thread running the pass has its message or its reply: the rest (timers, the
+            // connections left for later) waits for the next pass, soon (see `pump_channel`).
             shared.publish_next_rx(self.next_rx);
             return work;
         }
@@ -932,9 +984,21 @@ impl Worker {
         self.open_stream(conn, stream, shared, announce);
     }
 
-    /// Direct RPC call from an application thread (the inbox drained first).
-    pub(crate) fn enqueue_call(&mut self, call: Call) {
-        self.command_call(call);
+    /// Direct RPC call from an application thread (the inbox drained first): the call is
+    /// registered (its reply, its deadline) and its request goes out as a direct send
+    /// ([`Worker::enqueue_send`]); true when that left nothing for a pass to do.
+    pub(crate) fn enqueue_call(&mut self, call: Call) -> bool {
+        let Call {
+            chan,
+            call_id,
+            buf,
+            deadline,
+            reply,
+        } = call;
+        if !self.register_call(chan, call_id, buf.len(), deadline, reply) {
+            return true;
+        }
+        self.enqueue_send(chan, buf, request_trace(chan, call_id))
     }
 
     /// Direct one-sided operation from an application thread.
@@ -1255,33 +1319,43 @@ impl Worker {
             deadline,
             reply,
         } = call;
+        if self.register_call(chan, call_id, buf.len(), deadline, reply) {
+            let trace = request_trace(chan, call_id);
+            if let Some(st) = self.conns.get_mut(&key_conn(chan)) {
+                st.backlog.push_back((buf, trace));
+                self.mark_dirty(key_conn(chan));
+            }
+        }
+    }
+
+    /// Keep the reply channel of call `call_id` on stream `chan` and arm its deadline; false
+    /// (the caller told `PeerGone`) when the stream or its connection is gone.
+    fn register_call(
+        &mut self,
+        chan: StreamKey,
+        call_id: u64,
+        len: usize,
+        deadline: Instant,
+        reply: CallReply,
+    ) -> bool {
         let Some(st) = self.conns.get_mut(&key_conn(chan)) else {
             let _ = reply.send(Err(RpcError::PeerGone));
-            return;
+            return false;
         };
         let failed = st.is_failed();
         let Some(ss) = st.streams.get_mut(&key_stream(chan)) else {
             let _ = reply.send(Err(RpcError::PeerGone));
-            return;
+            return false;
         };
         if failed || ss.peer_closed {
             let _ = reply.send(Err(RpcError::PeerGone));
-            return;
+            return false;
         }
-        ss.shared.count_in(buf.len() as u64);
+        ss.shared.count_in(len as u64);
         ss.calls.insert(call_id, reply);
-        st.backlog.push_back((
-            buf,
-            TraceInfo {
-                trace_id: call_id,
-                flags: TraceFlags(TraceFlags::RPC_REQUEST),
-                stream: key_stream(chan),
-                stream_credits: 0,
-            },
-        ));
         self.timers
             .insert(deadline, (deadline, Timer::Call(chan, call_id)));
-        self.mark_dirty(key_conn(chan));
+        true
     }
 
     fn command_one_sided(&mut self, chan: StreamKey, op: OneSidedOp, reply: OneSidedReply) {
@@ -1483,9 +1557,9 @@ impl Worker {
                         if let Err(e) = on_received(st, me, buffers, handlers, handoff, msg) {
                             newly_failed = Some(Failure::Error(e));
                         }
-                        if defer && handoff.message.is_some() && !st.driver.core().has_deliveries()
-                        {
-                            // The reader has its message and nothing else arrived: the
+                        if defer && handoff.done() && !st.driver.core().has_deliveries() {
+                            // The reader has its message (the caller its reply) and nothing
+                            // else arrived: the
                             // completions of sends wait for the next pump (see below).
                             break;
                         }
@@ -1522,7 +1596,7 @@ impl Worker {
             // it now, and the rest of the round (reposts, a due ack, the backlog, the timer)
             // is the next pass's — for a reader that answers, the pump of its send, which
             // posts the answer first.
-            if defer && handoff.message.is_some() && newly_failed.is_none() {
+            if defer && handoff.done() && newly_failed.is_none() {
                 if !deferred_now.contains(&id) {
                     deferred_now.push(id);
                 }
@@ -1846,11 +1920,10 @@ fn on_received(
         st.driver.core_mut().handle_released(1);
         match rpcwire::decode_response(bytes) {
             Ok((call_id, status, body)) => {
-                let reply = st
-                    .streams
-                    .get_mut(&stream)
-                    .and_then(|ss| ss.calls.remove(&call_id));
-                if let Some(reply) = reply {
+                let Some(ss) = st.streams.get_mut(&stream) else {
+                    return Ok(());
+                };
+                if let Some(reply) = ss.calls.remove(&call_id) {
                     let r = match status {
                         rpcwire::Status::Ok => Ok(body.to_vec()),
                         rpcwire::Status::UnknownMethod => Err(RpcError::UnknownMethod(
@@ -1861,6 +1934,10 @@ fn on_received(
                         )),
                     };
                     let _ = reply.send(r);
+                    if handoff.call == Some(call_id) {
+                        ss.shared.count_reply_handed();
+                        handoff.answered = true;
+                    }
                 }
             }
             Err(e) => tracing::warn!(%e, "malformed RPC response dropped"),

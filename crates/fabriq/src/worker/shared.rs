@@ -121,6 +121,18 @@ impl Drop for StateGuard<'_> {
     }
 }
 
+/// What a thread waiting on a worker ([`WorkerShared::wait_reading`]) waits for, so that the
+/// pass that gives it can end there ([`super::Handoff`]).
+#[derive(Clone, Copy)]
+pub(crate) enum Awaited<'a> {
+    /// Anything: plain passes.
+    Progress,
+    /// The next message of a stream (`ChannelShared::id`): handed into the slot.
+    Message(u64, &'a Cell<Option<Message>>),
+    /// The reply of an RPC call (its id), which comes through the call's oneshot.
+    Reply(u64),
+}
+
 /// The worker's shared side.
 pub(crate) struct WorkerShared {
     pub(crate) id: usize,
@@ -402,6 +414,18 @@ impl WorkerShared {
         Some((n, m))
     }
 
+    /// [`WorkerShared::try_progress_at`] by a thread that waits for the reply of RPC call
+    /// `call`: the pass that sends it ends there ([`super::Handoff`]).
+    pub(crate) fn try_progress_calling(&self, recent: Option<Instant>, call: u64) -> Option<usize> {
+        let mut g = self.try_lock_state()?;
+        let n = g.progress_calling(self, recent, call);
+        drop(g);
+        if n > 0 {
+            self.notify_parked();
+        }
+        Some(n)
+    }
+
     /// One progress pass if the state is free: `Some(work done)`, `None` if someone else holds
     /// it.
     pub(crate) fn try_progress(&self) -> Option<usize> {
@@ -586,40 +610,40 @@ impl WorkerShared {
         deadline: Option<StdInstant>,
         ready: impl FnMut() -> Option<T>,
     ) -> Option<T> {
-        self.wait_reading(deadline, None, ready)
+        self.wait_reading(deadline, Awaited::Progress, ready)
     }
 
-    /// One pass by a waiting thread; with `reader` (a stream it reads and where a handed
-    /// message goes), a pass that may hand it that stream's next message.
-    fn progress_waiting(
-        &self,
-        recent: Option<Instant>,
-        reader: Option<(u64, &Cell<Option<Message>>)>,
-    ) -> Option<usize> {
-        // A message handed earlier and not yet read keeps its place: this pass delivers
-        // through the queue (the wait loop reads the slot before every pass, so it is empty).
-        let held = reader.and_then(|(_, slot)| slot.take());
-        match reader {
-            Some((stream, slot)) if held.is_none() => {
-                let (n, m) = self.try_progress_reading(recent, stream)?;
-                slot.set(m);
-                Some(n)
+    /// One pass by a waiting thread, one that may hand it what it waits for (see [`Awaited`]).
+    fn progress_waiting(&self, recent: Option<Instant>, awaited: Awaited<'_>) -> Option<usize> {
+        match awaited {
+            Awaited::Message(stream, slot) => {
+                // A message handed earlier and not yet read keeps its place: this pass
+                // delivers through the queue (the wait loop reads the slot before every pass,
+                // so it is empty).
+                match slot.take() {
+                    None => {
+                        let (n, m) = self.try_progress_reading(recent, stream)?;
+                        slot.set(m);
+                        Some(n)
+                    }
+                    held => {
+                        slot.set(held);
+                        self.try_progress_at(recent)
+                    }
+                }
             }
-            Some((_, slot)) => {
-                slot.set(held);
-                self.try_progress_at(recent)
-            }
-            None => self.try_progress_at(recent),
+            Awaited::Reply(call) => self.try_progress_calling(recent, call),
+            Awaited::Progress => self.try_progress_at(recent),
         }
     }
 
-    /// [`WorkerShared::wait_for`] by a thread that reads stream `reader.0`: its passes hand it
-    /// that stream's next message in `reader.1` (which `ready` must look at) when nothing waits
-    /// before it, without the delivery queue.
+    /// [`WorkerShared::wait_for`] by a thread whose passes may end as soon as they give it
+    /// what it waits for ([`Awaited`]; a handed message lands in the slot, which `ready` must
+    /// look at).
     pub(crate) fn wait_reading<T>(
         &self,
         deadline: Option<StdInstant>,
-        reader: Option<(u64, &Cell<Option<Message>>)>,
+        reader: Awaited<'_>,
         mut ready: impl FnMut() -> Option<T>,
     ) -> Option<T> {
         self.enter_caller();
@@ -836,6 +860,9 @@ pub(crate) struct ChannelShared {
     /// through `rx`: with `rx`'s count of reads, what the application consumed. Written by
     /// the holder of the worker's lock only.
     handed: AtomicU64,
+    /// RPC replies of this stream's calls that ended the pass of the thread waiting for them
+    /// (`super::Handoff`). Written by the holder of the worker's lock only.
+    replies_handed: AtomicU64,
 }
 
 impl ChannelShared {
@@ -864,6 +891,7 @@ impl ChannelShared {
             reported: AtomicU64::new(0),
             report_asked: AtomicBool::new(false),
             handed: AtomicU64::new(0),
+            replies_handed: AtomicU64::new(0),
         }
     }
 
@@ -951,6 +979,20 @@ impl ChannelShared {
     pub(crate) fn count_handed(&self) {
         let n = self.handed.load(Ordering::Relaxed);
         self.handed.store(n.wrapping_add(1), Ordering::Release);
+    }
+
+    /// RPC replies that ended the pass of the thread waiting for them.
+    #[cfg(test)]
+    pub(crate) fn replies_handed_count(&self) -> u64 {
+        self.replies_handed.load(Ordering::Acquire)
+    }
+
+    /// Worker (holding its lock): the reply of the call the thread running the pass waits for
+    /// went to it, and the pass ends.
+    pub(crate) fn count_reply_handed(&self) {
+        let n = self.replies_handed.load(Ordering::Relaxed);
+        self.replies_handed
+            .store(n.wrapping_add(1), Ordering::Release);
     }
 
     /// Application, after a read: true when a report's worth of consumed messages built up
@@ -1127,10 +1169,14 @@ impl ChannelShared {
         let deadline = timeout.map(|t| StdInstant::now() + t);
         let handed = Cell::new(None);
         self.worker
-            .wait_reading(deadline, Some((self.id, &handed)), || match handed.take() {
-                Some(m) => Some(Ok(m)),
-                None => self.try_take().transpose(),
-            })
+            .wait_reading(
+                deadline,
+                Awaited::Message(self.id, &handed),
+                || match handed.take() {
+                    Some(m) => Some(Ok(m)),
+                    None => self.try_take().transpose(),
+                },
+            )
             .unwrap_or(Err(ChannelError::Timeout))
     }
 }

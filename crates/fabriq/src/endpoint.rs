@@ -1129,6 +1129,162 @@ mod tests {
         let _cb = server.join().expect("server");
     }
 
+    /// QPs of `ep` in use (created, neither cached nor destroyed).
+    fn qps_in_use(ep: &super::Endpoint) -> u64 {
+        let st = ep.conn_stats();
+        st.qps_created - st.qps_dropped - st.qps_cached
+    }
+
+    /// Caller mode: how long until `ep` has no QP in use, watched from outside (no call into
+    /// either endpoint); `None` after a second.
+    fn time_until_qps_back(ep: &super::Endpoint) -> Option<std::time::Duration> {
+        let t = std::time::Instant::now();
+        while qps_in_use(ep) > 0 {
+            if t.elapsed() > std::time::Duration::from_secs(1) {
+                return None;
+            }
+            std::thread::sleep(std::time::Duration::from_micros(20));
+        }
+        Some(t.elapsed())
+    }
+
+    /// Caller mode: a connection whose last channel was dropped closes, and its QP goes back to
+    /// the cache, at once — not when the worker's back-stop next comes by, a grace (10 ms) or
+    /// two after the last call into the endpoint. The closing side does not wait for the peer
+    /// to acknowledge its `STREAM_OPEN` and `STREAM_CLOSE` (`ConnState::flushed_but_stream_control`):
+    /// a peer whose application called in moments ago and then does not (here: answered a ping
+    /// and holds its end) acknowledges only at its own back-stop's grace. 20 connect, exchange
+    /// and close rounds, the client closing first; a round that takes a grace or more is that
+    /// wait (at most two may, for load).
+    #[test]
+    fn a_dropped_connection_returns_its_qp_without_waiting_for_the_back_stop() {
+        use crate::{Config, Progress};
+        use std::time::Duration;
+        const WAIT: Duration = Duration::from_secs(10);
+        let cfg = Config {
+            device: "shm0".into(),
+            workers: 1,
+            progress: Progress::Caller,
+            ..Config::default()
+        };
+        let a = super::Endpoint::new(cfg.clone()).expect("a");
+        let b = super::Endpoint::new(cfg).expect("b");
+        let listener = b.listen("127.0.0.1:0").expect("listen");
+        let mut slow = Vec::new();
+        for round in 0..20 {
+            let ca = a.connect(listener.local_addr()).expect("connect");
+            let cb = listener.accept_timeout(WAIT).expect("accept");
+            // An exchange first: the server's application has just called in, so its
+            // back-stop holds back for its grace.
+            ca.send_timeout(b"ping", WAIT).expect("ping");
+            let m = cb.recv_timeout(WAIT).expect("recv ping");
+            cb.send_timeout(&m, WAIT).expect("pong");
+            assert_eq!(&ca.recv_timeout(WAIT).expect("recv pong")[..], b"ping");
+            drop(ca);
+            let took = time_until_qps_back(&a).expect("the client's QP never came back");
+            if took >= crate::worker::shared::BACKSTOP_GRACE {
+                slow.push((round, took));
+            }
+            drop(cb);
+            time_until_qps_back(&b).expect("the server's QP never came back");
+        }
+        assert!(slow.len() <= 2, "closes that waited a grace: {slow:?}");
+        assert!(a.conn_stats().qp_cache_hits >= 19, "{:?}", a.conn_stats());
+    }
+
+    /// Caller mode: dropping one of two channels that share a connection closes its stream at
+    /// once — the `STREAM_CLOSE` leaves from the dropping thread, not when the back-stop next
+    /// takes the worker's queue (a grace after the last call) — so the peer's reader learns
+    /// within moments. 20 rounds; at most two may take a grace.
+    #[test]
+    fn a_dropped_channel_closes_its_stream_at_once() {
+        use crate::{Config, Progress};
+        use std::time::{Duration, Instant};
+        const WAIT: Duration = Duration::from_secs(10);
+        let cfg = Config {
+            device: "shm0".into(),
+            workers: 1,
+            progress: Progress::Caller,
+            ..Config::default()
+        };
+        let a = super::Endpoint::new(cfg.clone()).expect("a");
+        let b = super::Endpoint::new(cfg).expect("b");
+        let listener = b.listen("127.0.0.1:0").expect("listen");
+        // Kept open throughout: the connection stays, only streams close.
+        let _keep = a.connect(listener.local_addr()).expect("connect");
+        let _kept = listener.accept_timeout(WAIT).expect("accept");
+        let mut slow = Vec::new();
+        for round in 0..20 {
+            let ca = a.connect(listener.local_addr()).expect("second channel");
+            let cb = listener.accept_timeout(WAIT).expect("accept second");
+            let t = Instant::now();
+            drop(ca);
+            assert!(
+                matches!(cb.recv_timeout(WAIT), Err(crate::ChannelError::PeerGone)),
+                "round {round}: the close reaches the peer"
+            );
+            let took = t.elapsed();
+            if took >= crate::worker::shared::BACKSTOP_GRACE {
+                slow.push((round, took));
+            }
+        }
+        assert!(
+            slow.len() <= 2,
+            "stream closes that waited a grace: {slow:?}"
+        );
+        assert_eq!(
+            a.conn_stats().qps_created,
+            1,
+            "one connection carried every channel"
+        );
+    }
+
+    /// Caller mode: a connection closed with a message not yet acknowledged lingers until the
+    /// peer acknowledges it; the acknowledgement arrives while nobody calls into the closing
+    /// endpoint, and its back-stop takes it (`WorkerShared::watch_lingering`) instead of
+    /// leaving it for when its grace runs out. 20 rounds of send, drop, and a reader on the
+    /// other side; at most two may take a grace.
+    #[test]
+    fn a_lingering_close_ends_when_the_peer_acknowledges() {
+        use crate::{Config, Progress};
+        use std::time::Duration;
+        const WAIT: Duration = Duration::from_secs(10);
+        let cfg = Config {
+            device: "shm0".into(),
+            workers: 1,
+            progress: Progress::Caller,
+            ..Config::default()
+        };
+        let a = super::Endpoint::new(cfg.clone()).expect("a");
+        let b = super::Endpoint::new(cfg).expect("b");
+        let listener = b.listen("127.0.0.1:0").expect("listen");
+        let mut slow = Vec::new();
+        for round in 0..20u64 {
+            let ca = a.connect(listener.local_addr()).expect("connect");
+            let cb = listener.accept_timeout(WAIT).expect("accept");
+            ca.send_timeout(&round.to_le_bytes(), WAIT).expect("send");
+            drop(ca);
+            // The reader reads the message and waits on (its pass acknowledges it).
+            let reader = std::thread::spawn(move || {
+                let m = cb
+                    .recv_timeout(WAIT)
+                    .expect("the message sent before the close");
+                assert_eq!(m[..], round.to_le_bytes());
+                assert!(
+                    matches!(cb.recv_timeout(WAIT), Err(crate::ChannelError::PeerGone)),
+                    "the close reaches the reader"
+                );
+            });
+            let took = time_until_qps_back(&a).expect("the client's QP never came back");
+            if took >= crate::worker::shared::BACKSTOP_GRACE {
+                slow.push((round, took));
+            }
+            reader.join().expect("reader");
+            time_until_qps_back(&b).expect("the server's QP never came back");
+        }
+        assert!(slow.len() <= 2, "closes that waited a grace: {slow:?}");
+    }
+
     /// Caller mode, a peer that closes and at once connects again (on the kept control
     /// stream): its hello reaches the listener only once the accepting side has let that
     /// stream go, which needs the peer's `Close` read — and no application thread reads

@@ -677,6 +677,12 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
         self.queued.len() + self.inflight.len()
     }
 
+    /// True when every message accepted and not yet handed back (queued or in flight) has
+    /// trace flags for which `f` holds (true when there are none).
+    pub fn outstanding_all(&self, f: impl Fn(TraceFlags) -> bool) -> bool {
+        self.queued.iter().all(|q| f(q.trace.flags)) && self.inflight.values().all(|m| f(m.flags))
+    }
+
     /// Messages accepted and not yet framed (waiting for credit or send-queue room).
     pub fn outstanding_queued(&self) -> usize {
         self.queued.len()
@@ -870,6 +876,16 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
     /// Receive slots waiting to be posted.
     pub fn reposts_pending(&self) -> usize {
         self.reposts.len()
+    }
+
+    /// Acknowledge what was delivered without the usual delay: the next frame carries it, a
+    /// lone update if nothing else goes (a peer that closed a stream may be waiting for it to
+    /// close the connection).
+    pub fn ack_now(&mut self) {
+        if self.delivered > self.ack_sent {
+            // Due already: the next `fill` sends it, and a timer armed for it fires at once.
+            self.ack_deadline = Some(Instant::from_nanos(0));
+        }
     }
 
     /// When to call [`ChannelCore::handle_timeout`] next.

@@ -382,10 +382,14 @@ impl ConnState {
 
     /// Nothing this side sent or asked for is still owed by the peer: every message handed to
     /// the connection was acknowledged (a rendezvous one pulled and finished) and no one-sided
-    /// operation waits.
-    fn flushed(&self) -> bool {
-        self.backlog.is_empty()
-            && self.driver.core().outstanding_sends() == 0
+    /// operation waits — but for stream-control messages (a `STREAM_OPEN`, `STREAM_CLOSE` or
+    /// window report) not acknowledged yet: for a connection that closes, they say nothing its
+    /// `Close` does not (the peer ends every stream of a connection that closes).
+    /// A closing side that waited for their acknowledgements would wait for the peer's next
+    /// progress pass, which in caller mode may be a back-stop grace (10 ms) away.
+    fn flushed_but_stream_control(&self) -> bool {
+        self.backlog.iter().all(|(_, t)| is_stream_control(t.flags))
+            && self.driver.core().outstanding_all(is_stream_control)
             && self.one_sided.is_empty()
             && self.one_sided_queue.is_empty()
     }
@@ -463,6 +467,9 @@ pub(crate) struct Worker {
     /// The endpoint is gone (`Command::Shutdown`): connections still delivering what was sent
     /// before their close finish first (at most their linger), then the worker stops.
     stopping: bool,
+    /// A connection may be lingering (`ConnState::closing`): passes look until none is, and
+    /// tell `WorkerShared::set_lingering`.
+    lingering: bool,
     /// The thread running this pass waits to read a stream: its next message, when nothing
     /// waits before it, is handed to it here instead of going through the stream's delivery
     /// queue (see [`Handoff`]).
@@ -538,6 +545,7 @@ pub(crate) fn spawn(
         deferred_before: Vec::new(),
         next_one_sided: 1,
         close_linger: cfg.close_linger,
+        lingering: false,
         stopping: false,
         has_cq_events,
         wcs: vec![WorkCompletion::EMPTY; 64],
@@ -618,7 +626,9 @@ fn run_backstop(shared: &WorkerShared) {
             return;
         }
         if let Err(wait) = shared.callers_quiet(&mut watch) {
-            shared.watch_control(wait);
+            if !shared.watch_lingering(wait) {
+                shared.watch_control(wait);
+            }
             continue;
         }
         if !shared.try_become_poller() {
@@ -835,6 +845,10 @@ impl Worker {
             self.pump_dirty();
         }
         self.post_deferred();
+        if self.lingering {
+            self.lingering = self.conns.values().any(|st| st.closing.is_some());
+            shared.set_lingering(self.lingering);
+        }
         if work == 0 && self.loops % 1024 == 0 {
             // Busy for a while: look at the control streams without sleeping.
             let keys = epoll_wait(&shared.epoll, Some(Duration::ZERO));
@@ -982,6 +996,17 @@ impl Worker {
         announce: bool,
     ) {
         self.open_stream(conn, stream, shared, announce);
+    }
+
+    /// Direct close of a stream whose last handle an application thread dropped (caller
+    /// mode: nobody may come by soon to take a queued close).
+    pub(crate) fn enqueue_close(&mut self, chan: StreamKey) {
+        self.close_stream(chan);
+    }
+
+    /// Direct close of a connection whose last channel an application thread dropped.
+    pub(crate) fn enqueue_close_conn(&mut self, conn: u32) {
+        self.close_conn(conn);
     }
 
     /// Direct RPC call from an application thread (the inbox drained first): the call is
@@ -1256,11 +1281,12 @@ impl Worker {
         if st.closing.is_some() {
             return true;
         }
-        if linger.is_zero() || st.is_failed() || st.flushed() {
+        if linger.is_zero() || st.is_failed() || st.flushed_but_stream_control() {
             return false;
         }
         let until = now.saturating_add(linger);
         st.closing = Some(until);
+        self.lingering = true;
         self.timers.insert(until, (until, Timer::Linger(id)));
         self.mark_dirty(id);
         true
@@ -1636,7 +1662,7 @@ impl Worker {
         }
         st.arm_timer(id, timers);
         let left = st.driver.reposts_pending() > 0;
-        let closed = st.closing.is_some() && st.flushed();
+        let closed = st.closing.is_some() && st.flushed_but_stream_control();
         if let Some(why) = newly_failed {
             self.fail_conn(id, why);
         } else if closed {
@@ -1959,6 +1985,10 @@ fn on_stream_control(
         return Ok(());
     }
     if flags.contains(TraceFlags::STREAM_CLOSE) {
+        // The peer may close the connection next, once it has the acknowledgement of what it
+        // sent (`Worker::linger`): that goes at once, not after the ack delay — which in
+        // caller mode, should nobody call in here, would be the back-stop's grace.
+        st.driver.core_mut().ack_now();
         if let Some(ss) = st.streams.get_mut(&stream) {
             ss.peer_closed = true;
             for (_, reply) in ss.calls.drain() {

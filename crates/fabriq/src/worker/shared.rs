@@ -44,6 +44,11 @@ const CONTROL_RETRY: Duration = Duration::from_micros(200);
 /// Caller mode: how often the back-stop looks whether the thread asleep in the worker's epoll
 /// (which reads the control streams meanwhile) left.
 const POLLER_RECHECK: Duration = Duration::from_millis(1);
+
+/// Caller mode: how often the back-stop progresses the worker while a connection of it closes
+/// (lingers for its peer's acknowledgements) and application threads call in, or did within
+/// the grace: the thread that closed it may not call in again for a while.
+const LINGER_POLL: Duration = Duration::from_micros(100);
 /// Payload bytes in flight per channel before `send` waits (see `outstanding_bytes`).
 pub(crate) const WINDOW_BYTES: u64 = 16 << 20;
 /// One outstanding message in `ChannelShared::sends` (its low 32 bits).
@@ -155,6 +160,13 @@ pub(crate) struct WorkerShared {
     /// in ([`WorkerShared::watch_control`]): it must not take the CQ's or the inbox's wake-ups
     /// from a thread asleep in `epoll` (one waiter is woken per event).
     pub(crate) control_epoll: OwnedFd,
+    /// In `control_epoll` (key `EPOLL_WAKE`): written when a connection starts to linger in
+    /// caller mode ([`WorkerShared::set_lingering`]), so that a back-stop waiting there starts
+    /// seeing the close through.
+    backstop_fd: OwnedFd,
+    /// A connection of this worker is closing: it lingers until the peer acknowledged what it
+    /// sent (`ConnState::closing`). Written by the holder of the worker's lock.
+    lingering: AtomicBool,
     state: OnceLock<Mutex<Worker>>,
     buffers: OnceLock<Arc<Buffers>>,
     /// The worker's CQ, for a spinning waiter's look without the state's lock.
@@ -199,6 +211,16 @@ impl WorkerShared {
             epoll::EventData::new_u64(super::EPOLL_WAKE),
             epoll::EventFlags::IN,
         )?;
+        let backstop_fd = rustix::event::eventfd(
+            0,
+            rustix::event::EventfdFlags::CLOEXEC | rustix::event::EventfdFlags::NONBLOCK,
+        )?;
+        epoll::add(
+            &control_epoll,
+            &backstop_fd,
+            epoll::EventData::new_u64(super::EPOLL_WAKE),
+            epoll::EventFlags::IN,
+        )?;
         Ok(WorkerShared {
             id,
             inbox: SegQueue::new(),
@@ -209,6 +231,8 @@ impl WorkerShared {
             wakeups: AtomicU64::new(0),
             epoll: ep,
             control_epoll,
+            backstop_fd,
+            lingering: AtomicBool::new(false),
             state: OnceLock::new(),
             buffers: OnceLock::new(),
             cq: OnceLock::new(),
@@ -494,7 +518,13 @@ impl WorkerShared {
             std::thread::sleep(POLLER_RECHECK.min(wait));
             return;
         }
-        let keys = super::epoll_wait(&self.control_epoll, Some(wait));
+        let mut keys = super::epoll_wait(&self.control_epoll, Some(wait));
+        if let Some(i) = keys.iter().position(|&k| k == super::EPOLL_WAKE) {
+            // A connection started to linger (the caller sees to it): only the nudge is read.
+            keys.swap_remove(i);
+            let mut buf = [0u8; 8];
+            let _ = rustix::io::read(&self.backstop_fd, &mut buf);
+        }
         if keys.is_empty() {
             return;
         }
@@ -507,6 +537,38 @@ impl WorkerShared {
             // The stream stays readable: look again shortly, without spinning on it.
             None => std::thread::sleep(CONTROL_RETRY.min(wait)),
         }
+    }
+
+    /// The worker (holding its lock): whether a connection of it lingers. When one starts to
+    /// in caller mode, the back-stop is nudged: it progresses the worker every `LINGER_POLL`
+    /// until none does ([`WorkerShared::watch_lingering`]).
+    pub(crate) fn set_lingering(&self, on: bool) {
+        if self.lingering.load(Ordering::Relaxed) == on {
+            return;
+        }
+        self.lingering.store(on, Ordering::Release);
+        if on && self.is_caller_mode() {
+            let _ = rustix::io::write(&self.backstop_fd, &1u64.to_ne_bytes());
+        }
+    }
+
+    /// Caller mode, back-stop, while application threads call in (or did within the grace):
+    /// see a lingering connection's close through. The thread that dropped the last handle
+    /// started the close, but the peer's acknowledgements come later, and that thread may
+    /// not call in again for a while: without this, the connection would close — and its QP
+    /// go back to the cache — only once the back-stop's grace ran out (10 ms and more).
+    /// False (nothing done) when no connection lingers.
+    pub(crate) fn watch_lingering(&self, wait: Duration) -> bool {
+        if !self.lingering.load(Ordering::Acquire) {
+            return false;
+        }
+        // (An epoll wait would last a whole millisecond: its timeout counts milliseconds.)
+        self.watch_control(Duration::ZERO);
+        if self.lingering.load(Ordering::Acquire) {
+            let _ = self.try_progress();
+        }
+        std::thread::sleep(LINGER_POLL.min(wait));
+        true
     }
 
     /// Try to become the one thread that sleeps in the worker's epoll.

@@ -27,7 +27,7 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 
 use super::shared::{ChannelShared, WorkerShared};
-use super::Command;
+use super::{Command, Worker};
 use crate::conn::HangupProbe;
 
 /// The stream the handshake opens on every connection.
@@ -144,7 +144,17 @@ impl ConnHandle {
 
 impl Drop for ConnHandle {
     fn drop(&mut self) {
-        self.worker.submit(Command::CloseConn { conn: self.conn });
+        if self.worker.is_caller_mode() {
+            // As a channel's close (`Inner::drop` in `handle`): started now.
+            super::direct_or_submit(
+                &self.worker,
+                self.conn,
+                Worker::enqueue_close_conn,
+                |conn| Command::CloseConn { conn },
+            );
+        } else {
+            self.worker.submit(Command::CloseConn { conn: self.conn });
+        }
     }
 }
 

@@ -1281,6 +1281,17 @@ mod tests {
             }
             reader.join().expect("reader");
             time_until_qps_back(&b).expect("the server's QP never came back");
+            // The close ended the linger (published by the pass that retired the
+            // connection, moments after its QP went back): the back-stop goes back to its
+            // quiet watch.
+            let t = std::time::Instant::now();
+            while a.inner.workers().any(|w| w.shared.is_lingering()) {
+                assert!(
+                    t.elapsed() < Duration::from_secs(1),
+                    "round {round}: a connection still counted as lingering"
+                );
+                std::thread::sleep(Duration::from_micros(20));
+            }
         }
         assert!(slow.len() <= 2, "closes that waited a grace: {slow:?}");
     }

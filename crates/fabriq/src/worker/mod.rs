@@ -467,9 +467,9 @@ pub(crate) struct Worker {
     /// The endpoint is gone (`Command::Shutdown`): connections still delivering what was sent
     /// before their close finish first (at most their linger), then the worker stops.
     stopping: bool,
-    /// A connection may be lingering (`ConnState::closing`): passes look until none is, and
-    /// tell `WorkerShared::set_lingering`.
-    lingering: bool,
+    /// Connections lingering (`ConnState::closing` set); whether there are any is published to
+    /// `WorkerShared::set_lingering` by the passes.
+    lingering: usize,
     /// The thread running this pass waits to read a stream: its next message, when nothing
     /// waits before it, is handed to it here instead of going through the stream's delivery
     /// queue (see [`Handoff`]).
@@ -546,7 +546,7 @@ pub(crate) fn spawn(
         deferred_before: Vec::new(),
         next_one_sided: 1,
         close_linger: cfg.close_linger,
-        lingering: false,
+        lingering: 0,
         stopping: false,
         has_cq_events,
         wcs: vec![WorkCompletion::EMPTY; 64],
@@ -847,10 +847,7 @@ impl Worker {
             self.pump_dirty();
         }
         self.post_deferred();
-        if self.lingering {
-            self.lingering = self.conns.values().any(|st| st.closing.is_some());
-            shared.set_lingering(self.lingering);
-        }
+        shared.set_lingering(self.lingering > 0);
         if work == 0 && self.loops % 1024 == 0 {
             // Busy for a while: look at the control streams without sleeping.
             let keys = epoll_wait(&shared.epoll, Some(Duration::ZERO));
@@ -1269,9 +1266,18 @@ impl Worker {
             return;
         }
         self.fail_conn(id, Failure::Closed);
-        if let Some(st) = self.conns.remove(&id) {
+        if let Some(st) = self.remove_conn(id) {
             self.retire(st);
         }
+    }
+
+    /// Take connection `id` out of the worker (its lingering, if it did, ends).
+    fn remove_conn(&mut self, id: u32) -> Option<ConnState> {
+        let st = self.conns.remove(&id)?;
+        if st.closing.is_some() {
+            self.lingering -= 1;
+        }
+        Some(st)
     }
 
     /// True when connection `id` closes later (`ConnState::closing`): it was closing already,
@@ -1291,7 +1297,7 @@ impl Worker {
         }
         let until = now.saturating_add(linger);
         st.closing = Some(until);
-        self.lingering = true;
+        self.lingering += 1;
         self.timers.insert(until, (until, Timer::Linger(id)));
         self.mark_dirty(id);
         true
@@ -1318,7 +1324,7 @@ impl Worker {
             st.queue_stream_control(&self.buffers, key_stream(chan), TraceFlags::STREAM_CLOSE);
         }
         if st.retire_now() {
-            if let Some(st) = self.conns.remove(&conn) {
+            if let Some(st) = self.remove_conn(conn) {
                 self.retire(st);
             }
             return;
@@ -1412,6 +1418,7 @@ impl Worker {
             self.fail_conn(id, Failure::Closed);
         }
         self.conns.clear();
+        self.lingering = 0;
     }
 
     /// The endpoint is gone: a connection with messages or one-sided operations still on their
@@ -1422,7 +1429,7 @@ impl Worker {
         for id in ids {
             if !self.linger(id) {
                 self.fail_conn(id, Failure::Closed);
-                self.conns.remove(&id);
+                self.remove_conn(id);
             }
         }
     }
@@ -1464,7 +1471,7 @@ impl Worker {
             st.driver.core_mut().handle_fatal(ChannelError::Closed);
         }
         if st.retire_now() {
-            if let Some(st) = self.conns.remove(&id) {
+            if let Some(st) = self.remove_conn(id) {
                 self.retire(st);
             }
         }

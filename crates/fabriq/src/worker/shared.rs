@@ -552,6 +552,12 @@ impl WorkerShared {
         }
     }
 
+    /// A connection of this worker lingers (as the passes last published).
+    #[cfg(test)]
+    pub(crate) fn is_lingering(&self) -> bool {
+        self.lingering.load(Ordering::Acquire)
+    }
+
     /// Caller mode, back-stop, while application threads call in (or did within the grace):
     /// see a lingering connection's close through. The thread that dropped the last handle
     /// started the close, but the peer's acknowledgements come later, and that thread may

@@ -5,8 +5,9 @@
 //! their reply is sent inline from there — no thread hop on the server. A call is posted by the
 //! calling thread when it gets the worker's lock (a direct send, as a channel's), and the caller
 //! progresses the worker while it waits for the reply; the pass that gives it the reply ends
-//! there, leaving the rest of its work to the next pass. Deadlines are kept by the caller's worker (its timer wheel), so a call always ends: with
-//! the reply, [`RpcError::Timeout`], [`RpcError::UnknownMethod`] or [`RpcError::PeerGone`].
+//! there, leaving the rest of its work to the next pass. Deadlines are kept by the caller's
+//! worker (its timer wheel), so a call always ends: with the reply, [`RpcError::Timeout`],
+//! [`RpcError::UnknownMethod`] or [`RpcError::PeerGone`].
 
 pub mod wire;
 

@@ -711,7 +711,7 @@ impl WorkerShared {
     pub(crate) fn wait_reading<T>(
         &self,
         deadline: Option<StdInstant>,
-        reader: Awaited<'_>,
+        awaited: Awaited<'_>,
         mut ready: impl FnMut() -> Option<T>,
     ) -> Option<T> {
         self.enter_caller();
@@ -760,7 +760,7 @@ impl WorkerShared {
                 // lets its pass read the clock itself.
                 let reading = (!after_work).then_some(now);
                 after_work = false;
-                if let Some(n) = self.progress_waiting(reading, reader) {
+                if let Some(n) = self.progress_waiting(reading, awaited) {
                     if n > 0 {
                         last_work = now;
                         after_work = true;
@@ -777,7 +777,7 @@ impl WorkerShared {
                     }
                     continue;
                 }
-            } else if self.progress_waiting(None, reader).is_some_and(|n| n > 0) {
+            } else if self.progress_waiting(None, awaited).is_some_and(|n| n > 0) {
                 continue;
             }
             if deadline.is_some_and(|d| StdInstant::now() >= d) {

@@ -622,12 +622,13 @@ fn run_thread(shared: &WorkerShared, idle_spin: Duration) {
 /// [`shared::BACKSTOP_GRACE`], progress the worker and sleep in its epoll between events.
 fn run_backstop(shared: &WorkerShared) {
     let mut watch = shared::QuietWatch::default();
+    let mut linger_poll = shared::LINGER_POLL;
     loop {
         if shared.stopped.load(Ordering::Acquire) {
             return;
         }
         if let Err(wait) = shared.callers_quiet(&mut watch) {
-            if !shared.watch_lingering(wait) {
+            if !shared.watch_lingering(wait, &mut linger_poll) {
                 shared.watch_control(wait);
             }
             continue;

@@ -47,8 +47,12 @@ const POLLER_RECHECK: Duration = Duration::from_millis(1);
 
 /// Caller mode: how often the back-stop progresses the worker while a connection of it closes
 /// (lingers for its peer's acknowledgements) and application threads call in, or did within
-/// the grace: the thread that closed it may not call in again for a while.
-const LINGER_POLL: Duration = Duration::from_micros(100);
+/// the grace — the thread that closed it may not call in again for a while: every
+/// `LINGER_POLL` at first, twice as long after each pass that found nothing, up to
+/// `LINGER_POLL_MAX` (a peer that never acknowledges costs ≈ 1 000 wake-ups a second for the
+/// linger, not 10 000).
+pub(crate) const LINGER_POLL: Duration = Duration::from_micros(100);
+const LINGER_POLL_MAX: Duration = Duration::from_millis(1);
 /// Payload bytes in flight per channel before `send` waits (see `outstanding_bytes`).
 pub(crate) const WINDOW_BYTES: u64 = 16 << 20;
 /// One outstanding message in `ChannelShared::sends` (its low 32 bits).
@@ -136,6 +140,16 @@ pub(crate) enum Awaited<'a> {
     Message(u64, &'a Cell<Option<Message>>),
     /// The reply of an RPC call (its id), which comes through the call's oneshot.
     Reply(u64),
+}
+
+/// The back-stop's next poll period while a connection lingers: back to [`LINGER_POLL`] after
+/// a pass that did work, else twice `period`, at most `LINGER_POLL_MAX`.
+fn next_linger_poll(period: Duration, worked: bool) -> Duration {
+    if worked {
+        LINGER_POLL
+    } else {
+        (period * 2).min(LINGER_POLL_MAX)
+    }
 }
 
 /// The worker's shared side.
@@ -563,17 +577,19 @@ impl WorkerShared {
     /// started the close, but the peer's acknowledgements come later, and that thread may
     /// not call in again for a while: without this, the connection would close — and its QP
     /// go back to the cache — only once the back-stop's grace ran out (10 ms and more).
-    /// False (nothing done) when no connection lingers.
-    pub(crate) fn watch_lingering(&self, wait: Duration) -> bool {
+    /// `period` is the current poll period ([`LINGER_POLL`] to start with). False (nothing
+    /// done) when no connection lingers.
+    pub(crate) fn watch_lingering(&self, wait: Duration, period: &mut Duration) -> bool {
         if !self.lingering.load(Ordering::Acquire) {
+            *period = LINGER_POLL;
             return false;
         }
         // (An epoll wait would last a whole millisecond: its timeout counts milliseconds.)
         self.watch_control(Duration::ZERO);
         if self.lingering.load(Ordering::Acquire) {
-            let _ = self.try_progress();
+            *period = next_linger_poll(*period, self.try_progress().is_some_and(|n| n > 0));
         }
-        std::thread::sleep(LINGER_POLL.min(wait));
+        std::thread::sleep((*period).min(wait));
         true
     }
 
@@ -1252,6 +1268,22 @@ impl ChannelShared {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A lingering connection whose peer stays silent is polled less and less often (at most
+    /// every millisecond), and as often as at first again once a pass finds work.
+    #[test]
+    fn the_linger_poll_backs_off_while_nothing_comes() {
+        let mut p = LINGER_POLL;
+        let mut seen = vec![p];
+        for _ in 0..8 {
+            p = next_linger_poll(p, false);
+            seen.push(p);
+        }
+        assert_eq!(seen[1], LINGER_POLL * 2);
+        assert!(seen.windows(2).all(|w| w[0] <= w[1]), "{seen:?}");
+        assert_eq!(p, LINGER_POLL_MAX);
+        assert_eq!(next_linger_poll(p, true), LINGER_POLL);
+    }
     use crate::channel::proto::EagerBytes;
     use crate::channel::TraceHeader;
     use crate::message::Payload;

@@ -1148,50 +1148,6 @@ mod tests {
         Some(t.elapsed())
     }
 
-    /// Caller mode: a connection whose last channel was dropped closes, and its QP goes back to
-    /// the cache, at once — not when the worker's back-stop next comes by, a grace (10 ms) or
-    /// two after the last call into the endpoint. The closing side does not wait for the peer
-    /// to acknowledge its `STREAM_OPEN` and `STREAM_CLOSE` (`ConnState::flushed_but_stream_control`):
-    /// a peer whose application called in moments ago and then does not (here: answered a ping
-    /// and holds its end) acknowledges only at its own back-stop's grace. 20 connect, exchange
-    /// and close rounds, the client closing first; a round that takes a grace or more is that
-    /// wait (at most two may, for load).
-    #[test]
-    fn a_dropped_connection_returns_its_qp_without_waiting_for_the_back_stop() {
-        use crate::{Config, Progress};
-        use std::time::Duration;
-        const WAIT: Duration = Duration::from_secs(10);
-        let cfg = Config {
-            device: "shm0".into(),
-            workers: 1,
-            progress: Progress::Caller,
-            ..Config::default()
-        };
-        let a = super::Endpoint::new(cfg.clone()).expect("a");
-        let b = super::Endpoint::new(cfg).expect("b");
-        let listener = b.listen("127.0.0.1:0").expect("listen");
-        let mut slow = Vec::new();
-        for round in 0..20 {
-            let ca = a.connect(listener.local_addr()).expect("connect");
-            let cb = listener.accept_timeout(WAIT).expect("accept");
-            // An exchange first: the server's application has just called in, so its
-            // back-stop holds back for its grace.
-            ca.send_timeout(b"ping", WAIT).expect("ping");
-            let m = cb.recv_timeout(WAIT).expect("recv ping");
-            cb.send_timeout(&m, WAIT).expect("pong");
-            assert_eq!(&ca.recv_timeout(WAIT).expect("recv pong")[..], b"ping");
-            drop(ca);
-            let took = time_until_qps_back(&a).expect("the client's QP never came back");
-            if took >= crate::worker::shared::BACKSTOP_GRACE {
-                slow.push((round, took));
-            }
-            drop(cb);
-            time_until_qps_back(&b).expect("the server's QP never came back");
-        }
-        assert!(slow.len() <= 2, "closes that waited a grace: {slow:?}");
-        assert!(a.conn_stats().qp_cache_hits >= 19, "{:?}", a.conn_stats());
-    }
-
     /// Caller mode: dropping one of two channels that share a connection closes its stream at
     /// once — the `STREAM_CLOSE` leaves from the dropping thread, not when the back-stop next
     /// takes the worker's queue (a grace after the last call) — so the peer's reader learns

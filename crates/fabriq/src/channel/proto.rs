@@ -677,12 +677,6 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
         self.queued.len() + self.inflight.len()
     }
 
-    /// True when every message accepted and not yet handed back (queued or in flight) has
-    /// trace flags for which `f` holds (true when there are none).
-    pub fn outstanding_all(&self, f: impl Fn(TraceFlags) -> bool) -> bool {
-        self.queued.iter().all(|q| f(q.trace.flags)) && self.inflight.values().all(|m| f(m.flags))
-    }
-
     /// Messages accepted and not yet framed (waiting for credit or send-queue room).
     pub fn outstanding_queued(&self) -> usize {
         self.queued.len()

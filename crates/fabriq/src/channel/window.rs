@@ -90,11 +90,6 @@ impl<T> SeqWindow<T> {
         Some(v)
     }
 
-    /// The values held, oldest first.
-    pub(crate) fn values(&self) -> impl Iterator<Item = &T> {
-        self.slots.iter().flatten()
-    }
-
     /// Sequence numbers held, from the oldest, up to and including `last`.
     pub(crate) fn seqs_through(&self, last: u64) -> std::ops::RangeInclusive<u64> {
         let top = self.base + self.slots.len() as u64;

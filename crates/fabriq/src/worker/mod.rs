@@ -382,14 +382,13 @@ impl ConnState {
 
     /// Nothing this side sent or asked for is still owed by the peer: every message handed to
     /// the connection was acknowledged (a rendezvous one pulled and finished) and no one-sided
-    /// operation waits — but for stream-control messages (a `STREAM_OPEN`, `STREAM_CLOSE` or
-    /// window report) not acknowledged yet: for a connection that closes, they say nothing its
-    /// `Close` does not (the peer ends every stream of a connection that closes).
-    /// A closing side that waited for their acknowledgements would wait for the peer's next
-    /// progress pass, which in caller mode may be a back-stop grace (10 ms) away.
-    fn flushed_but_stream_control(&self) -> bool {
-        self.backlog.iter().all(|(_, t)| is_stream_control(t.flags))
-            && self.driver.core().outstanding_all(is_stream_control)
+    /// operation waits. Stream-control messages count too: their acknowledgement is the last
+    /// thing the peer sends on the connection before it learns of its close, and one that came
+    /// after the QP was reset could land in it (rdma-core's soft-RoCE driver of Linux 6.1 was
+    /// seen to oops on such a packet).
+    fn flushed(&self) -> bool {
+        self.backlog.is_empty()
+            && self.driver.core().outstanding_sends() == 0
             && self.one_sided.is_empty()
             && self.one_sided_queue.is_empty()
     }
@@ -1293,7 +1292,7 @@ impl Worker {
         if st.closing.is_some() {
             return true;
         }
-        if linger.is_zero() || st.is_failed() || st.flushed_but_stream_control() {
+        if linger.is_zero() || st.is_failed() || st.flushed() {
             return false;
         }
         let until = now.saturating_add(linger);
@@ -1675,7 +1674,7 @@ impl Worker {
         }
         st.arm_timer(id, timers);
         let left = st.driver.reposts_pending() > 0;
-        let closed = st.closing.is_some() && st.flushed_but_stream_control();
+        let closed = st.closing.is_some() && st.flushed();
         if let Some(why) = newly_failed {
             self.fail_conn(id, why);
         } else if closed {

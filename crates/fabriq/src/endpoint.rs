@@ -1132,7 +1132,9 @@ mod tests {
     /// QPs of `ep` in use (created, neither cached nor destroyed).
     fn qps_in_use(ep: &super::Endpoint) -> u64 {
         let st = ep.conn_stats();
-        st.qps_created - st.qps_dropped - st.qps_cached
+        st.qps_created
+            .saturating_sub(st.qps_dropped)
+            .saturating_sub(st.qps_cached)
     }
 
     /// Caller mode: how long until `ep` has no QP in use, watched from outside (no call into

@@ -979,20 +979,31 @@ mod tests {
         }
     }
 
-    /// Both ends of a channel between two caller-mode endpoints on shm0, one worker each, with
-    /// stream window `stream_window` (each end keeps its endpoint alive).
-    fn caller_mode_channel(stream_window: u32) -> (crate::Channel, crate::Channel) {
-        use crate::{Config, Progress};
-        let cfg = Config {
+    /// The configuration of the caller-mode tests: shm0, one worker, caller progress.
+    fn caller_mode_config() -> crate::Config {
+        crate::Config {
             device: "shm0".into(),
             workers: 1,
-            progress: Progress::Caller,
-            stream_window,
-            ..Config::default()
-        };
+            progress: crate::Progress::Caller,
+            ..crate::Config::default()
+        }
+    }
+
+    /// Two endpoints of `cfg` (a client and a server) and a listener of the server.
+    fn client_server(cfg: crate::Config) -> (super::Endpoint, super::Endpoint, super::Listener) {
         let a = super::Endpoint::new(cfg.clone()).expect("a");
         let b = super::Endpoint::new(cfg).expect("b");
         let listener = b.listen("127.0.0.1:0").expect("listen");
+        (a, b, listener)
+    }
+
+    /// Both ends of a channel between two caller-mode endpoints on shm0, one worker each, with
+    /// stream window `stream_window` (each end keeps its endpoint alive).
+    fn caller_mode_channel(stream_window: u32) -> (crate::Channel, crate::Channel) {
+        let (a, _b, listener) = client_server(crate::Config {
+            stream_window,
+            ..caller_mode_config()
+        });
         let ca = a.connect(listener.local_addr()).expect("connect");
         let cb = listener
             .accept_timeout(std::time::Duration::from_secs(10))
@@ -1069,23 +1080,16 @@ mod tests {
     /// slots or credits behind for good would stall them) and every reply is the right one.
     #[test]
     fn calls_whose_reply_ends_the_callers_pass_keep_flowing_on_a_small_ring() {
-        use crate::{Config, Progress};
         use std::sync::atomic::{AtomicBool, Ordering};
         use std::sync::Arc;
         use std::time::Duration;
         const WAIT: Duration = Duration::from_secs(10);
-        let cfg = Config {
-            device: "shm0".into(),
-            workers: 1,
-            progress: Progress::Caller,
+        let (a, b, listener) = client_server(crate::Config {
             rx_slots: 8,
             stream_window: 4,
-            ..Config::default()
-        };
-        let a = super::Endpoint::new(cfg.clone()).expect("a");
-        let b = super::Endpoint::new(cfg).expect("b");
+            ..caller_mode_config()
+        });
         b.serve("echo", |req| Ok(req.to_vec()));
-        let listener = b.listen("127.0.0.1:0").expect("listen");
         let ca = a.connect(listener.local_addr()).expect("connect");
         let cb = listener.accept_timeout(WAIT).expect("accept");
         // The server's handlers run in the passes of a thread that calls in.
@@ -1156,18 +1160,9 @@ mod tests {
     /// within moments. 20 rounds; at most two may take a grace.
     #[test]
     fn a_dropped_channel_closes_its_stream_at_once() {
-        use crate::{Config, Progress};
         use std::time::{Duration, Instant};
         const WAIT: Duration = Duration::from_secs(10);
-        let cfg = Config {
-            device: "shm0".into(),
-            workers: 1,
-            progress: Progress::Caller,
-            ..Config::default()
-        };
-        let a = super::Endpoint::new(cfg.clone()).expect("a");
-        let b = super::Endpoint::new(cfg).expect("b");
-        let listener = b.listen("127.0.0.1:0").expect("listen");
+        let (a, _b, listener) = client_server(caller_mode_config());
         // Kept open throughout: the connection stays, only streams close.
         let _keep = a.connect(listener.local_addr()).expect("connect");
         let _kept = listener.accept_timeout(WAIT).expect("accept");
@@ -1204,18 +1199,9 @@ mod tests {
     /// other side; at most two may take a grace.
     #[test]
     fn a_lingering_close_ends_when_the_peer_acknowledges() {
-        use crate::{Config, Progress};
         use std::time::Duration;
         const WAIT: Duration = Duration::from_secs(10);
-        let cfg = Config {
-            device: "shm0".into(),
-            workers: 1,
-            progress: Progress::Caller,
-            ..Config::default()
-        };
-        let a = super::Endpoint::new(cfg.clone()).expect("a");
-        let b = super::Endpoint::new(cfg).expect("b");
-        let listener = b.listen("127.0.0.1:0").expect("listen");
+        let (a, b, listener) = client_server(caller_mode_config());
         let mut slow = Vec::new();
         for round in 0..20u64 {
             let ca = a.connect(listener.local_addr()).expect("connect");

@@ -20,7 +20,7 @@ use crate::message::{Message, SendBuf};
 use crate::remote::{RegionDescriptor, RemoteRegion};
 use crate::worker::shared::ChannelShared;
 use crate::worker::streams::ConnHandle;
-use crate::worker::{alloc_filled, direct_or_submit, direct_or_submit_settled, Command, Worker};
+use crate::worker::{alloc_filled, close_on_drop, direct_or_submit_settled, Command, Worker};
 
 struct Inner {
     shared: Arc<ChannelShared>,
@@ -37,16 +37,12 @@ struct Inner {
 
 impl Drop for Inner {
     fn drop(&mut self) {
-        let (w, chan) = (&self.shared.worker, self.shared.id);
-        if w.is_caller_mode() {
-            // Nobody may come by to take a queued close soon: it starts now, and the worker's
-            // back-stop sees it through (`WorkerShared::watch_lingering`).
-            direct_or_submit(w, chan, Worker::enqueue_close, |chan| Command::Close {
-                chan,
-            });
-        } else {
-            w.submit(Command::Close { chan });
-        }
+        close_on_drop(
+            &self.shared.worker,
+            self.shared.id,
+            Worker::enqueue_close,
+            |chan| Command::Close { chan },
+        );
     }
 }
 

@@ -296,16 +296,6 @@ impl ConnState {
     }
 }
 
-/// The trace of the request of RPC call `call_id` on stream `chan`.
-fn request_trace(chan: StreamKey, call_id: u64) -> TraceInfo {
-    TraceInfo {
-        trace_id: call_id,
-        flags: TraceFlags(TraceFlags::RPC_REQUEST),
-        stream: key_stream(chan),
-        stream_credits: 0,
-    }
-}
-
 /// [`ConnState::offer`] with the stream's state already looked up (`ss`: `None` for a stream
 /// the worker does not know).
 fn offer_to(
@@ -713,6 +703,23 @@ pub(crate) fn direct_or_submit_settled<V>(
     }
 }
 
+/// A close that the drop of an application handle hands to the worker: in caller mode applied
+/// by the dropping thread ([`direct_or_submit`]), since nobody may come by to take a queued
+/// one before the back-stop's grace runs out (which then sees a lingering close through,
+/// `WorkerShared::watch_lingering`); in thread mode queued for the worker thread.
+pub(crate) fn close_on_drop<V>(
+    w: &WorkerShared,
+    value: V,
+    direct: impl FnOnce(&mut Worker, V),
+    queued: impl FnOnce(V) -> Command,
+) {
+    if w.is_caller_mode() {
+        direct_or_submit(w, value, direct, queued);
+    } else {
+        w.submit(queued(value));
+    }
+}
+
 /// Wait for a worker's reply on `rx`, progressing the worker from this thread: for the whole
 /// wait in caller mode, for the idle budget in thread mode (then block on `rx`). `None` if the
 /// sender was dropped.
@@ -1015,17 +1022,10 @@ impl Worker {
     /// registered (its reply, its deadline) and its request goes out as a direct send
     /// ([`Worker::enqueue_send`]); true when that left nothing for a pass to do.
     pub(crate) fn enqueue_call(&mut self, call: Call) -> bool {
-        let Call {
-            chan,
-            call_id,
-            buf,
-            deadline,
-            reply,
-        } = call;
-        if !self.register_call(chan, call_id, buf.len(), deadline, reply) {
-            return true;
+        match self.register_call(call) {
+            Some((chan, buf, trace)) => self.enqueue_send(chan, buf, trace),
+            None => true,
         }
-        self.enqueue_send(chan, buf, request_trace(chan, call_id))
     }
 
     /// Direct one-sided operation from an application thread.
@@ -1349,15 +1349,7 @@ impl Worker {
     }
 
     fn command_call(&mut self, call: Call) {
-        let Call {
-            chan,
-            call_id,
-            buf,
-            deadline,
-            reply,
-        } = call;
-        if self.register_call(chan, call_id, buf.len(), deadline, reply) {
-            let trace = request_trace(chan, call_id);
+        if let Some((chan, buf, trace)) = self.register_call(call) {
             if let Some(st) = self.conns.get_mut(&key_conn(chan)) {
                 st.backlog.push_back((buf, trace));
                 self.mark_dirty(key_conn(chan));
@@ -1365,34 +1357,41 @@ impl Worker {
         }
     }
 
-    /// Keep the reply channel of call `call_id` on stream `chan` and arm its deadline; false
-    /// (the caller told `PeerGone`) when the stream or its connection is gone.
-    fn register_call(
-        &mut self,
-        chan: StreamKey,
-        call_id: u64,
-        len: usize,
-        deadline: Instant,
-        reply: CallReply,
-    ) -> bool {
+    /// Keep the reply channel of `call` and arm its deadline; the request to send (its
+    /// stream, buffer and trace), or `None` (the caller told `PeerGone`) when the stream or its
+    /// connection is gone.
+    fn register_call(&mut self, call: Call) -> Option<(StreamKey, OutBuf, TraceInfo)> {
+        let Call {
+            chan,
+            call_id,
+            buf,
+            deadline,
+            reply,
+        } = call;
         let Some(st) = self.conns.get_mut(&key_conn(chan)) else {
             let _ = reply.send(Err(RpcError::PeerGone));
-            return false;
+            return None;
         };
         let failed = st.is_failed();
         let Some(ss) = st.streams.get_mut(&key_stream(chan)) else {
             let _ = reply.send(Err(RpcError::PeerGone));
-            return false;
+            return None;
         };
         if failed || ss.peer_closed {
             let _ = reply.send(Err(RpcError::PeerGone));
-            return false;
+            return None;
         }
-        ss.shared.count_in(len as u64);
+        ss.shared.count_in(buf.len() as u64);
         ss.calls.insert(call_id, reply);
         self.timers
             .insert(deadline, (deadline, Timer::Call(chan, call_id)));
-        true
+        let trace = TraceInfo {
+            trace_id: call_id,
+            flags: TraceFlags(TraceFlags::RPC_REQUEST),
+            stream: key_stream(chan),
+            stream_credits: 0,
+        };
+        Some((chan, buf, trace))
     }
 
     fn command_one_sided(&mut self, chan: StreamKey, op: OneSidedOp, reply: OneSidedReply) {

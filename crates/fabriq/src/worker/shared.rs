@@ -142,6 +142,22 @@ pub(crate) enum Awaited<'a> {
     Reply(u64),
 }
 
+/// A non-blocking eventfd in epoll set `ep` under the key `EPOLL_WAKE`: writing it wakes a
+/// thread waiting there.
+fn wake_eventfd(ep: &OwnedFd) -> std::io::Result<OwnedFd> {
+    let fd = rustix::event::eventfd(
+        0,
+        rustix::event::EventfdFlags::CLOEXEC | rustix::event::EventfdFlags::NONBLOCK,
+    )?;
+    epoll::add(
+        ep,
+        &fd,
+        epoll::EventData::new_u64(super::EPOLL_WAKE),
+        epoll::EventFlags::IN,
+    )?;
+    Ok(fd)
+}
+
 /// The back-stop's next poll period while a connection lingers: back to [`LINGER_POLL`] after
 /// a pass that did work, else twice `period`, at most `LINGER_POLL_MAX`.
 fn next_linger_poll(period: Duration, worked: bool) -> Duration {
@@ -213,28 +229,10 @@ pub(crate) struct WorkerShared {
 
 impl WorkerShared {
     pub(crate) fn new(id: usize) -> std::io::Result<WorkerShared> {
-        let wake_fd = rustix::event::eventfd(
-            0,
-            rustix::event::EventfdFlags::CLOEXEC | rustix::event::EventfdFlags::NONBLOCK,
-        )?;
         let ep = epoll::create(epoll::CreateFlags::CLOEXEC)?;
         let control_epoll = epoll::create(epoll::CreateFlags::CLOEXEC)?;
-        epoll::add(
-            &ep,
-            &wake_fd,
-            epoll::EventData::new_u64(super::EPOLL_WAKE),
-            epoll::EventFlags::IN,
-        )?;
-        let backstop_fd = rustix::event::eventfd(
-            0,
-            rustix::event::EventfdFlags::CLOEXEC | rustix::event::EventfdFlags::NONBLOCK,
-        )?;
-        epoll::add(
-            &control_epoll,
-            &backstop_fd,
-            epoll::EventData::new_u64(super::EPOLL_WAKE),
-            epoll::EventFlags::IN,
-        )?;
+        let wake_fd = wake_eventfd(&ep)?;
+        let backstop_fd = wake_eventfd(&control_epoll)?;
         Ok(WorkerShared {
             id,
             inbox: SegQueue::new(),

@@ -144,17 +144,12 @@ impl ConnHandle {
 
 impl Drop for ConnHandle {
     fn drop(&mut self) {
-        if self.worker.is_caller_mode() {
-            // As a channel's close (`Inner::drop` in `handle`): started now.
-            super::direct_or_submit(
-                &self.worker,
-                self.conn,
-                Worker::enqueue_close_conn,
-                |conn| Command::CloseConn { conn },
-            );
-        } else {
-            self.worker.submit(Command::CloseConn { conn: self.conn });
-        }
+        super::close_on_drop(
+            &self.worker,
+            self.conn,
+            Worker::enqueue_close_conn,
+            |conn| Command::CloseConn { conn },
+        );
     }
 }
 

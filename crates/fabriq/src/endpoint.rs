@@ -1240,6 +1240,57 @@ mod tests {
         assert!(slow.len() <= 2, "closes that waited a grace: {slow:?}");
     }
 
+    /// Caller mode, a close whose peer's application called in moments ago and then stopped:
+    /// the peer's back-stop stays out of the way for its grace, so the `STREAM_CLOSE` would be
+    /// read (and acknowledged) — and the closing side's QP come back — only a grace later. The
+    /// closing side nudges the peer over the control stream (`Worker::nudge_peer`), and the
+    /// peer's back-stop, which watches control streams meanwhile, progresses the worker. 20
+    /// rounds of connect, one message read by the peer, drop, on shm0 and on tcp0 (whose data
+    /// path may deliver after the nudge: a later one covers it); at most two may take a grace.
+    #[test]
+    fn a_close_does_not_wait_for_a_quiet_peer_to_call_in() {
+        for device in ["shm0", "tcp0"] {
+            let cfg = crate::Config {
+                device: device.into(),
+                ..caller_mode_config()
+            };
+            close_with_a_quiet_peer(cfg);
+        }
+    }
+
+    fn close_with_a_quiet_peer(cfg: crate::Config) {
+        use std::time::Duration;
+        const WAIT: Duration = Duration::from_secs(10);
+        let device = cfg.device.clone();
+        let (a, b, listener) = client_server(cfg);
+        let mut slow = Vec::new();
+        for round in 0..20u64 {
+            let ca = a.connect(listener.local_addr()).expect("connect");
+            let cb = listener.accept_timeout(WAIT).expect("accept");
+            ca.send_timeout(&round.to_le_bytes(), WAIT).expect("send");
+            // The peer's application calls in, then goes quiet with its channel open.
+            assert_eq!(
+                cb.recv_timeout(WAIT).expect("the message")[..],
+                round.to_le_bytes()
+            );
+            drop(ca);
+            let took = time_until_qps_back(&a).expect("the client's QP never came back");
+            if took >= crate::worker::shared::BACKSTOP_GRACE {
+                slow.push((round, took));
+            }
+            assert!(
+                matches!(cb.recv_timeout(WAIT), Err(crate::ChannelError::PeerGone)),
+                "the close reaches the peer"
+            );
+            drop(cb);
+            time_until_qps_back(&b).expect("the server's QP never came back");
+        }
+        assert!(
+            slow.len() <= 2,
+            "{device}: closes that waited for the peer's grace: {slow:?}"
+        );
+    }
+
     /// Caller mode, a peer that closes and at once connects again (on the kept control
     /// stream): its hello reaches the listener only once the accepting side has let that
     /// stream go, which needs the peer's `Close` read — and no application thread reads

@@ -24,7 +24,7 @@
 //!
 //! Not here: the handshake itself (`manager`), framing (`wire`).
 
-use std::io::{ErrorKind, Read};
+use std::io::{ErrorKind, Read, Write};
 use std::net::SocketAddr;
 use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -89,6 +89,8 @@ pub struct ControlStream {
     /// This side's `Ready` is still to be written: connecting side, see
     /// [`super::PendingConn::finish_connecting`].
     ready_owed: bool,
+    /// The peer's [`Message::Nudge`] arrived and was not taken yet (accepting side).
+    nudged: bool,
     /// The probes' share of the socket, withdrawn when the connection ends here, so a probe
     /// never keeps the socket open nor looks at a later connection's handshake on it.
     probe: Option<Arc<Mutex<Option<Arc<Stream>>>>>,
@@ -120,6 +122,7 @@ impl ControlStream {
             rx: Vec::new(),
             ready: false,
             ready_owed: false,
+            nudged: false,
             probe: None,
         }
     }
@@ -169,6 +172,44 @@ impl ControlStream {
     /// True once after the peer's `Ready` was read by [`ControlStream::poll_peer`].
     pub fn take_ready(&mut self) -> bool {
         std::mem::take(&mut self.ready)
+    }
+
+    /// Connecting side, while the connection lingers in its close: ask the peer to progress
+    /// the connection now ([`Message::Nudge`]; one non-blocking write, best effort). Nothing is
+    /// written on the accepting side (the connecting side takes any byte on its stream for the
+    /// end of the connection: [`HangupProbe`]), nor while this side's `Ready` is owed (the
+    /// peer must read that first). False when nothing was written.
+    pub fn nudge(&mut self) -> bool {
+        if !matches!(self.home, Home::Client(_)) || self.ready_owed || self.state != State::Open {
+            return false;
+        }
+        let Some(stream) = self.stream.as_deref() else {
+            return false;
+        };
+        let frame = wire::encode(&Message::Nudge);
+        // A full socket buffer means the peer reads nothing anyway: no nudge this time. A
+        // frame begun is finished (a part of one would break the stream).
+        let sent = match (&*stream).write(&frame) {
+            Ok(n) => n,
+            Err(_) => return false,
+        };
+        if sent == frame.len() {
+            return true;
+        }
+        if sent == 0 {
+            return false;
+        }
+        let rest = frame.get(sent..).unwrap_or_default();
+        if send_all(stream, rest, Instant::now() + Duration::from_millis(200)).is_err() {
+            self.state = State::Broken;
+            return false;
+        }
+        true
+    }
+
+    /// True once after the peer's `Nudge` was read by [`ControlStream::poll_peer`].
+    pub fn take_nudge(&mut self) -> bool {
+        std::mem::take(&mut self.nudged)
     }
 
     /// True for a stream on a local (Unix) socket: a peer of this host reached after the
@@ -248,6 +289,11 @@ impl ControlStream {
                         Ok(Some((Message::Ready, _))) => {
                             self.rx.clear();
                             self.ready = true;
+                        }
+                        // Accepting side: the peer's close waits for this side's progress.
+                        Ok(Some((Message::Nudge, _))) => {
+                            self.rx.clear();
+                            self.nudged = true;
                         }
                         Ok(Some((other, _))) => {
                             tracing::debug!(peer = %self.peer_addr, got = other.name(),
@@ -482,6 +528,7 @@ mod tests {
     #[derive(Debug, Clone)]
     enum Item {
         Ready,
+        Nudge,
         Close,
         /// A frame whose body is not one (bad magic), of this body length.
         BadMagic(u8),
@@ -494,6 +541,7 @@ mod tests {
     fn encode(item: &Item) -> Vec<u8> {
         match item {
             Item::Ready => wire::encode(&Message::Ready),
+            Item::Nudge => wire::encode(&Message::Nudge),
             Item::Close => wire::encode(&Message::Close),
             Item::BadMagic(n) => {
                 let n = usize::from(*n).max(wire::MIN_FRAME_LEN - 4);
@@ -519,6 +567,7 @@ mod tests {
     fn item() -> impl Strategy<Value = Item> {
         prop_oneof![
             4 => Just(Item::Ready),
+            2 => Just(Item::Nudge),
             2 => Just(Item::Close),
             1 => any::<u8>().prop_map(Item::BadMagic),
             1 => any::<u8>().prop_map(Item::Short),
@@ -545,6 +594,7 @@ mod tests {
             let mut c = ControlStream::new(Stream::Local(ours), addr, Home::Server(None), false);
             // What the frames say, and the bytes after a Close.
             let mut want_ready = false;
+            let mut want_nudge = false;
             let mut want = ControlEvent::Open;
             let mut after_close = Vec::new();
             for it in &items {
@@ -552,6 +602,7 @@ mod tests {
                     (ControlEvent::PeerClosed, _) => after_close.extend(encode(it)),
                     (ControlEvent::Gone, _) => {}
                     (_, Item::Ready) => want_ready = true,
+                    (_, Item::Nudge) => want_nudge = true,
                     (_, Item::Close) => want = ControlEvent::PeerClosed,
                     _ => want = ControlEvent::Gone,
                 }
@@ -574,6 +625,7 @@ mod tests {
             prop_assert_eq!(seen, want);
             // The Readys in front of whatever ended the reads, or of the end of the bytes.
             prop_assert_eq!(c.take_ready(), want_ready);
+            prop_assert_eq!(c.take_nudge(), want_nudge);
             if want == ControlEvent::PeerClosed {
                 // Write what is left, then read the socket: exactly the bytes after the Close.
                 peer.write_all(&bytes[at..]).expect("write rest");

@@ -1435,11 +1435,11 @@ impl Listener {
             }
         };
         // A kept stream may still hold the `Close` of the connection it carried, or its
-        // `Ready`, when that connection ended before its worker read it
-        // (`PendingConn::finish_accepting`).
-        let mut msgs = msgs
-            .into_iter()
-            .skip_while(|m| eof_ok && matches!(m, Message::Close | Message::Ready));
+        // `Ready` or a `Nudge`, when that connection ended before its worker read them
+        // (`PendingConn::finish_accepting`, `ControlStream::nudge`).
+        let mut msgs = msgs.into_iter().skip_while(|m| {
+            eof_ok && matches!(m, Message::Close | Message::Ready | Message::Nudge)
+        });
         let unexpected = |got: &Message| ConnError::Unexpected {
             peer,
             phase: "hello",

@@ -953,6 +953,62 @@ fn an_owned_control_stream_says_close_and_serves_the_next_handshake_with(local: 
     assert_eq!(srv.stats().failed, 0);
 }
 
+/// Only the connecting side nudges (`ControlStream::nudge`): the accepting side's owner reads
+/// the nudge (`take_nudge`, once) with the connection still open; the accepting side writes
+/// nothing (on the connecting side any byte ends the connection: `HangupProbe`).
+#[test]
+fn only_the_connecting_side_nudges_and_the_peer_reads_it() {
+    let (srv, _) = manager(ConnConfig::default());
+    let listener = srv.listen("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr();
+    let (nudged_tx, nudged_rx) = std::sync::mpsc::channel();
+    let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+    let server = std::thread::spawn(move || {
+        let (est, mut control) = listener
+            .accept_pending(Some(LONG))
+            .unwrap()
+            .finish_owned()
+            .unwrap();
+        control.set_nonblocking(true).unwrap();
+        let wrote = control.nudge();
+        let deadline = std::time::Instant::now() + LONG;
+        let mut event = control.poll_peer();
+        while event == ControlEvent::Open && !control.take_nudge() {
+            assert!(std::time::Instant::now() < deadline, "no nudge came");
+            std::thread::yield_now();
+            event = control.poll_peer();
+        }
+        let again = control.take_nudge();
+        nudged_tx.send((wrote, event, again)).unwrap();
+        done_rx.recv().unwrap();
+        let closed = wait_peer(&mut control);
+        drop(control);
+        listener.manager().release(est);
+        closed
+    });
+    let (cli, _) = manager(ConnConfig::default());
+    let (est, mut control) = cli
+        .connect_pending(addr, None, LONG)
+        .unwrap()
+        .finish_owned()
+        .unwrap();
+    let probe = control.hangup_probe().expect("connecting side");
+    assert!(control.nudge(), "the connecting side writes its nudge");
+    let (wrote, event, again) = nudged_rx.recv().unwrap();
+    assert!(!wrote, "the accepting side wrote a nudge");
+    assert_eq!(
+        event,
+        ControlEvent::Open,
+        "a nudge leaves the connection open"
+    );
+    assert!(!again, "one nudge read, taken once");
+    assert!(!probe.ended(), "the connecting side's stream holds no byte");
+    done_tx.send(()).unwrap();
+    drop(control);
+    cli.release(est);
+    assert_eq!(server.join().unwrap(), ControlEvent::PeerClosed);
+}
+
 #[test]
 fn a_control_stream_reports_a_vanished_peer_and_garbage() {
     let (srv, _) = manager(ConnConfig::default());
@@ -1026,14 +1082,15 @@ fn accepted_by_hand() -> (ConnManager, Listener, TcpStream, Established, Control
     (srv, listener, c, est, control)
 }
 
-/// The owner of an accepted control stream reads the peer's `Ready` and `Close` and not a byte
-/// more, whole frames in one receive each (never past the end of one): the next connection's
-/// hello, written behind them in one write, is served on the stream given back.
+/// The owner of an accepted control stream reads the peer's `Ready`, `Nudge` and `Close` and
+/// not a byte more, whole frames in one receive each (never past the end of one): the next
+/// connection's hello, written behind them in one write, is served on the stream given back.
 #[test]
 fn an_owned_control_stream_reads_up_to_the_close_and_serves_the_hello_behind_it() {
     let (srv, listener, mut c, est, mut control) = accepted_by_hand();
     let frame = |m: Message| wire::encode(&m);
     let mut all = frame(Message::Ready);
+    all.extend(frame(Message::Nudge));
     all.extend(frame(Message::Close));
     all.extend(frame(Message::Hello(some_hello("heap"))));
     c.write_all(&all).unwrap();
@@ -1041,6 +1098,10 @@ fn an_owned_control_stream_reads_up_to_the_close_and_serves_the_hello_behind_it(
     assert!(
         control.take_ready(),
         "the Ready in front of the Close was read"
+    );
+    assert!(
+        control.take_nudge(),
+        "the Nudge in front of the Close was read"
     );
     drop(control);
     srv.release(est);
@@ -1365,8 +1426,8 @@ fn a_ready_left_to_the_owner_is_sent_when_it_says_so() {
 }
 
 /// One receive takes what has arrived of a hello or hello-ack, so frames that come together
-/// are told apart: a kept stream's stray `Close` in front of the next hello is skipped and the
-/// hello served; a client that sends anything behind its hello before the hello-ack is
+/// are told apart: a kept stream's stray `Nudge` and `Close` in front of the next hello are
+/// skipped and the hello served; a client that sends anything behind its hello before the hello-ack is
 /// refused; a server whose `Close` follows its hello-ack at once ends that connect with
 /// `PeerClosed`.
 #[test]
@@ -1376,11 +1437,13 @@ fn frames_that_arrive_together_are_told_apart() {
     let addr = listener.local_addr();
     let server = serve(listener, 2);
     let frame = |m: Message| wire::encode(&m);
-    // A handshake by hand, then the next hello right behind a stray Close, in one write.
+    // A handshake by hand, then the next hello right behind a stray Nudge and Close, in one
+    // write.
     let mut c = raw_client(addr, &frame(Message::Hello(some_hello("heap"))));
     assert!(matches!(read_frame(&mut c), Some(Message::HelloAck(_))));
     c.write_all(&frame(Message::Ready)).unwrap();
-    let mut both = frame(Message::Close);
+    let mut both = frame(Message::Nudge);
+    both.extend(frame(Message::Close));
     both.extend(frame(Message::Hello(some_hello("heap"))));
     c.write_all(&both).unwrap();
     assert!(matches!(read_frame(&mut c), Some(Message::HelloAck(_))));

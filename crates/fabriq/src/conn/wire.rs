@@ -22,8 +22,9 @@ pub const MAGIC: u32 = 0x4642_5251;
 /// at the handshake, not at its first message. Version 4: the hello names the sender's local
 /// control socket ([`Hello::local_control`]). Version 5: the server reaches RTR first and says
 /// so (`QpAttr::before_peer`), and its hello-ack carries its QP's endpoint as read after that
-/// RTR, which the client's RTR must be given.
-pub const VERSION: u16 = 5;
+/// RTR, which the client's RTR must be given. Version 6: a connecting side whose connection
+/// lingers in its close may write [`Message::Nudge`] on the live control stream.
+pub const VERSION: u16 = 6;
 /// Shortest frame a peer can send, bytes: the length prefix, then a body of at least the
 /// magic, the version and the kind (a `Ready`, a `Close`). A reader that does not know the
 /// length yet may ask for this many without reading past the end of the first frame.
@@ -45,6 +46,7 @@ const KIND_HELLO_ACK: u8 = 2;
 const KIND_READY: u8 = 3;
 const KIND_REJECT: u8 = 4;
 const KIND_CLOSE: u8 = 5;
+const KIND_NUDGE: u8 = 6;
 
 /// Why a frame could not be decoded.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -213,6 +215,12 @@ pub enum Message {
     /// (its channel closed). The stream stays open for the next handshake; a reader waiting for
     /// a hello or a hello-ack skips it.
     Close,
+    /// Client → server, on a live connection's control stream: the connection is closing and
+    /// waits for the server to acknowledge what it sent (its data path holds messages for the
+    /// server), so the server should progress it now rather than when its application next
+    /// calls in. Carries no state: a server may read it late, or not at all; a reader waiting
+    /// for a hello skips it.
+    Nudge,
 }
 
 impl Message {
@@ -224,6 +232,7 @@ impl Message {
             Message::Ready => "ready",
             Message::Reject(_) => "reject",
             Message::Close => "close",
+            Message::Nudge => "nudge",
         }
     }
 }
@@ -297,6 +306,7 @@ pub fn encode_with_version(msg: &Message, version: u16) -> Vec<u8> {
         }
         Message::Ready => body.push(KIND_READY),
         Message::Close => body.push(KIND_CLOSE),
+        Message::Nudge => body.push(KIND_NUDGE),
         Message::Reject(r) => {
             body.push(KIND_REJECT);
             body.push(r.code.to_u8());
@@ -502,6 +512,7 @@ pub fn decode_body(body: &[u8]) -> Result<Message, DecodeError> {
         KIND_HELLO_ACK => Message::HelloAck(get_hello(&mut r)?),
         KIND_READY => Message::Ready,
         KIND_CLOSE => Message::Close,
+        KIND_NUDGE => Message::Nudge,
         KIND_REJECT => {
             let code = RejectCode::from_u8(r.u8("reject code")?);
             let version = r.u16("reject version")?;
@@ -588,6 +599,7 @@ mod tests {
             Message::HelloAck(h2),
             Message::Ready,
             Message::Close,
+            Message::Nudge,
             Message::Reject(Reject {
                 code: RejectCode::ProviderMismatch,
                 version: VERSION,

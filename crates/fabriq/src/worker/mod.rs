@@ -176,6 +176,10 @@ const EPOLL_CONTROL: u64 = 1 << 40;
 const MAX_ORPHANS: usize = 1 << 16;
 /// Longest a closing channel's QP is given to flush before it is destroyed instead of cached.
 const RETIRE_DRAIN_LIMIT: Duration = Duration::from_millis(100);
+/// A closing connection nudges its peer when it starts to wait for it, again after this long,
+/// then at doubling intervals up to `NUDGE_MAX` ([`Worker::nudge_peer`]).
+const NUDGE_FIRST: Duration = Duration::from_micros(200);
+const NUDGE_MAX: Duration = Duration::from_millis(5);
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 enum Timer {
@@ -183,6 +187,8 @@ enum Timer {
     Call(StreamKey, u64),
     /// A closing connection's linger ends (`ConnState::closing`).
     Linger(u32),
+    /// A closing connection nudges its peer again (`ConnState::nudge`).
+    Nudge(u32),
     /// An accepted connection's time for the peer's `Ready` ends: the pass it wakes checks
     /// `Worker::awaiting` (a sleeping worker would otherwise not look until something else
     /// woke it).
@@ -243,6 +249,9 @@ struct ConnState {
     /// one-sided operations were still on their way: the connection stays until they are
     /// acknowledged (or fail), at the latest until this instant, then closes.
     closing: Option<Instant>,
+    /// While closing (connecting side): when the next nudge of the peer goes, and how long
+    /// after the last one that is (`None`: none went yet). See [`Worker::nudge_peer`].
+    nudge: Option<(Instant, Duration)>,
 }
 
 /// What became of a message offered to a connection's core.
@@ -1067,13 +1076,16 @@ impl Worker {
     }
 
     /// Handle what epoll reported: control streams that became readable.
-    fn handle_epoll(&mut self, keys: &[u64]) {
+    /// Handle what the epoll set reported; true when a peer nudged (a pass should follow).
+    fn handle_epoll(&mut self, keys: &[u64]) -> bool {
+        let mut nudged = false;
         for &key in keys {
             if key & EPOLL_CONTROL != 0 {
                 let id = (key & 0xFFFF_FFFF) as u32;
-                self.check_control(id);
+                nudged |= self.check_control(id);
             }
         }
+        nudged
     }
 
     fn poll_cq(&mut self) -> usize {
@@ -1223,6 +1235,7 @@ impl Worker {
                 timer_at: None,
                 failed: None,
                 closing: None,
+                nudge: None,
             },
         );
         if let Some(list) = self.orphans.remove(&id) {
@@ -1499,6 +1512,7 @@ impl Worker {
                     }
                 }
                 Timer::ReadyDue => {}
+                Timer::Nudge(id) => self.nudge_peer(id, now, Some(t)),
                 Timer::Linger(id) => {
                     if self.conns.get(&id).is_some_and(|st| st.closing == Some(t)) {
                         tracing::debug!(
@@ -1673,27 +1687,67 @@ impl Worker {
         }
         st.arm_timer(id, timers);
         let left = st.driver.reposts_pending() > 0;
-        let closed = st.closing.is_some() && st.flushed();
+        let closing = st.closing.is_some();
+        let closed = closing && st.flushed();
+        let first_nudge = closing && st.nudge.is_none() && st.accept.is_none();
         if let Some(why) = newly_failed {
             self.fail_conn(id, why);
         } else if closed {
             // A closing connection delivered the last of what it had: it closes now
             // (`closing` set: failing it retires it).
             self.fail_conn(id, Failure::Closed);
-        } else if left && !self.deferred_now.contains(&id) {
-            self.deferred_now.push(id);
+        } else {
+            if left && !self.deferred_now.contains(&id) {
+                self.deferred_now.push(id);
+            }
+            if first_nudge {
+                // What the close queued (the streams' `STREAM_CLOSE`) went out above.
+                self.nudge_peer(id, now, None);
+            }
         }
     }
 
-    /// A control stream became readable: the peer closed its end, or vanished.
-    fn check_control(&mut self, id: u32) {
+    /// A closing connection (connecting side) waits for its peer's acknowledgements: ask the
+    /// peer to progress now ([`ControlStream::nudge`]; `due`: `None`), and again from the
+    /// timer this arms (`due`: the instant it was armed for), at doubling intervals, while the
+    /// connection still waits. A peer in caller mode whose application called in moments ago
+    /// and then stopped would otherwise read what this side sent — and acknowledge it — only
+    /// when its back-stop's grace runs out (10–20 ms); the nudge comes to its back-stop, which
+    /// watches the control streams meanwhile. Later nudges cover a peer that read the first
+    /// before the data it was about (the data path and the control stream are not ordered with
+    /// each other), and a nudge the socket could not take.
+    fn nudge_peer(&mut self, id: u32, now: Instant, due: Option<Instant>) {
         let Some(st) = self.conns.get_mut(&id) else {
             return;
         };
-        let Some(c) = st.control.as_mut() else {
+        if st.closing.is_none() || st.is_failed() {
             return;
+        }
+        let every = match (st.nudge, due) {
+            (None, None) => NUDGE_FIRST,
+            (Some((at, every)), Some(t)) if at == t => (every * 2).min(NUDGE_MAX),
+            // A timer of an earlier connection on this QP, or a first nudge gone already.
+            _ => return,
+        };
+        if let Some(c) = st.control.as_mut() {
+            c.nudge();
+        }
+        let at = now.saturating_add(every);
+        st.nudge = Some((at, every));
+        self.timers.insert(at, (at, Timer::Nudge(id)));
+    }
+
+    /// A control stream became readable: the peer closed its end, or vanished, or its `Ready`
+    /// or a nudge came. True for a nudge: the peer's close waits for this side's progress.
+    fn check_control(&mut self, id: u32) -> bool {
+        let Some(st) = self.conns.get_mut(&id) else {
+            return false;
+        };
+        let Some(c) = st.control.as_mut() else {
+            return false;
         };
         let event = c.poll_peer();
+        let nudged = c.take_nudge();
         if c.take_ready() {
             st.driver.set_peer_ready();
             self.mark_dirty(id);
@@ -1702,6 +1756,7 @@ impl Worker {
             ControlEvent::Open => {}
             ControlEvent::PeerClosed | ControlEvent::Gone => self.fail_conn(id, Failure::PeerGone),
         }
+        nudged
     }
 
     /// Accepted connections waiting for the peer's `Ready`: read their control streams (a

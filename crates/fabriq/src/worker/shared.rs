@@ -542,7 +542,11 @@ impl WorkerShared {
         }
         match self.try_lock_state() {
             Some(mut g) => {
-                g.handle_epoll(&keys);
+                if g.handle_epoll(&keys) {
+                    // A peer's close waits for this side to read what it sent: a whole pass
+                    // (`Worker::nudge_peer`).
+                    g.progress_at(self, None);
+                }
                 drop(g);
                 self.notify_parked();
             }

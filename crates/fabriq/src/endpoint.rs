@@ -1258,6 +1258,41 @@ mod tests {
         }
     }
 
+    /// Caller mode, tcp0 without QP cache or kept control streams, a close right after the
+    /// connect: the data connection of the new QP pair is still being set up when the
+    /// `STREAM_CLOSE` is posted, so the first nudge reaches the peer before the message does
+    /// and a later one has to follow — from the closing side's timers, which fire in the
+    /// passes its back-stop runs while the connection lingers. 20 rounds; at most two may take
+    /// a grace.
+    #[test]
+    fn a_close_right_after_a_new_tcp0_connect_is_nudged_until_acknowledged() {
+        use std::time::Duration;
+        const WAIT: Duration = Duration::from_secs(10);
+        let cfg = crate::Config {
+            device: "tcp0".into(),
+            qp_cache_size: 0,
+            reuse_control_streams: false,
+            ..caller_mode_config()
+        };
+        let (a, b, listener) = client_server(cfg);
+        let mut slow = Vec::new();
+        for round in 0..20u64 {
+            let ca = a.connect(listener.local_addr()).expect("connect");
+            let cb = listener.accept_timeout(WAIT).expect("accept");
+            drop(ca);
+            let took = time_until_qps_back(&a).expect("the client's QP never came back");
+            if took >= crate::worker::shared::BACKSTOP_GRACE {
+                slow.push((round, took));
+            }
+            drop(cb);
+            time_until_qps_back(&b).expect("the server's QP never came back");
+        }
+        assert!(
+            slow.len() <= 2,
+            "closes that waited for the peer's grace: {slow:?}"
+        );
+    }
+
     fn close_with_a_quiet_peer(cfg: crate::Config) {
         use std::time::Duration;
         const WAIT: Duration = Duration::from_secs(10);

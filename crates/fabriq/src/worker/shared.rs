@@ -543,9 +543,9 @@ impl WorkerShared {
         match self.try_lock_state() {
             Some(mut g) => {
                 if g.handle_epoll(&keys) {
-                    // A peer's close waits for this side to read what it sent: a whole pass
-                    // (`Worker::nudge_peer`).
-                    g.progress_at(self, None);
+                    // A peer's close waits for this side to read what it sent: a whole pass,
+                    // timers included (`Worker::nudge_peer`).
+                    g.progress_after_sleep(self);
                 }
                 drop(g);
                 self.notify_parked();
@@ -589,7 +589,17 @@ impl WorkerShared {
         // (An epoll wait would last a whole millisecond: its timeout counts milliseconds.)
         self.watch_control(Duration::ZERO);
         if self.lingering.load(Ordering::Acquire) {
-            *period = next_linger_poll(*period, self.try_progress().is_some_and(|n| n > 0));
+            // The timers fire in this pass (an idle pass looks at them only every 64th round):
+            // the closing connection's nudges of its peer are due on them.
+            let worked = self.try_lock_state().is_some_and(|mut g| {
+                let n = g.progress_after_sleep(self);
+                drop(g);
+                if n > 0 {
+                    self.notify_parked();
+                }
+                n > 0
+            });
+            *period = next_linger_poll(*period, worked);
         }
         std::thread::sleep((*period).min(wait));
         true

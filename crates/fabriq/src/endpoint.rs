@@ -1240,6 +1240,110 @@ mod tests {
         assert!(slow.len() <= 2, "closes that waited a grace: {slow:?}");
     }
 
+    /// Caller mode, two workers whose RPC handlers, running at the same time, each send on a
+    /// channel of the other worker: a handler holds its own worker's state, so a sender that
+    /// waited for the other worker's state would wait for a handler that waits for its own —
+    /// each send is queued instead, and the calls complete.
+    #[test]
+    fn handlers_of_two_workers_sending_on_each_others_channels_do_not_deadlock() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        use std::sync::Arc;
+        use std::time::{Duration, Instant};
+        const WAIT: Duration = Duration::from_secs(5);
+        let (done_tx, done_rx) = std::sync::mpsc::channel();
+        // The body runs on a thread of its own: deadlocked workers would never let its
+        // endpoints drop.
+        std::thread::spawn(move || {
+            let server = super::Endpoint::new(crate::Config {
+                workers: 2,
+                ..caller_mode_config()
+            })
+            .expect("server");
+            let sink = super::Endpoint::new(crate::Config {
+                progress: crate::Progress::Thread,
+                ..caller_mode_config()
+            })
+            .expect("sink");
+            let sink_listener = sink.listen("127.0.0.1:0").expect("listen");
+            let sink_at = sink_listener.local_addr();
+            // The server's two channels to the sink, one on each of its workers.
+            let out: Arc<Vec<crate::Channel>> = Arc::new(
+                (0..2)
+                    .map(|_| server.connect(sink_at).expect("connect to the sink"))
+                    .collect(),
+            );
+            let w0 = Arc::as_ptr(&out[0].shared().worker);
+            let w1 = Arc::as_ptr(&out[1].shared().worker);
+            assert_ne!(w0, w1, "the two channels share a worker");
+            let arrived = Arc::new(AtomicUsize::new(0));
+            {
+                let (out, arrived) = (out.clone(), arrived.clone());
+                server.serve("cross", move |_| {
+                    // Both handlers in at once (bounded: the test reports it otherwise).
+                    arrived.fetch_add(1, Ordering::SeqCst);
+                    let t = Instant::now();
+                    while arrived.load(Ordering::SeqCst) < 2 && t.elapsed() < WAIT / 5 {
+                        std::thread::yield_now();
+                    }
+                    for ch in out.iter() {
+                        ch.send(b"across").map_err(|e| e.to_string())?;
+                    }
+                    Ok(arrived.load(Ordering::SeqCst).to_le_bytes().to_vec())
+                });
+            }
+            let listener = server.listen("127.0.0.1:0").expect("listen");
+            let client = super::Endpoint::new(crate::Config {
+                workers: 2,
+                progress: crate::Progress::Thread,
+                ..caller_mode_config()
+            })
+            .expect("client");
+            // Two connections (one per client worker), accepted on the server's two workers.
+            let mut accepted = Vec::new();
+            let rpcs: Vec<crate::Rpc> = (0..2)
+                .map(|_| {
+                    let c = client.connect(listener.local_addr()).expect("connect");
+                    accepted.push(listener.accept_timeout(WAIT).expect("accept"));
+                    crate::Rpc::new(c)
+                })
+                .collect();
+            let calls: Vec<_> = rpcs
+                .into_iter()
+                .map(|rpc| std::thread::spawn(move || rpc.call("cross", b"", WAIT)))
+                .collect();
+            let results: Vec<_> = calls
+                .into_iter()
+                .map(|t| t.join().expect("caller"))
+                .collect();
+            // Every send of both handlers arrived.
+            let mut got = 0;
+            for _ in 0..2 {
+                let ch = sink_listener
+                    .accept_timeout(WAIT)
+                    .expect("the sink accepts");
+                for _ in 0..2 {
+                    assert_eq!(
+                        &ch.recv_timeout(WAIT).expect("a handler's send")[..],
+                        b"across"
+                    );
+                    got += 1;
+                }
+            }
+            assert_eq!(got, 4);
+            let _ = done_tx.send(format!("{:?}", [&results[0], &results[1]]));
+            drop((accepted, client, listener, server, sink_listener, sink));
+        });
+        let got = done_rx
+            .recv_timeout(Duration::from_secs(30))
+            .expect("the calls never returned");
+        let both: Result<Vec<u8>, crate::RpcError> = Ok(2usize.to_le_bytes().to_vec());
+        let two = format!("{:?}", [&both, &both]);
+        assert_eq!(
+            got, two,
+            "both calls answered, their handlers at the same time"
+        );
+    }
+
     /// Caller mode, a close whose peer's application called in moments ago and then stopped:
     /// the peer's back-stop stays out of the way for its grace, so the `STREAM_CLOSE` would be
     /// read (and acknowledged) — and the closing side's QP come back — only a grace later. The
@@ -1406,7 +1510,13 @@ mod tests {
             let held: Vec<_> = client
                 .inner
                 .workers()
-                .map(|w| w.shared.lock_state().expect("worker state"))
+                .map(|w| loop {
+                    // (Once this thread holds one worker's state, the next is taken only free.)
+                    if let Some(g) = w.shared.try_lock_state() {
+                        break g;
+                    }
+                    std::thread::yield_now();
+                })
                 .collect();
             drop((listener, old_peer, first));
             let second = Endpoint::new(cfg).expect("second server");

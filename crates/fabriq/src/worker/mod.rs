@@ -701,13 +701,19 @@ pub(crate) fn direct_or_submit_settled<V>(
     }
     w.submit(queued(value));
     if w.is_caller_mode() && w.try_progress().is_none() && !w.has_spinner() {
-        // `None` when this thread holds the lock (a handler): its own pass drains the inbox.
-        if let Some(mut g) = w.lock_state() {
-            let n = g.progress(w);
-            drop(g);
-            if n > 0 {
-                w.notify_parked();
+        // `None` when this thread holds the lock (a handler): its own pass drains the inbox;
+        // or when it holds another worker's (a handler there), and this one is busy: whoever
+        // holds it may not pass again, so the back-stop sees the command through.
+        match w.lock_state() {
+            Some(mut g) => {
+                let n = g.progress(w);
+                drop(g);
+                if n > 0 {
+                    w.notify_parked();
+                }
             }
+            None if shared::holds_a_state() => w.nudge_backstop(),
+            None => {}
         }
     }
 }

@@ -75,6 +75,16 @@ fn counted_bytes(len: u64) -> u64 {
 /// Spin rounds between clock reads in [`WorkerShared::wait_for`].
 const CLOCK_EVERY: u32 = 16;
 
+thread_local! {
+    /// Worker states this thread holds (a handler running in a pass holds its worker's).
+    static STATES_HELD: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+}
+
+/// True while this thread holds some worker's state.
+pub(crate) fn holds_a_state() -> bool {
+    STATES_HELD.with(|n| n.get() > 0)
+}
+
 /// A token unique to the calling thread for the life of the process.
 fn thread_token() -> u64 {
     static NEXT: AtomicU64 = AtomicU64::new(1);
@@ -127,6 +137,7 @@ impl std::ops::DerefMut for StateGuard<'_> {
 impl Drop for StateGuard<'_> {
     fn drop(&mut self) {
         self.holder.store(0, Ordering::Release);
+        STATES_HELD.with(|n| n.set(n.get().saturating_sub(1)));
     }
 }
 
@@ -314,25 +325,33 @@ impl WorkerShared {
     /// The state if it is free now.
     pub(crate) fn try_lock_state(&self) -> Option<StateGuard<'_>> {
         let guard = self.state.get()?.try_lock()?;
+        Some(self.held(guard))
+    }
+
+    fn held<'a>(&'a self, guard: MutexGuard<'a, Worker>) -> StateGuard<'a> {
         self.holder.store(thread_token(), Ordering::Release);
-        Some(StateGuard {
+        STATES_HELD.with(|n| n.set(n.get() + 1));
+        StateGuard {
             guard,
             holder: &self.holder,
-        })
+        }
     }
 
     /// The state, waiting for it; `None` when this thread already holds it (a handler calling
-    /// back into its own worker) or the worker is not started.
+    /// back into its own worker) or the worker is not started. A thread that holds another
+    /// worker's state (a handler of that worker) does not wait: it gets this one only if it is
+    /// free at once, else `None` — two handlers of two workers, each waiting for the other's
+    /// state, would wait for ever (test
+    /// `handlers_of_two_workers_sending_on_each_others_channels_do_not_deadlock`).
     pub(crate) fn lock_state(&self) -> Option<StateGuard<'_>> {
         if self.holder.load(Ordering::Acquire) == thread_token() {
             return None;
         }
+        if holds_a_state() {
+            return self.try_lock_state();
+        }
         let guard = self.state.get()?.lock();
-        self.holder.store(thread_token(), Ordering::Release);
-        Some(StateGuard {
-            guard,
-            holder: &self.holder,
-        })
+        Some(self.held(guard))
     }
 
     /// False only when a progress pass would certainly find nothing new to start with: the
@@ -530,9 +549,18 @@ impl WorkerShared {
             std::thread::sleep(POLLER_RECHECK.min(wait));
             return;
         }
+        if !self.inbox.is_empty() {
+            // A command that a thread holding another worker's state could not wait to apply
+            // (`direct_or_submit`): take it once the worker is free.
+            if self.try_progress().is_none() {
+                std::thread::sleep(CONTROL_RETRY.min(wait));
+            }
+            return;
+        }
         let mut keys = super::epoll_wait(&self.control_epoll, Some(wait));
         if let Some(i) = keys.iter().position(|&k| k == super::EPOLL_WAKE) {
-            // A connection started to linger (the caller sees to it): only the nudge is read.
+            // A connection started to linger (the caller sees to it), or a command waits (the
+            // look above): only the nudge is read here.
             keys.swap_remove(i);
             let mut buf = [0u8; 8];
             let _ = rustix::io::read(&self.backstop_fd, &mut buf);
@@ -564,8 +592,14 @@ impl WorkerShared {
         }
         self.lingering.store(on, Ordering::Release);
         if on && self.is_caller_mode() {
-            let _ = rustix::io::write(&self.backstop_fd, &1u64.to_ne_bytes());
+            self.nudge_backstop();
         }
+    }
+
+    /// Caller mode: wake the back-stop from its watch of the control streams (a connection
+    /// started to linger, or a command waits in the inbox that no thread may take soon).
+    pub(crate) fn nudge_backstop(&self) {
+        let _ = rustix::io::write(&self.backstop_fd, &1u64.to_ne_bytes());
     }
 
     /// A connection of this worker lingers (as the passes last published).

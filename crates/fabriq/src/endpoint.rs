@@ -1240,6 +1240,107 @@ mod tests {
         assert!(slow.len() <= 2, "closes that waited a grace: {slow:?}");
     }
 
+    /// A caller-mode server of two workers with a channel on each to a thread-mode sink: the
+    /// server, the sink, the sink's listener (its accepts give the sink's ends) and the two
+    /// channels (the first on one worker, the second on the other).
+    fn two_workers_and_a_sink() -> (
+        super::Endpoint,
+        super::Endpoint,
+        super::Listener,
+        std::sync::Arc<Vec<crate::Channel>>,
+    ) {
+        let server = super::Endpoint::new(crate::Config {
+            workers: 2,
+            ..caller_mode_config()
+        })
+        .expect("server");
+        let sink = super::Endpoint::new(crate::Config {
+            progress: crate::Progress::Thread,
+            ..caller_mode_config()
+        })
+        .expect("sink");
+        let sink_listener = sink.listen("127.0.0.1:0").expect("listen");
+        let sink_at = sink_listener.local_addr();
+        let out: Vec<crate::Channel> = (0..2)
+            .map(|_| server.connect(sink_at).expect("connect to the sink"))
+            .collect();
+        assert!(
+            !std::sync::Arc::ptr_eq(&out[0].shared().worker, &out[1].shared().worker),
+            "the two channels share a worker"
+        );
+        (server, sink, sink_listener, std::sync::Arc::new(out))
+    }
+
+    /// Caller mode: a handler's send on a channel of another worker whose state is busy at
+    /// that moment is queued there, and that worker's back-stop is nudged to take it once the
+    /// worker is free (`WorkerShared::nudge_backstop`). Here the state is held by an application
+    /// thread that called in moments before and then stops calling: without the nudge the
+    /// send waited for the back-stop's grace in some rounds (10–20 ms). Ten rounds; at most
+    /// one may take 4 ms or more.
+    #[test]
+    fn a_send_a_handler_queues_for_a_busy_worker_goes_once_that_worker_is_free() {
+        use std::time::{Duration, Instant};
+        const WAIT: Duration = Duration::from_secs(5);
+        let (server, _sink, sink_listener, out) = two_workers_and_a_sink();
+        let (other, mine) = (&out[1].shared().worker, &out[0].shared().worker);
+        {
+            let out = out.clone();
+            server.serve("other", move |_| {
+                out[1].send(b"queued").map_err(|e| e.to_string())?;
+                Ok(Vec::new())
+            });
+        }
+        // The sink's end of the second channel: the one its first message comes on.
+        out[1].send(b"first").expect("send");
+        let ends: Vec<_> = (0..2)
+            .map(|_| {
+                sink_listener
+                    .accept_timeout(WAIT)
+                    .expect("the sink accepts")
+            })
+            .collect();
+        let end = ends
+            .iter()
+            .find(|e| e.recv_timeout(Duration::from_millis(500)).is_ok())
+            .expect("the first message");
+        // A client whose calls the server handles on the first channel's worker.
+        let listener = server.listen("127.0.0.1:0").expect("listen");
+        let client = super::Endpoint::new(crate::Config {
+            workers: 2,
+            progress: crate::Progress::Thread,
+            ..caller_mode_config()
+        })
+        .expect("client");
+        let mut accepted = Vec::new();
+        let rpc = (0..2)
+            .find_map(|_| {
+                let c = client.connect(listener.local_addr()).expect("connect");
+                let a = listener.accept_timeout(WAIT).expect("accept");
+                let on_mine = std::sync::Arc::ptr_eq(&a.shared().worker, mine);
+                accepted.push(a);
+                on_mine.then(|| crate::Rpc::new(c))
+            })
+            .expect("a connection on the first channel's worker");
+        let mut slow = Vec::new();
+        for round in 0..10 {
+            // The application calls in on the other worker, then holds its state while a
+            // handler sends on it, then lets go and calls no more.
+            out[1].send(b"warm").expect("send");
+            assert_eq!(&end.recv_timeout(WAIT).expect("warm")[..], b"warm");
+            let held = other.lock_state().expect("the other worker's state");
+            rpc.call("other", b"", WAIT).expect("the handler's call");
+            let t = Instant::now();
+            drop(held);
+            assert_eq!(&end.recv_timeout(WAIT).expect("queued")[..], b"queued");
+            let took = t.elapsed();
+            if took >= Duration::from_millis(4) {
+                slow.push((round, took));
+            }
+        }
+        assert!(slow.len() <= 1, "queued sends that waited: {slow:?}");
+        drop((accepted, rpc, client, listener));
+    }
+
     /// Caller mode, two workers whose RPC handlers, running at the same time, each send on a
     /// channel of the other worker: a handler holds its own worker's state, so a sender that
     /// waited for the other worker's state would wait for a handler that waits for its own —
@@ -1254,27 +1355,7 @@ mod tests {
         // The body runs on a thread of its own: deadlocked workers would never let its
         // endpoints drop.
         std::thread::spawn(move || {
-            let server = super::Endpoint::new(crate::Config {
-                workers: 2,
-                ..caller_mode_config()
-            })
-            .expect("server");
-            let sink = super::Endpoint::new(crate::Config {
-                progress: crate::Progress::Thread,
-                ..caller_mode_config()
-            })
-            .expect("sink");
-            let sink_listener = sink.listen("127.0.0.1:0").expect("listen");
-            let sink_at = sink_listener.local_addr();
-            // The server's two channels to the sink, one on each of its workers.
-            let out: Arc<Vec<crate::Channel>> = Arc::new(
-                (0..2)
-                    .map(|_| server.connect(sink_at).expect("connect to the sink"))
-                    .collect(),
-            );
-            let w0 = Arc::as_ptr(&out[0].shared().worker);
-            let w1 = Arc::as_ptr(&out[1].shared().worker);
-            assert_ne!(w0, w1, "the two channels share a worker");
+            let (server, sink, sink_listener, out) = two_workers_and_a_sink();
             let arrived = Arc::new(AtomicUsize::new(0));
             {
                 let (out, arrived) = (out.clone(), arrived.clone());

@@ -1081,8 +1081,8 @@ impl Worker {
         self.timers.next_deadline()
     }
 
-    /// Handle what epoll reported: control streams that became readable.
-    /// Handle what the epoll set reported; true when a peer nudged (a pass should follow).
+    /// Handle what epoll reported: control streams that became readable. True when a peer
+    /// nudged (a whole pass should follow: `Worker::nudge_peer`).
     fn handle_epoll(&mut self, keys: &[u64]) -> bool {
         let mut nudged = false;
         for &key in keys {
@@ -1707,7 +1707,7 @@ impl Worker {
                 self.deferred_now.push(id);
             }
             if first_nudge {
-                // What the close queued (the streams' `STREAM_CLOSE`) went out above.
+                // What the close queued (the streams' `STREAM_CLOSE`) was posted above.
                 self.nudge_peer(id, now, None);
             }
         }

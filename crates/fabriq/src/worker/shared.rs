@@ -549,21 +549,19 @@ impl WorkerShared {
             std::thread::sleep(POLLER_RECHECK.min(wait));
             return;
         }
-        if !self.inbox.is_empty() {
-            // A command that a thread holding another worker's state could not wait to apply
-            // (`direct_or_submit`): take it once the worker is free.
-            if self.try_progress().is_none() {
-                std::thread::sleep(CONTROL_RETRY.min(wait));
-            }
-            return;
-        }
         let mut keys = super::epoll_wait(&self.control_epoll, Some(wait));
         if let Some(i) = keys.iter().position(|&k| k == super::EPOLL_WAKE) {
-            // A connection started to linger (the caller sees to it), or a command waits (the
-            // look above): only the nudge is read here.
+            // A connection started to linger (the caller sees to it), or a command waits that
+            // a thread holding another worker's state could not wait to apply
+            // (`direct_or_submit`): take it once the worker is free, looking again shortly
+            // (the nudge written anew) while it is not.
             keys.swap_remove(i);
             let mut buf = [0u8; 8];
             let _ = rustix::io::read(&self.backstop_fd, &mut buf);
+            if !self.inbox.is_empty() && self.try_progress().is_none() {
+                self.nudge_backstop();
+                std::thread::sleep(CONTROL_RETRY.min(wait));
+            }
         }
         if keys.is_empty() {
             return;

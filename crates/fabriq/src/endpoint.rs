@@ -1271,6 +1271,35 @@ mod tests {
         (server, sink, sink_listener, std::sync::Arc::new(out))
     }
 
+    /// A thread-mode client of two workers with an RPC connection from each to `server`
+    /// (accepted round the server's workers): the server's listener, the client, and per
+    /// connection its `Rpc` and the server's accepted end (whose worker handles its calls).
+    fn two_rpc_clients(
+        server: &super::Endpoint,
+    ) -> (
+        super::Listener,
+        super::Endpoint,
+        Vec<(crate::Rpc, crate::Channel)>,
+    ) {
+        let listener = server.listen("127.0.0.1:0").expect("listen");
+        let client = super::Endpoint::new(crate::Config {
+            workers: 2,
+            progress: crate::Progress::Thread,
+            ..caller_mode_config()
+        })
+        .expect("client");
+        let conns = (0..2)
+            .map(|_| {
+                let c = client.connect(listener.local_addr()).expect("connect");
+                let a = listener
+                    .accept_timeout(std::time::Duration::from_secs(5))
+                    .expect("accept");
+                (crate::Rpc::new(c), a)
+            })
+            .collect();
+        (listener, client, conns)
+    }
+
     /// Caller mode: a handler's send on a channel of another worker whose state is busy at
     /// that moment is queued there, and that worker's back-stop is nudged to take it once the
     /// worker is free (`WorkerShared::nudge_backstop`). Here the state is held by an application
@@ -1303,23 +1332,11 @@ mod tests {
             .iter()
             .find(|e| e.recv_timeout(Duration::from_millis(500)).is_ok())
             .expect("the first message");
-        // A client whose calls the server handles on the first channel's worker.
-        let listener = server.listen("127.0.0.1:0").expect("listen");
-        let client = super::Endpoint::new(crate::Config {
-            workers: 2,
-            progress: crate::Progress::Thread,
-            ..caller_mode_config()
-        })
-        .expect("client");
-        let mut accepted = Vec::new();
-        let rpc = (0..2)
-            .find_map(|_| {
-                let c = client.connect(listener.local_addr()).expect("connect");
-                let a = listener.accept_timeout(WAIT).expect("accept");
-                let on_mine = std::sync::Arc::ptr_eq(&a.shared().worker, mine);
-                accepted.push(a);
-                on_mine.then(|| crate::Rpc::new(c))
-            })
+        // Calls the server handles on the first channel's worker.
+        let (listener, client, conns) = two_rpc_clients(&server);
+        let (rpc, _) = conns
+            .iter()
+            .find(|(_, a)| std::sync::Arc::ptr_eq(&a.shared().worker, mine))
             .expect("a connection on the first channel's worker");
         let mut slow = Vec::new();
         for round in 0..10 {
@@ -1338,7 +1355,7 @@ mod tests {
             }
         }
         assert!(slow.len() <= 1, "queued sends that waited: {slow:?}");
-        drop((accepted, rpc, client, listener));
+        drop((conns, client, listener));
     }
 
     /// Caller mode, two workers whose RPC handlers, running at the same time, each send on a
@@ -1372,22 +1389,9 @@ mod tests {
                     Ok(arrived.load(Ordering::SeqCst).to_le_bytes().to_vec())
                 });
             }
-            let listener = server.listen("127.0.0.1:0").expect("listen");
-            let client = super::Endpoint::new(crate::Config {
-                workers: 2,
-                progress: crate::Progress::Thread,
-                ..caller_mode_config()
-            })
-            .expect("client");
-            // Two connections (one per client worker), accepted on the server's two workers.
-            let mut accepted = Vec::new();
-            let rpcs: Vec<crate::Rpc> = (0..2)
-                .map(|_| {
-                    let c = client.connect(listener.local_addr()).expect("connect");
-                    accepted.push(listener.accept_timeout(WAIT).expect("accept"));
-                    crate::Rpc::new(c)
-                })
-                .collect();
+            // Two connections, accepted on the server's two workers.
+            let (listener, client, conns) = two_rpc_clients(&server);
+            let (rpcs, accepted): (Vec<_>, Vec<_>) = conns.into_iter().unzip();
             let calls: Vec<_> = rpcs
                 .into_iter()
                 .map(|rpc| std::thread::spawn(move || rpc.call("cross", b"", WAIT)))

@@ -51,6 +51,23 @@ fn short_cfg() -> ConnConfig {
     }
 }
 
+/// The next peer of `listener` accepted whole, the control stream kept (`finish_owned`).
+fn accept_owned(listener: &Listener) -> (Established, ControlStream) {
+    listener
+        .accept_pending(Some(LONG))
+        .unwrap()
+        .finish_owned()
+        .unwrap()
+}
+
+/// A connect of `cli` to `addr`, the control stream kept (`finish_owned`).
+fn connect_owned(cli: &ConnManager, addr: SocketAddr) -> (Established, ControlStream) {
+    cli.connect_pending(addr, None, LONG)
+        .unwrap()
+        .finish_owned()
+        .unwrap()
+}
+
 /// A server thread accepting `n` peers, answering each with `accept_with`.
 fn serve(listener: Listener, n: usize) -> JoinHandle<Vec<Result<Established, ConnError>>> {
     std::thread::spawn(move || {
@@ -907,11 +924,7 @@ fn an_owned_control_stream_says_close_and_serves_the_next_handshake_with(local: 
     let server = std::thread::spawn(move || {
         let mut seen = Vec::new();
         for round in 0..4 {
-            let (est, mut control) = listener
-                .accept_pending(Some(LONG))
-                .unwrap()
-                .finish_owned()
-                .unwrap();
+            let (est, mut control) = accept_owned(&listener);
             control.set_nonblocking(true).unwrap();
             if round % 2 == 1 {
                 seen.push(wait_peer(&mut control));
@@ -927,11 +940,7 @@ fn an_owned_control_stream_says_close_and_serves_the_next_handshake_with(local: 
     let (cli, _) = manager(stream_cfg(local));
     let mut seen = Vec::new();
     for round in 0..4 {
-        let (est, mut control) = cli
-            .connect_pending(addr, None, LONG)
-            .unwrap()
-            .finish_owned()
-            .unwrap();
+        let (est, mut control) = connect_owned(&cli, addr);
         control.set_nonblocking(true).unwrap();
         if round % 2 == 0 {
             seen.push(wait_peer(&mut control));
@@ -964,11 +973,7 @@ fn only_the_connecting_side_nudges_and_the_peer_reads_it() {
     let (nudged_tx, nudged_rx) = std::sync::mpsc::channel();
     let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
     let server = std::thread::spawn(move || {
-        let (est, mut control) = listener
-            .accept_pending(Some(LONG))
-            .unwrap()
-            .finish_owned()
-            .unwrap();
+        let (est, mut control) = accept_owned(&listener);
         control.set_nonblocking(true).unwrap();
         let wrote = control.nudge();
         let deadline = std::time::Instant::now() + LONG;
@@ -987,11 +992,7 @@ fn only_the_connecting_side_nudges_and_the_peer_reads_it() {
         closed
     });
     let (cli, _) = manager(ConnConfig::default());
-    let (est, mut control) = cli
-        .connect_pending(addr, None, LONG)
-        .unwrap()
-        .finish_owned()
-        .unwrap();
+    let (est, mut control) = connect_owned(&cli, addr);
     let probe = control.hangup_probe().expect("connecting side");
     assert!(control.nudge(), "the connecting side writes its nudge");
     let (wrote, event, again) = nudged_rx.recv().unwrap();
@@ -1017,11 +1018,7 @@ fn a_control_stream_reports_a_vanished_peer_and_garbage() {
     let server = std::thread::spawn(move || {
         let mut out = Vec::new();
         for _ in 0..2 {
-            let (est, mut control) = listener
-                .accept_pending(Some(LONG))
-                .unwrap()
-                .finish_owned()
-                .unwrap();
+            let (est, mut control) = accept_owned(&listener);
             control.set_nonblocking(true).unwrap();
             out.push((wait_peer(&mut control), control.take_ready()));
             listener.manager().release(est);
@@ -1033,20 +1030,12 @@ fn a_control_stream_reports_a_vanished_peer_and_garbage() {
         ..ConnConfig::default()
     });
     // The client end vanishes (stream dropped without reuse: EOF at the server).
-    let (est, control) = cli
-        .connect_pending(addr, None, LONG)
-        .unwrap()
-        .finish_owned()
-        .unwrap();
+    let (est, control) = connect_owned(&cli, addr);
     drop(control);
     cli.release(est);
     // The client writes a Ready (the last step of a handshake: read, and told by
     // `take_ready`), then something that is neither a Ready nor a Close.
-    let (est, control) = cli
-        .connect_pending(addr, None, LONG)
-        .unwrap()
-        .finish_owned()
-        .unwrap();
+    let (est, control) = connect_owned(&cli, addr);
     let mut raw = control_stream_clone(&control);
     raw.write_all(&wire::encode(&Message::Ready)).unwrap();
     raw.write_all(&wire::encode(&Message::Reject(wire::Reject {
@@ -1156,11 +1145,7 @@ fn a_hangup_probe_sees_the_end_of_a_connection_before_its_owner_reads_it_with(lo
     let (done, stepped) = mpsc::channel::<()>();
     let server = std::thread::spawn(move || {
         // Round 1: the server closes the connection (`Close`; the stream stays for the next).
-        let (est, mut control) = listener
-            .accept_pending(Some(LONG))
-            .unwrap()
-            .finish_owned()
-            .unwrap();
+        let (est, mut control) = accept_owned(&listener);
         assert!(control.hangup_probe().is_none(), "accepting side: no probe");
         step.recv().unwrap();
         drop(control);
@@ -1168,11 +1153,7 @@ fn a_hangup_probe_sees_the_end_of_a_connection_before_its_owner_reads_it_with(lo
         done.send(()).unwrap();
         // Round 2, on the same stream (with local streams: on a local one): the server hangs
         // up without a `Close`.
-        let (est, control) = listener
-            .accept_pending(Some(LONG))
-            .unwrap()
-            .finish_owned()
-            .unwrap();
+        let (est, control) = accept_owned(&listener);
         step.recv().unwrap();
         control_stream_clone(&control)
             .shutdown(std::net::Shutdown::Write)
@@ -1184,11 +1165,7 @@ fn a_hangup_probe_sees_the_end_of_a_connection_before_its_owner_reads_it_with(lo
     });
     let (cli, _) = manager(stream_cfg(local));
 
-    let (est, mut first) = cli
-        .connect_pending(addr, None, LONG)
-        .unwrap()
-        .finish_owned()
-        .unwrap();
+    let (est, mut first) = connect_owned(&cli, addr);
     first.set_nonblocking(true).unwrap();
     let p1 = first.hangup_probe().expect("connecting side: a probe");
     assert!(!p1.ended(), "a live connection");
@@ -1205,11 +1182,7 @@ fn a_hangup_probe_sees_the_end_of_a_connection_before_its_owner_reads_it_with(lo
 
     // The same stream serves the next connection (with local streams: a local stream does);
     // the old probe does not look at it.
-    let (est, mut second) = cli
-        .connect_pending(addr, None, LONG)
-        .unwrap()
-        .finish_owned()
-        .unwrap();
+    let (est, mut second) = connect_owned(&cli, addr);
     let s = cli.stats();
     assert_eq!(
         (s.stream_reuses, s.local_streams_opened),
@@ -1331,22 +1304,14 @@ fn handshakes_complete_and_reuse_with_spinning_off_with(local: bool) {
     let addr = listener.local_addr();
     let server = std::thread::spawn(move || {
         for _ in 0..3 {
-            let (est, control) = listener
-                .accept_pending(Some(LONG))
-                .unwrap()
-                .finish_owned()
-                .unwrap();
+            let (est, control) = accept_owned(&listener);
             drop(control);
             listener.manager().release(est);
         }
     });
     let (cli, _) = manager(cfg);
     for i in 0..3 {
-        let (est, control) = cli
-            .connect_pending(addr, None, LONG)
-            .unwrap()
-            .finish_owned()
-            .unwrap();
+        let (est, control) = connect_owned(&cli, addr);
         assert_eq!(est.reused_qp, i > 0, "connect {i}");
         drop(control);
         cli.release(est);

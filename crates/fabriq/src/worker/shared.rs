@@ -498,6 +498,18 @@ impl WorkerShared {
         Some(n)
     }
 
+    /// [`WorkerShared::try_progress`] with the due timers fired first
+    /// ([`Worker::progress_after_sleep`]; an idle pass looks at them only every 64th round).
+    pub(crate) fn try_progress_with_timers(&self) -> Option<usize> {
+        let mut g = self.try_lock_state()?;
+        let n = g.progress_after_sleep(self);
+        drop(g);
+        if n > 0 {
+            self.notify_parked();
+        }
+        Some(n)
+    }
+
     /// Note that an application thread called in (caller mode: the back-stop thread stays out
     /// of the way while calls come; a caller that waits is the spinner or sleeps as the poller,
     /// which keeps it away too).
@@ -623,14 +635,7 @@ impl WorkerShared {
         if self.lingering.load(Ordering::Acquire) {
             // The timers fire in this pass (an idle pass looks at them only every 64th round):
             // the closing connection's nudges of its peer are due on them.
-            let worked = self.try_lock_state().is_some_and(|mut g| {
-                let n = g.progress_after_sleep(self);
-                drop(g);
-                if n > 0 {
-                    self.notify_parked();
-                }
-                n > 0
-            });
+            let worked = self.try_progress_with_timers().is_some_and(|n| n > 0);
             *period = next_linger_poll(*period, worked);
         }
         std::thread::sleep((*period).min(wait));

@@ -313,7 +313,30 @@ impl Endpoint {
     {
         self.inner.handlers.write().insert(
             crate::rpc::wire::method_id(method),
-            (method.to_string(), Arc::new(handler)),
+            (
+                method.to_string(),
+                crate::rpc::Served::Inline(Arc::new(handler)),
+            ),
+        );
+    }
+
+    /// Register an RPC handler for `method` that replies later: it runs on the worker that
+    /// received the request, as [`Endpoint::serve`]'s do, gets the request body and a
+    /// [`crate::rpc::Responder`], and returns at once; the reply goes out when the responder
+    /// is used, from any thread. For handlers that would otherwise wait — a nested call to
+    /// another service ([`crate::Rpc::call_async`] on a runtime, then
+    /// [`crate::rpc::Responder::reply`]), I/O — without holding their worker's other channels
+    /// up.
+    pub fn serve_deferred<F>(&self, method: &str, handler: F)
+    where
+        F: Fn(&[u8], crate::rpc::Responder) + Send + Sync + 'static,
+    {
+        self.inner.handlers.write().insert(
+            crate::rpc::wire::method_id(method),
+            (
+                method.to_string(),
+                crate::rpc::Served::Deferred(Arc::new(handler)),
+            ),
         );
     }
 
@@ -1249,8 +1272,21 @@ mod tests {
         super::Listener,
         std::sync::Arc<Vec<crate::Channel>>,
     ) {
+        two_workers_and_a_sink_in(crate::Progress::Caller)
+    }
+
+    /// [`two_workers_and_a_sink`] with the server in `progress` mode.
+    fn two_workers_and_a_sink_in(
+        progress: crate::Progress,
+    ) -> (
+        super::Endpoint,
+        super::Endpoint,
+        super::Listener,
+        std::sync::Arc<Vec<crate::Channel>>,
+    ) {
         let server = super::Endpoint::new(crate::Config {
             workers: 2,
+            progress,
             ..caller_mode_config()
         })
         .expect("server");
@@ -1426,6 +1462,170 @@ mod tests {
         assert_eq!(
             got, two,
             "both calls answered, their handlers at the same time"
+        );
+    }
+
+    /// Nested calls: the server's handlers, on its two workers at the same time, each need the
+    /// replies of two calls to a backend — over channels on both workers — before they answer.
+    /// A handler that made them with a blocking `call` would hold its worker while the other
+    /// handler's calls need that worker's passes (its replies arrive there). Served deferred,
+    /// each handler starts its calls on a runtime and returns; the task answers through the
+    /// `Responder` when both replies are in.
+    #[test]
+    fn deferred_handlers_of_two_workers_answer_after_nested_calls_on_each_others_channels() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        use std::sync::Arc;
+        use std::time::{Duration, Instant};
+        const WAIT: Duration = Duration::from_secs(10);
+        let (server, sink, sink_listener, out) = two_workers_and_a_sink();
+        sink.serve("inner", |req| {
+            let mut r = b"inner:".to_vec();
+            r.extend_from_slice(req);
+            Ok(r)
+        });
+        // The sink's ends of the two channels (its listener's accepts) stay open.
+        out.iter().for_each(|c| c.send(b"hello").expect("send"));
+        let _ends: Vec<_> = (0..2)
+            .map(|_| {
+                sink_listener
+                    .accept_timeout(WAIT)
+                    .expect("the sink accepts")
+            })
+            .collect();
+        let backends: Arc<Vec<crate::Rpc>> =
+            Arc::new(out.iter().map(|c| crate::Rpc::new(c.clone())).collect());
+        let rt = Arc::new(
+            tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+                .expect("runtime"),
+        );
+        let arrived = Arc::new(AtomicUsize::new(0));
+        {
+            let (rt, arrived) = (rt.clone(), arrived.clone());
+            server.serve_deferred("outer", move |req, responder| {
+                // Both handlers in at once (bounded: the assertions tell it otherwise).
+                arrived.fetch_add(1, Ordering::SeqCst);
+                let t = Instant::now();
+                while arrived.load(Ordering::SeqCst) < 2 && t.elapsed() < WAIT / 5 {
+                    std::thread::yield_now();
+                }
+                let (backends, req) = (backends.clone(), req.to_vec());
+                rt.spawn(async move {
+                    let mut body = Vec::new();
+                    for b in backends.iter() {
+                        match b.call_async("inner", &req, WAIT).await {
+                            Ok(r) => body.extend_from_slice(&r),
+                            Err(e) => return drop(responder.fail(&e.to_string())),
+                        }
+                        body.push(b'|');
+                    }
+                    responder.reply(&body).expect("reply");
+                });
+            });
+        }
+        let (listener, client, conns) = two_rpc_clients(&server);
+        let (rpcs, accepted): (Vec<_>, Vec<_>) = conns.into_iter().unzip();
+        let calls: Vec<_> = rpcs
+            .into_iter()
+            .enumerate()
+            .map(|(i, rpc)| {
+                std::thread::spawn(move || rpc.call("outer", format!("{i}").as_bytes(), WAIT))
+            })
+            .collect();
+        for (i, t) in calls.into_iter().enumerate() {
+            let got = t.join().expect("caller").expect("the outer call");
+            assert_eq!(got, format!("inner:{i}|inner:{i}|").into_bytes());
+        }
+        assert_eq!(
+            arrived.load(Ordering::SeqCst),
+            2,
+            "both handlers ran (at the same time)"
+        );
+        drop((accepted, client, listener));
+    }
+
+    /// The same nested calls made blocking, each on the other worker's channel only (on its
+    /// own worker's a blocking call is refused: `RpcError::WouldDeadlock`): each handler holds
+    /// its worker while its call needs the other's pass, so at least one call cannot be
+    /// answered in time — but every call ends by its deadline (300 ms), and the outer calls
+    /// with it. The nested call's deadline used to be kept by its worker's timer only, which
+    /// the held worker never fired: both handlers waited for ever (their outer calls until
+    /// their own deadline). Server in caller mode and with worker threads.
+    #[test]
+    fn blocking_nested_calls_of_two_workers_handlers_end_by_their_deadline() {
+        for progress in [crate::Progress::Caller, crate::Progress::Thread] {
+            blocking_nested_calls_end(progress);
+        }
+    }
+
+    fn blocking_nested_calls_end(progress: crate::Progress) {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        use std::sync::Arc;
+        use std::time::{Duration, Instant};
+        const WAIT: Duration = Duration::from_secs(10);
+        const NESTED: Duration = Duration::from_millis(300);
+        let (done_tx, done_rx) = std::sync::mpsc::channel();
+        // On a thread of its own: held workers would never let its endpoints drop.
+        std::thread::spawn(move || {
+            let (server, sink, sink_listener, out) = two_workers_and_a_sink_in(progress);
+            sink.serve("inner", |req| Ok(req.to_vec()));
+            out.iter().for_each(|c| c.send(b"hello").expect("send"));
+            let _ends: Vec<_> = (0..2)
+                .map(|_| {
+                    sink_listener
+                        .accept_timeout(WAIT)
+                        .expect("the sink accepts")
+                })
+                .collect();
+            let backends: Arc<Vec<crate::Rpc>> =
+                Arc::new(out.iter().map(|c| crate::Rpc::new(c.clone())).collect());
+            let arrived = Arc::new(AtomicUsize::new(0));
+            {
+                let arrived = arrived.clone();
+                server.serve("outer", move |req| {
+                    arrived.fetch_add(1, Ordering::SeqCst);
+                    let t = Instant::now();
+                    while arrived.load(Ordering::SeqCst) < 2 && t.elapsed() < WAIT / 5 {
+                        std::thread::yield_now();
+                    }
+                    let other = backends
+                        .iter()
+                        .find(|b| !b.channel().shared().worker.held_here())
+                        .expect("a channel on the other worker");
+                    other.call("inner", req, NESTED).map_err(|e| e.to_string())
+                });
+            }
+            let (listener, client, conns) = two_rpc_clients(&server);
+            let (rpcs, accepted): (Vec<_>, Vec<_>) = conns.into_iter().unzip();
+            let calls: Vec<_> = rpcs
+                .into_iter()
+                .map(|rpc| std::thread::spawn(move || rpc.call("outer", b"x", WAIT)))
+                .collect();
+            let results: Vec<_> = calls
+                .into_iter()
+                .map(|t| t.join().expect("caller"))
+                .collect();
+            let _ = done_tx.send((results, arrived.load(Ordering::SeqCst)));
+            drop((accepted, client, listener, server, sink_listener, sink));
+        });
+        let (results, arrived) = done_rx
+            .recv_timeout(Duration::from_secs(30))
+            .unwrap_or_else(|_| panic!("{progress:?}: the calls never returned"));
+        assert_eq!(arrived, 2, "{progress:?}: both handlers ran");
+        let timed_out = crate::RpcError::Timeout.to_string();
+        let mut late = 0;
+        for r in &results {
+            match r {
+                Ok(body) => assert_eq!(body, b"x"),
+                Err(crate::RpcError::Handler(m)) if *m == timed_out => late += 1,
+                Err(e) => panic!("{progress:?}: outer call: {e:?}"),
+            }
+        }
+        assert!(
+            late >= 1,
+            "{progress:?}: a nested call answered in time both ways: {results:?}"
         );
     }
 

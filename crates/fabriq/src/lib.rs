@@ -41,4 +41,4 @@ pub use handle::Channel;
 pub use mempool::{MemPool, PoolBuf, PoolConfig, PoolError, PoolStats, RegCache};
 pub use message::{Message, SendBuf};
 pub use remote::{CasLock, ExposedRegion, RegionDescriptor, RemoteRegion};
-pub use rpc::{json_handler, Rpc, RpcError};
+pub use rpc::{json_handler, Responder, Rpc, RpcError};

@@ -16,15 +16,110 @@ use std::time::Duration;
 
 use tokio::sync::oneshot;
 
-use crate::channel::ChannelError;
+use crate::channel::proto::TraceInfo;
+use crate::channel::{ChannelError, TraceFlags};
+use crate::worker::shared::{holds_a_state, ChannelShared};
 use crate::worker::{
-    alloc_filled, direct_or_submit_settled, now, wait_call, Call, Command, Worker,
+    alloc_filled, direct_or_submit_settled, now, wait_call, Call, Command, Waited, Worker,
 };
 use crate::Channel;
 
 /// A method handler: request body in, reply body out, or an error text for the caller. Runs on a
 /// worker thread: it should not block for long (it holds up that worker's other channels).
 pub type Handler = Arc<dyn Fn(&[u8]) -> Result<Vec<u8>, String> + Send + Sync + 'static>;
+
+/// A handler that replies later: request body in, and the [`Responder`] that sends the reply
+/// when the handler (or whoever it hands the responder to) has it. Runs on a worker thread,
+/// as a [`Handler`] does, and should return soon.
+pub type DeferredHandler = Arc<dyn Fn(&[u8], Responder) + Send + Sync + 'static>;
+
+/// A handler as registered: one that replies by returning, or one that replies later.
+#[derive(Clone)]
+pub(crate) enum Served {
+    Inline(Handler),
+    Deferred(DeferredHandler),
+}
+
+/// The reply still owed to one RPC request of a [`DeferredHandler`]. `Send`: hand it to another
+/// thread, a task or a callback, and reply from there, once ([`Responder::reply`] or
+/// [`Responder::fail`] consume it). Dropped without a reply, it answers the caller with
+/// [`RpcError::Handler`] at once, so a forgotten request ends its call now rather than at the
+/// caller's deadline. A reply to a caller that is gone (the channel closed, the call timed out)
+/// is dropped.
+pub struct Responder {
+    stream: Arc<ChannelShared>,
+    call_id: u64,
+    trace_id: u64,
+    answered: bool,
+}
+
+impl std::fmt::Debug for Responder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Responder")
+            .field("call_id", &self.call_id)
+            .field("answered", &self.answered)
+            .finish()
+    }
+}
+
+/// What a [`Responder`] dropped without a reply tells the caller.
+pub const DROPPED_WITHOUT_REPLY: &str = "the handler dropped the request without replying";
+
+impl Responder {
+    pub(crate) fn new(stream: Arc<ChannelShared>, call_id: u64, trace_id: u64) -> Responder {
+        Responder {
+            stream,
+            call_id,
+            trace_id,
+            answered: false,
+        }
+    }
+
+    /// Send `body` as the call's reply. `Err` when the reply could not be queued: no pool
+    /// memory for it, or the endpoint stopped.
+    pub fn reply(mut self, body: &[u8]) -> Result<(), ChannelError> {
+        self.answered = true;
+        self.send(wire::Status::Ok, body)
+    }
+
+    /// Fail the call: the caller gets [`RpcError::Handler`] with `message`.
+    pub fn fail(mut self, message: &str) -> Result<(), ChannelError> {
+        self.answered = true;
+        self.send(wire::Status::HandlerError, message.as_bytes())
+    }
+
+    /// Queue the response on the request's stream, as a handler's inline reply is: outside the
+    /// stream's send window (the caller's request already holds its place).
+    fn send(&self, status: wire::Status, body: &[u8]) -> Result<(), ChannelError> {
+        let s = &self.stream;
+        let head = wire::encode_response_header(self.call_id, status);
+        let buffers = s.worker.buffers().ok_or(ChannelError::Closed)?;
+        let buf = alloc_filled(buffers, &[&head, body]).map_err(ChannelError::Pool)?;
+        s.count_in(buf.len() as u64);
+        let trace = TraceInfo {
+            trace_id: self.trace_id,
+            flags: TraceFlags(TraceFlags::RPC_RESPONSE),
+            stream: 0,
+            stream_credits: 0,
+        };
+        let chan = s.id;
+        direct_or_submit_settled(
+            &s.worker,
+            (buf, trace),
+            |g, (buf, trace)| g.enqueue_send(chan, buf, trace),
+            |(buf, trace)| Command::Send { chan, buf, trace },
+        );
+        Ok(())
+    }
+}
+
+impl Drop for Responder {
+    fn drop(&mut self) {
+        if !self.answered {
+            let _ = self.send(wire::Status::HandlerError, DROPPED_WITHOUT_REPLY.as_bytes());
+        }
+    }
+}
 
 /// Where the reply of a submitted call arrives.
 type ReplyRx = oneshot::Receiver<Result<Vec<u8>, RpcError>>;
@@ -48,6 +143,12 @@ pub enum RpcError {
     /// A request or reply could not be (de)serialised.
     #[error("RPC serialisation: {0}")]
     Serde(String),
+    /// A blocking [`Rpc::call`] from a handler on a channel of the handler's own worker: the
+    /// worker sends the request and reads the reply only after the handler returns, so the
+    /// call could never be answered. Nothing was sent. Serve the method with
+    /// [`Rpc::serve_deferred`] and make the call with [`Rpc::call_async`] instead.
+    #[error("blocking RPC call from a handler on its own worker's channel (nothing sent; use serve_deferred and call_async)")]
+    WouldDeadlock,
     /// The channel failed.
     #[error(transparent)]
     Channel(#[from] ChannelError),
@@ -82,6 +183,15 @@ impl Rpc {
         F: Fn(&[u8]) -> Result<Vec<u8>, String> + Send + Sync + 'static,
     {
         self.channel.endpoint().serve(method, handler);
+    }
+
+    /// Register a handler for `method` that replies later, through its [`Responder`]; see
+    /// [`crate::Endpoint::serve_deferred`].
+    pub fn serve_deferred<F>(&self, method: &str, handler: F)
+    where
+        F: Fn(&[u8], Responder) + Send + Sync + 'static,
+    {
+        self.channel.endpoint().serve_deferred(method, handler);
     }
 
     fn submit(
@@ -125,8 +235,20 @@ impl Rpc {
         request: &[u8],
         timeout: Duration,
     ) -> Result<Vec<u8>, RpcError> {
+        let w = &self.channel.shared().worker;
+        if w.held_here() {
+            // This thread runs a pass of the worker the call needs: the request would go out,
+            // and its reply be read, only after the handler returned.
+            return Err(RpcError::WouldDeadlock);
+        }
+        // A handler's call keeps its deadline itself (see `wait_call`).
+        let deadline = holds_a_state().then(|| std::time::Instant::now() + timeout);
         let (call_id, rx) = self.submit(method, request, timeout)?;
-        wait_call(&self.channel.shared().worker, rx, call_id).unwrap_or(Err(RpcError::PeerGone))
+        match wait_call(w, rx, call_id, deadline) {
+            Waited::Got(r) => r,
+            Waited::Closed => Err(RpcError::PeerGone),
+            Waited::Expired => Err(RpcError::Timeout),
+        }
     }
 
     /// [`Rpc::call`] with the endpoint's default deadline.

@@ -58,14 +58,14 @@ use crate::conn::{ControlEvent, ControlStream, QpLease};
 use crate::mempool::PoolBuf;
 use crate::message::{Message, Payload};
 use crate::rpc::wire as rpcwire;
-use crate::rpc::{Handler, RpcError};
+use crate::rpc::{Responder, RpcError, Served};
 pub(crate) use buffers::Buffers;
 use clock::PassClock;
 use shared::{Awaited, ChannelShared, Failure, WorkerShared};
 use streams::{key_conn, key_stream, stream_key, Accepted, StreamKey};
 
 /// RPC handlers shared by every worker of an endpoint, by method id.
-pub(crate) type Handlers = RwLock<HashMap<u32, (String, Handler)>>;
+pub(crate) type Handlers = RwLock<HashMap<u32, (String, Served)>>;
 
 /// One-sided operations a worker posts for a [`crate::RemoteRegion`].
 #[derive(Debug)]
@@ -739,33 +739,62 @@ pub(crate) fn close_on_drop<V>(
 /// wait in caller mode, for the idle budget in thread mode (then block on `rx`). `None` if the
 /// sender was dropped.
 pub(crate) fn wait_reply<T>(w: &WorkerShared, rx: oneshot::Receiver<T>) -> Option<T> {
-    wait_awaiting(w, rx, Awaited::Progress)
+    match wait_awaiting(w, rx, Awaited::Progress, None) {
+        Waited::Got(v) => Some(v),
+        Waited::Closed | Waited::Expired => None,
+    }
+}
+
+/// How a wait for a worker's reply ended.
+pub(crate) enum Waited<T> {
+    Got(T),
+    /// The sender was dropped.
+    Closed,
+    /// The deadline passed first.
+    Expired,
 }
 
 /// [`wait_reply`] for the reply of RPC call `call`: a pass of this thread that sends it ends
-/// there ([`Handoff`]).
-pub(crate) fn wait_call<T>(w: &WorkerShared, rx: oneshot::Receiver<T>, call: u64) -> Option<T> {
-    wait_awaiting(w, rx, Awaited::Reply(call))
+/// there ([`Handoff`]). The call's deadline is kept by the worker's timer wheel; given
+/// `deadline`, the wait also ends then by itself. A handler calling out passes it (the caller
+/// reads the clock for it only then): it holds its own worker's state, and the worker whose
+/// pass would fire the timer may be held by a handler that in turn waits for this one's.
+pub(crate) fn wait_call<T>(
+    w: &WorkerShared,
+    rx: oneshot::Receiver<T>,
+    call: u64,
+    deadline: Option<std::time::Instant>,
+) -> Waited<T> {
+    wait_awaiting(w, rx, Awaited::Reply(call), deadline)
 }
 
 fn wait_awaiting<T>(
     w: &WorkerShared,
     mut rx: oneshot::Receiver<T>,
     awaited: Awaited<'_>,
-) -> Option<T> {
+    deadline: Option<std::time::Instant>,
+) -> Waited<T> {
     use tokio::sync::oneshot::error::TryRecvError;
     let mut ready = || match rx.try_recv() {
-        Ok(v) => Some(Some(v)),
+        Ok(v) => Some(Waited::Got(v)),
         Err(TryRecvError::Empty) => None,
-        Err(TryRecvError::Closed) => Some(None),
+        Err(TryRecvError::Closed) => Some(Waited::Closed),
     };
     if w.is_caller_mode() {
-        return w.wait_reading(None, awaited, ready).flatten();
+        return w
+            .wait_reading(deadline, awaited, ready)
+            .unwrap_or(Waited::Expired);
     }
     // Thread mode: spin for the idle budget if no other thread spins on this worker, then block
-    // on the reply itself (the worker wakes exactly this thread).
+    // on the reply itself (the worker wakes exactly this thread) — except with a deadline of
+    // its own (a handler's call: see `wait_call`), which the wait keeps.
     if let Some(v) = ready() {
         return v;
+    }
+    if deadline.is_some() {
+        return w
+            .wait_reading(deadline, awaited, ready)
+            .unwrap_or(Waited::Expired);
     }
     if !w.has_spinner() {
         let spin_until = std::time::Instant::now() + w.idle_spin();
@@ -773,7 +802,10 @@ fn wait_awaiting<T>(
             return v;
         }
     }
-    rx.blocking_recv().ok()
+    match rx.blocking_recv() {
+        Ok(v) => Waited::Got(v),
+        Err(_) => Waited::Closed,
+    }
 }
 
 /// Wait on the worker's epoll set; the keys of what fired.
@@ -1983,12 +2015,26 @@ fn on_received(
                 return Ok(());
             }
         };
-        let handler = handlers.read().get(&method).map(|(_, h)| Arc::clone(h));
+        let handler = handlers.read().get(&method).map(|(_, h)| h.clone());
         let (status, reply) = match handler {
-            Some(h) => match h(body) {
+            Some(Served::Inline(h)) => match h(body) {
                 Ok(r) => (rpcwire::Status::Ok, r),
                 Err(e) => (rpcwire::Status::HandlerError, e.into_bytes()),
             },
+            Some(Served::Deferred(h)) => {
+                // The reply goes out when the responder is used (its send takes this state
+                // when it is free, or leaves a command for the next pass).
+                if let Some(ss) = st.streams.get(&stream) {
+                    h(
+                        body,
+                        Responder::new(Arc::clone(&ss.shared), call_id, trace.trace_id),
+                    );
+                }
+                if let (Payload::Pool(b), Some(_)) = (payload, recycle) {
+                    pool.recycle(b);
+                }
+                return Ok(());
+            }
             None => (
                 rpcwire::Status::UnknownMethod,
                 format!("method {method:#010x}").into_bytes(),

@@ -337,6 +337,11 @@ impl WorkerShared {
         }
     }
 
+    /// This thread holds the state: it runs a pass of this worker (a handler of its).
+    pub(crate) fn held_here(&self) -> bool {
+        self.holder.load(Ordering::Acquire) == thread_token()
+    }
+
     /// The state, waiting for it; `None` when this thread already holds it (a handler calling
     /// back into its own worker) or the worker is not started. A thread that holds another
     /// worker's state (a handler of that worker) does not wait: it gets this one only if it is

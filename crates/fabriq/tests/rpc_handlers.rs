@@ -1,0 +1,229 @@
+//! RPC handlers that reply later (`serve_deferred`): the reply goes out from whichever thread
+//! uses the `Responder`, reaches the right caller among many, a failure reaches it as
+//! `RpcError::Handler`, and a responder dropped without a reply ends its call at once instead
+//! of at the caller's deadline. On shm and tcp, with worker threads and in caller mode. And a
+//! handler's nested call: refused when blocking on its own worker, answered from a deferred
+//! handler. Waits are bounded by a generous deadline that only catches hangs.
+
+use std::sync::mpsc;
+use std::time::Duration;
+
+use fabriq::rpc::DROPPED_WITHOUT_REPLY;
+use fabriq::{Config, Endpoint, Progress, Responder, Rpc, RpcError};
+
+const HANG: Duration = Duration::from_secs(30);
+
+/// Concurrent callers; the replier answers them only once all their requests are in, last
+/// first, so every reply crosses the others.
+const CALLERS: usize = 16;
+
+fn pair(device: &str, progress: Progress) -> (Endpoint, Endpoint, fabriq::Channel, Rpc) {
+    let cfg = Config {
+        device: device.into(),
+        progress,
+        ..Config::default()
+    };
+    let server = Endpoint::new(cfg.clone()).expect("server endpoint");
+    let client = Endpoint::new(cfg).expect("client endpoint");
+    let listener = server.listen("127.0.0.1:0").expect("listen");
+    let c = client.connect(listener.local_addr()).expect("connect");
+    let s = listener.accept_timeout(HANG).expect("accept");
+    (server, client, s, Rpc::new(c))
+}
+
+/// `later` hands each request to a replier thread, which answers a batch of `CALLERS` in
+/// reverse order of arrival: "ok:<request>", or a failure for requests that start with `!`.
+fn replies_later(device: &str, progress: Progress) {
+    let (server, _client, _s, rpc) = pair(device, progress);
+    let (tx, rx) = mpsc::channel::<(Vec<u8>, Responder)>();
+    let tx = std::sync::Mutex::new(tx);
+    server.serve_deferred("later", move |req, responder| {
+        tx.lock()
+            .expect("sender")
+            .send((req.to_vec(), responder))
+            .expect("replier");
+    });
+    let replier = std::thread::spawn(move || {
+        let mut batch: Vec<(Vec<u8>, Responder)> = Vec::new();
+        while batch.len() < CALLERS {
+            batch.push(rx.recv_timeout(HANG).expect("a request"));
+        }
+        for (req, responder) in batch.into_iter().rev() {
+            if req.first() == Some(&b'!') {
+                responder.fail("refused").expect("fail");
+            } else {
+                let mut body = b"ok:".to_vec();
+                body.extend_from_slice(&req);
+                responder.reply(&body).expect("reply");
+            }
+        }
+    });
+    let callers: Vec<_> = (0..CALLERS)
+        .map(|i| {
+            let rpc = rpc.clone();
+            std::thread::spawn(move || {
+                let req = match i % 4 {
+                    3 => format!("!{i}"),
+                    _ => format!("req-{i}"),
+                };
+                (req.clone(), rpc.call("later", req.as_bytes(), HANG))
+            })
+        })
+        .collect();
+    for c in callers {
+        let (req, got) = c.join().expect("caller");
+        if req.starts_with('!') {
+            assert!(
+                matches!(&got, Err(RpcError::Handler(m)) if m == "refused"),
+                "{req}: {got:?}"
+            );
+        } else {
+            assert_eq!(
+                got.expect("reply"),
+                format!("ok:{req}").into_bytes(),
+                "{req}"
+            );
+        }
+    }
+    replier.join().expect("replier");
+    // The channel is as good as before: an inline handler on it still answers.
+    server.serve("echo", |req| Ok(req.to_vec()));
+    assert_eq!(rpc.call("echo", b"after", HANG).expect("echo"), b"after");
+}
+
+#[test]
+fn deferred_replies_reach_their_callers_shm_thread_mode() {
+    replies_later("shm0", Progress::Thread);
+}
+
+#[test]
+fn deferred_replies_reach_their_callers_shm_caller_mode() {
+    replies_later("shm0", Progress::Caller);
+}
+
+#[test]
+fn deferred_replies_reach_their_callers_tcp_thread_mode() {
+    replies_later("tcp0", Progress::Thread);
+}
+
+#[test]
+fn deferred_replies_reach_their_callers_tcp_caller_mode() {
+    replies_later("tcp0", Progress::Caller);
+}
+
+/// A handler that drops its responder (here: at once; the same holds for one dropped on
+/// another thread later) fails the call with `Handler` — not a `Timeout` at the deadline.
+#[test]
+fn a_responder_dropped_without_a_reply_fails_the_call_at_once() {
+    for progress in [Progress::Thread, Progress::Caller] {
+        let (server, _client, _s, rpc) = pair("shm0", progress);
+        server.serve_deferred("forgets", |_, responder| drop(responder));
+        server.serve_deferred("forgets_later", |_, responder| {
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(5));
+                drop(responder);
+            });
+        });
+        for method in ["forgets", "forgets_later"] {
+            let got = rpc.call(method, b"x", HANG);
+            assert!(
+                matches!(&got, Err(RpcError::Handler(m)) if m == DROPPED_WITHOUT_REPLY),
+                "{method} ({progress:?}): {got:?}"
+            );
+        }
+    }
+}
+
+/// A reply used inside the handler itself (no hand-off) goes out too.
+#[test]
+fn a_deferred_handler_may_reply_before_it_returns() {
+    for progress in [Progress::Thread, Progress::Caller] {
+        let (server, _client, _s, rpc) = pair("shm0", progress);
+        server.serve_deferred("now", |req, responder| {
+            responder.reply(req).expect("reply");
+        });
+        for i in 0..100u32 {
+            let req = i.to_le_bytes();
+            assert_eq!(
+                rpc.call("now", &req, HANG).expect("reply"),
+                req,
+                "{progress:?}"
+            );
+        }
+    }
+}
+
+/// A handler that makes a blocking call on a channel of its own worker (here the server's
+/// only worker) gets `WouldDeadlock` at once, and nothing is sent: that worker would send the
+/// request and read the reply only after the handler returned. Made from a deferred handler
+/// with `call_async` instead, the nested call is answered.
+#[test]
+fn a_blocking_call_on_the_handlers_own_worker_is_refused_and_call_async_works() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    for progress in [Progress::Thread, Progress::Caller] {
+        let cfg = Config {
+            device: "shm0".into(),
+            progress,
+            workers: 1,
+            ..Config::default()
+        };
+        let (server, _client, _s, rpc) = pair("shm0", progress);
+        let backend = Endpoint::new(cfg).expect("backend");
+        let inner_calls = Arc::new(AtomicUsize::new(0));
+        {
+            let inner_calls = inner_calls.clone();
+            backend.serve("inner", move |req| {
+                inner_calls.fetch_add(1, Ordering::SeqCst);
+                Ok(req.to_vec())
+            });
+        }
+        let backend_listener = backend.listen("127.0.0.1:0").expect("listen");
+        let to_backend = Rpc::new(
+            server
+                .connect(backend_listener.local_addr())
+                .expect("connect to the backend"),
+        );
+        let _backend_end = backend_listener.accept_timeout(HANG).expect("accept");
+        {
+            let to_backend = to_backend.clone();
+            server.serve("blocking", move |req| {
+                to_backend
+                    .call("inner", req, HANG)
+                    .map_err(|e| format!("{e:?}"))
+            });
+        }
+        let got = rpc.call("blocking", b"x", HANG);
+        assert!(
+            matches!(&got, Err(RpcError::Handler(m)) if m == "WouldDeadlock"),
+            "{progress:?}: {got:?}"
+        );
+        assert_eq!(inner_calls.load(Ordering::SeqCst), 0, "nothing was sent");
+
+        let rt = Arc::new(
+            tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(1)
+                .enable_all()
+                .build()
+                .expect("runtime"),
+        );
+        server.serve_deferred("nested", move |req, responder| {
+            let (to_backend, req) = (to_backend.clone(), req.to_vec());
+            rt.spawn(async move {
+                match to_backend.call_async("inner", &req, HANG).await {
+                    Ok(r) => responder.reply(&r),
+                    Err(e) => responder.fail(&e.to_string()),
+                }
+                .expect("answer");
+            });
+        });
+        for i in 0..20u32 {
+            assert_eq!(
+                rpc.call("nested", &i.to_le_bytes(), HANG).expect("nested"),
+                i.to_le_bytes(),
+                "{progress:?}"
+            );
+        }
+        assert_eq!(inner_calls.load(Ordering::SeqCst), 20);
+    }
+}

@@ -193,8 +193,8 @@ impl RemoteRegion {
     }
 
     fn submit(&self, op: OneSidedOp) -> oneshot::Receiver<Result<Vec<u8>, ChannelError>> {
-        let (tx, rx) = oneshot::channel();
         let s = self.channel.shared();
+        let (tx, rx) = oneshot::channel();
         let chan = s.id;
         direct_or_submit(
             &s.worker,
@@ -205,11 +205,16 @@ impl RemoteRegion {
         rx
     }
 
-    fn wait(
-        &self,
-        rx: oneshot::Receiver<Result<Vec<u8>, ChannelError>>,
-    ) -> Result<Vec<u8>, ChannelError> {
-        wait_reply(&self.channel.shared().worker, rx).unwrap_or(Err(ChannelError::Closed))
+    /// Submit `op` and wait for its result.
+    fn run(&self, op: OneSidedOp) -> Result<Vec<u8>, ChannelError> {
+        let w = &self.channel.shared().worker;
+        if w.held_here() {
+            // A handler of this worker: the operation would be posted, and its completion
+            // read, only after the handler returned. Nothing is posted.
+            return Err(ChannelError::WouldDeadlock);
+        }
+        let rx = self.submit(op);
+        wait_reply(w, rx).unwrap_or(Err(ChannelError::Closed))
     }
 
     fn word(v: Vec<u8>) -> Result<u64, ChannelError> {
@@ -235,13 +240,13 @@ impl RemoteRegion {
     /// RDMA WRITE `data` at `offset`.
     pub fn write(&self, offset: u64, data: &[u8]) -> Result<(), ChannelError> {
         let op = self.write_op(offset, data)?;
-        self.wait(self.submit(op)).map(|_| ())
+        self.run(op).map(|_| ())
     }
 
     /// RDMA READ `len` bytes at `offset`.
     pub fn read(&self, offset: u64, len: u32) -> Result<Vec<u8>, ChannelError> {
         let remote = self.remote(offset, u64::from(len), 1)?;
-        self.wait(self.submit(OneSidedOp::Read { remote, len }))
+        self.run(OneSidedOp::Read { remote, len })
     }
 
     /// Atomic compare-and-swap of the aligned word at `offset`; returns the value found (the
@@ -253,17 +258,17 @@ impl RemoteRegion {
         swap: u64,
     ) -> Result<u64, ChannelError> {
         let remote = self.remote(offset, 8, 8)?;
-        Self::word(self.wait(self.submit(OneSidedOp::CompareSwap {
+        Self::word(self.run(OneSidedOp::CompareSwap {
             remote,
             compare,
             swap,
-        }))?)
+        })?)
     }
 
     /// Atomic fetch-and-add on the aligned word at `offset`; returns the value before.
     pub fn fetch_and_add(&self, offset: u64, add: u64) -> Result<u64, ChannelError> {
         let remote = self.remote(offset, 8, 8)?;
-        Self::word(self.wait(self.submit(OneSidedOp::FetchAdd { remote, add }))?)
+        Self::word(self.run(OneSidedOp::FetchAdd { remote, add })?)
     }
 
     /// [`RemoteRegion::write`] from async code.

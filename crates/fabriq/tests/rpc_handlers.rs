@@ -227,3 +227,89 @@ fn a_blocking_call_on_the_handlers_own_worker_is_refused_and_call_async_works() 
         assert_eq!(inner_calls.load(Ordering::SeqCst), 20);
     }
 }
+
+/// A handler of the server's only worker that waits on a channel of that worker: a receive
+/// with nothing delivered, sends past the stream's window (the client reads none of them), a
+/// one-sided read of the client's memory. Each would wait for a pass of the very worker whose
+/// pass runs the handler — for ever; each fails with `ChannelError::WouldDeadlock` instead, and
+/// the channel carries on afterwards. Thread mode and caller mode.
+#[test]
+fn a_handler_waiting_on_its_own_workers_channel_gets_would_deadlock() {
+    use fabriq::ChannelError;
+    for progress in [Progress::Thread, Progress::Caller] {
+        let (done_tx, done_rx) = mpsc::channel();
+        // On a thread of its own: a wait that never ends must fail the test, not hang it.
+        std::thread::spawn(move || {
+            let cfg = Config {
+                device: "shm0".into(),
+                progress,
+                workers: 1,
+                ..Config::default()
+            };
+            let server = Endpoint::new(cfg.clone()).expect("server");
+            let client = Endpoint::new(cfg).expect("client");
+            let listener = server.listen("127.0.0.1:0").expect("listen");
+            let c = client.connect(listener.local_addr()).expect("connect");
+            let s = listener.accept_timeout(HANG).expect("accept");
+            let region = client.expose(4096).expect("expose");
+            c.send(&region.descriptor().to_bytes()).expect("descriptor");
+            let desc = fabriq::RegionDescriptor::from_bytes(&s.recv_timeout(HANG).expect("recv"))
+                .expect("descriptor");
+            let remote = s.remote_region(desc);
+            let rpc = Rpc::new(c.clone());
+            let err = |e: ChannelError| format!("{e:?}");
+            {
+                let s = s.clone();
+                server.serve("recv", move |_| s.recv().map(|m| m.to_vec()).map_err(err));
+            }
+            {
+                let s = s.clone();
+                server.serve("flood", move |_| {
+                    for sent in 0..1_000_000u32 {
+                        if let Err(e) = s.send(&[7u8; 512]) {
+                            return Err(format!("{e:?} after {sent}"));
+                        }
+                    }
+                    Ok(Vec::new())
+                });
+            }
+            server.serve("read", move |_| remote.read(0, 8).map_err(err));
+            let results: Vec<_> = ["recv", "flood", "read"]
+                .iter()
+                .map(|m| (*m, rpc.call(m, b"", HANG)))
+                .collect();
+            // The channel still works both ways: the flood's messages, then a new one.
+            let mut flooded = 0;
+            while let Ok(Some(_)) = c.try_recv() {
+                flooded += 1;
+            }
+            while let Ok(m) = c.recv_timeout(Duration::from_millis(200)) {
+                assert_eq!(m.len(), 512);
+                flooded += 1;
+            }
+            c.send(b"after").expect("send after");
+            let after = s.recv_timeout(HANG).expect("recv after");
+            let _ = done_tx.send((format!("{results:?}"), flooded, after.to_vec()));
+        });
+        let (results, flooded, after) = done_rx
+            .recv_timeout(Duration::from_secs(60))
+            .unwrap_or_else(|_| panic!("{progress:?}: a handler's wait never ended"));
+        assert!(
+            results.contains(r#"("recv", Err(Handler("WouldDeadlock")))"#),
+            "{progress:?}: {results}"
+        );
+        assert!(
+            results.contains(r#"("flood", Err(Handler("WouldDeadlock after "#),
+            "{progress:?}: {results}"
+        );
+        assert!(
+            results.contains(r#"("read", Err(Handler("WouldDeadlock")))"#),
+            "{progress:?}: {results}"
+        );
+        assert!(
+            flooded > 0,
+            "{progress:?}: the sends before the window filled"
+        );
+        assert_eq!(after, b"after", "{progress:?}");
+    }
+}

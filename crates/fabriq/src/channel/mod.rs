@@ -37,6 +37,16 @@ pub enum ChannelError {
     /// Nothing arrived before the deadline.
     #[error("timed out")]
     Timeout,
+    /// A wait that only the caller's own worker could end, asked for by a handler running that
+    /// worker's pass: a receive on a channel of that worker with nothing delivered, a send
+    /// there without room, a one-sided operation there. The worker reads, acknowledges and
+    /// completes only after the handler returns, so the wait could never end. Nothing was
+    /// sent. From a handler use `try_recv` / `try_send`, or serve the method with
+    /// `serve_deferred` and do the work elsewhere.
+    #[error(
+        "a handler waited on a channel of its own worker (nothing sent; it would wait for ever)"
+    )]
+    WouldDeadlock,
     /// A message above the configured limit.
     #[error("message of {len} bytes exceeds the {max}-byte limit")]
     MessageTooLarge {

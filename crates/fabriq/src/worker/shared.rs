@@ -1245,6 +1245,11 @@ impl ChannelShared {
             Err(ChannelError::WouldBlock) => {}
             other => return other,
         }
+        if self.worker.held_here() {
+            // A handler of this worker: room comes with acknowledgements this worker reads
+            // only after it returns.
+            return Err(ChannelError::WouldDeadlock);
+        }
         let deadline = timeout.map(|t| StdInstant::now() + t);
         self.worker
             .wait_for(deadline, || match self.try_reserve(len) {
@@ -1303,6 +1308,10 @@ impl ChannelShared {
                     return Ok(m);
                 }
             }
+        }
+        if self.worker.held_here() {
+            // A handler of this worker: nothing more arrives before it returns.
+            return Err(ChannelError::WouldDeadlock);
         }
         let deadline = timeout.map(|t| StdInstant::now() + t);
         let handed = Cell::new(None);

@@ -193,8 +193,8 @@ impl RemoteRegion {
     }
 
     fn submit(&self, op: OneSidedOp) -> oneshot::Receiver<Result<Vec<u8>, ChannelError>> {
-        let s = self.channel.shared();
         let (tx, rx) = oneshot::channel();
+        let s = self.channel.shared();
         let chan = s.id;
         direct_or_submit(
             &s.worker,

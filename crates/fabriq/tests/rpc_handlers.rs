@@ -313,3 +313,49 @@ fn a_handler_waiting_on_its_own_workers_channel_gets_would_deadlock() {
         assert_eq!(after, b"after", "{progress:?}");
     }
 }
+
+/// A responder kept past its call's deadline, and past both endpoints: the late reply (and a
+/// responder dropped then) goes nowhere, without a panic; the caller had its `Timeout`.
+#[test]
+fn a_responder_used_after_its_call_and_its_endpoint_are_gone_is_harmless() {
+    for progress in [Progress::Thread, Progress::Caller] {
+        let (server, client, s, rpc) = pair("shm0", progress);
+        let kept: std::sync::Arc<std::sync::Mutex<Vec<Responder>>> = Default::default();
+        {
+            let kept = kept.clone();
+            server.serve_deferred("never", move |_, responder| {
+                kept.lock().expect("kept").push(responder);
+            });
+        }
+        for _ in 0..3 {
+            assert!(
+                matches!(
+                    rpc.call("never", b"", Duration::from_millis(50)),
+                    Err(RpcError::Timeout)
+                ),
+                "{progress:?}"
+            );
+        }
+        let mut late: Vec<Responder> = std::mem::take(&mut *kept.lock().expect("kept"));
+        assert_eq!(late.len(), 3, "{progress:?}");
+        // The caller is gone: its reply is dropped on arrival.
+        late.pop()
+            .expect("responder")
+            .reply(b"late")
+            .expect("queued");
+        assert_eq!(
+            rpc.channel()
+                .try_recv()
+                .expect("try_recv")
+                .map(|m| m.to_vec()),
+            None,
+            "{progress:?}: a late reply is not a message"
+        );
+        drop((rpc, s, client, server));
+        // Both endpoints gone: replying fails or goes nowhere; dropping one does nothing.
+        let last = late.pop().expect("responder");
+        let _ = last.reply(b"later still");
+        drop(late);
+        drop(kept);
+    }
+}

@@ -340,6 +340,29 @@ impl Endpoint {
         );
     }
 
+    /// Register an async RPC handler for `method`: each request's future runs on `runtime`
+    /// (the worker that received the request only starts it), and its output is the reply —
+    /// `Err(text)` reaches the caller as [`crate::RpcError::Handler`]. A deferred handler
+    /// ([`Endpoint::serve_deferred`]) whose work is a future: it may await other calls
+    /// ([`crate::Rpc::call_async`]), timers or I/O without holding any worker up.
+    pub fn serve_async<F, Fut>(&self, method: &str, runtime: tokio::runtime::Handle, handler: F)
+    where
+        F: Fn(Vec<u8>) -> Fut + Send + Sync + 'static,
+        Fut: std::future::Future<Output = Result<Vec<u8>, String>> + Send + 'static,
+    {
+        self.serve_deferred(method, move |req, responder| {
+            let work = handler(req.to_vec());
+            runtime.spawn(async move {
+                // A reply that cannot be queued (no pool memory, endpoint stopped) leaves the
+                // caller to its deadline, or to `PeerGone`.
+                let _ = match work.await {
+                    Ok(body) => responder.reply(&body),
+                    Err(e) => responder.fail(&e),
+                };
+            });
+        });
+    }
+
     /// Expose `len` bytes of registered memory for peers' one-sided access. With several
     /// devices (`auto`) the memory is allocated on the primary one and registered on the others
     /// too: give each peer [`ExposedRegion::descriptor_for`] its channel.

@@ -359,3 +359,67 @@ fn a_responder_used_after_its_call_and_its_endpoint_are_gone_is_harmless() {
         drop(kept);
     }
 }
+
+/// `serve_async`: a handler that is a future, run on the application's runtime, awaiting a
+/// nested call to a backend and a timer before it answers — 32 calls in flight at once, on a
+/// server of one worker (which only starts each future), each answered with its own
+/// request's result; an `Err` reaches the caller as `Handler`.
+#[test]
+fn async_handlers_await_nested_calls_and_answer_their_own_callers() {
+    for progress in [Progress::Thread, Progress::Caller] {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .expect("runtime");
+        let cfg = Config {
+            device: "shm0".into(),
+            progress,
+            workers: 1,
+            ..Config::default()
+        };
+        let (server, _client, _s, rpc) = pair("shm0", progress);
+        let backend = Endpoint::new(cfg).expect("backend");
+        backend.serve("double", |req| {
+            let v = u32::from_le_bytes(req.try_into().map_err(|_| "4 bytes".to_string())?);
+            Ok((v * 2).to_le_bytes().to_vec())
+        });
+        let backend_listener = backend.listen("127.0.0.1:0").expect("listen");
+        let to_backend = Rpc::new(
+            server
+                .connect(backend_listener.local_addr())
+                .expect("connect to the backend"),
+        );
+        let _backend_end = backend_listener.accept_timeout(HANG).expect("accept");
+        server.serve_async("double_later", rt.handle().clone(), move |req| {
+            let to_backend = to_backend.clone();
+            async move {
+                if req.is_empty() {
+                    return Err("empty request".to_string());
+                }
+                tokio::time::sleep(Duration::from_millis(2)).await;
+                to_backend
+                    .call_async("double", &req, HANG)
+                    .await
+                    .map_err(|e| e.to_string())
+            }
+        });
+        let callers: Vec<_> = (0..32u32)
+            .map(|i| {
+                let rpc = rpc.clone();
+                std::thread::spawn(move || (i, rpc.call("double_later", &i.to_le_bytes(), HANG)))
+            })
+            .collect();
+        for c in callers {
+            let (i, got) = c.join().expect("caller");
+            assert_eq!(got.expect("reply"), (i * 2).to_le_bytes(), "{progress:?}");
+        }
+        assert!(
+            matches!(
+                rpc.call("double_later", b"", HANG),
+                Err(RpcError::Handler(m)) if m == "empty request"
+            ),
+            "{progress:?}"
+        );
+    }
+}

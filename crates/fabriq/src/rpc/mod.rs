@@ -194,6 +194,18 @@ impl Rpc {
         self.channel.endpoint().serve_deferred(method, handler);
     }
 
+    /// Register an async handler for `method`, its futures run on `runtime`; see
+    /// [`crate::Endpoint::serve_async`].
+    pub fn serve_async<F, Fut>(&self, method: &str, runtime: tokio::runtime::Handle, handler: F)
+    where
+        F: Fn(Vec<u8>) -> Fut + Send + Sync + 'static,
+        Fut: std::future::Future<Output = Result<Vec<u8>, String>> + Send + 'static,
+    {
+        self.channel
+            .endpoint()
+            .serve_async(method, runtime, handler);
+    }
+
     fn submit(
         &self,
         method: &str,

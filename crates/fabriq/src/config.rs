@@ -11,7 +11,8 @@
 //!                            # recv and calls; the worker thread only serves while none does)
 //! pin_workers = false        # pin worker i to CPU i
 //! idle_spin_us = 50          # busy-poll this long after the last work, then sleep
-//! rpc_timeout_ms = 5000      # default deadline of Rpc::call_default
+//! rpc_timeout_ms = 5000      # default deadline of Rpc::call_default, and of a handler's
+//!                            # waits that have none of their own (recv, send, one-sided)
 //! handshake_timeout_ms = 5000
 //! # handshake_spin_us = 50   # each handshake wait on the control stream busy-polls this long,
 //!                            # then sleeps (0: never spin); unset: 50 on a host of 2 or more
@@ -155,7 +156,9 @@ pub struct Config {
     /// built with one CPU allowed, its threads share that CPU and yield it at every round of
     /// the spin instead of holding it.
     pub idle_spin_us: u64,
-    /// Default RPC deadline, milliseconds.
+    /// Default RPC deadline, milliseconds; also how long a handler's wait without a deadline
+    /// of its own (`recv`, a back-pressured `send`, a one-sided operation) may take before it
+    /// ends with `Timeout`.
     pub rpc_timeout_ms: u64,
     /// Connection handshake timeout, milliseconds.
     pub handshake_timeout_ms: u64,

@@ -244,6 +244,7 @@ impl Endpoint {
                 pool: crate::mempool::PoolConfig::default().with_chunk_size(chunk),
                 progress: config.progress,
                 close_linger: Duration::from_millis(config.close_linger_ms),
+                handler_wait: config.rpc_timeout(),
             };
             let t = worker::spawn(
                 Arc::clone(&shared),
@@ -1307,12 +1308,22 @@ mod tests {
         super::Listener,
         std::sync::Arc<Vec<crate::Channel>>,
     ) {
-        let server = super::Endpoint::new(crate::Config {
-            workers: 2,
+        two_workers_and_a_sink_with(crate::Config {
             progress,
             ..caller_mode_config()
         })
-        .expect("server");
+    }
+
+    /// [`two_workers_and_a_sink`] with the server built from `cfg` (two workers).
+    fn two_workers_and_a_sink_with(
+        cfg: crate::Config,
+    ) -> (
+        super::Endpoint,
+        super::Endpoint,
+        super::Listener,
+        std::sync::Arc<Vec<crate::Channel>>,
+    ) {
+        let server = super::Endpoint::new(crate::Config { workers: 2, ..cfg }).expect("server");
         let sink = super::Endpoint::new(crate::Config {
             progress: crate::Progress::Thread,
             ..caller_mode_config()
@@ -1650,6 +1661,120 @@ mod tests {
             late >= 1,
             "{progress:?}: a nested call answered in time both ways: {results:?}"
         );
+    }
+
+    /// A handler's waits that have no deadline of their own, on a channel of the *other*
+    /// worker, end by the endpoint's RPC deadline (here 300 ms) with `Timeout`: a `recv` for a
+    /// message that never comes, and a one-sided read whose completion only that worker can
+    /// read while a handler holds it for 1.5 s. Before, the first waited for ever and the
+    /// second until the other handler returned. Server in caller mode and with worker threads.
+    #[test]
+    fn a_handlers_wait_on_another_workers_channel_ends_by_the_rpc_deadline() {
+        for progress in [crate::Progress::Caller, crate::Progress::Thread] {
+            // On a thread of its own: a handler that never returns would never let the
+            // endpoints drop.
+            let (done_tx, done_rx) = std::sync::mpsc::channel();
+            std::thread::spawn(move || {
+                let passed = std::panic::catch_unwind(|| handler_waits_end(progress)).is_ok();
+                let _ = done_tx.send(passed);
+            });
+            let passed = done_rx
+                .recv_timeout(std::time::Duration::from_secs(60))
+                .unwrap_or_else(|_| panic!("{progress:?}: a handler's wait never ended"));
+            assert!(passed, "{progress:?}: failed (the panic above)");
+        }
+    }
+
+    fn handler_waits_end(progress: crate::Progress) {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        use std::sync::Arc;
+        use std::time::{Duration, Instant};
+        const WAIT: Duration = Duration::from_secs(10);
+        const HOLD: Duration = Duration::from_millis(1500);
+        let (server, sink, sink_listener, out) = two_workers_and_a_sink_with(crate::Config {
+            progress,
+            rpc_timeout_ms: 300,
+            ..caller_mode_config()
+        });
+        let region = sink.expose(4096).expect("expose");
+        out.iter().for_each(|c| c.send(b"hello").expect("send"));
+        let _ends: Vec<_> = (0..2)
+            .map(|_| {
+                sink_listener
+                    .accept_timeout(WAIT)
+                    .expect("the sink accepts")
+            })
+            .collect();
+        let remotes: Arc<Vec<crate::RemoteRegion>> = Arc::new(
+            out.iter()
+                .map(|c| c.remote_region(region.descriptor()))
+                .collect(),
+        );
+        // The sink sends nothing on these channels: a `recv` there waits for what never comes.
+        {
+            let out = out.clone();
+            server.serve("recv_other", move |_| {
+                let other = out
+                    .iter()
+                    .find(|c| !c.shared().worker.held_here())
+                    .expect("a channel on the other worker");
+                other
+                    .recv()
+                    .map(|m| m.to_vec())
+                    .map_err(|e| format!("{e:?}"))
+            });
+        }
+        let holding = Arc::new(AtomicBool::new(false));
+        {
+            let (out, holding) = (out.clone(), holding.clone());
+            server.serve("hold_or_read", move |_| {
+                if out[0].shared().worker.held_here() {
+                    // Holds the first channel's worker while the other handler reads.
+                    holding.store(true, Ordering::SeqCst);
+                    std::thread::sleep(HOLD);
+                    holding.store(false, Ordering::SeqCst);
+                    return Ok(b"held".to_vec());
+                }
+                let t = Instant::now();
+                while !holding.load(Ordering::SeqCst) && t.elapsed() < WAIT {
+                    std::thread::yield_now();
+                }
+                let t = Instant::now();
+                let r = remotes[0].read(0, 8).map_err(|e| format!("{e:?}"));
+                let still_held = holding.load(Ordering::SeqCst);
+                Ok(format!("{r:?} after {:?}, still held {still_held}", t.elapsed()).into_bytes())
+            });
+        }
+        let (listener, client, conns) = two_rpc_clients(&server);
+        let (rpcs, accepted): (Vec<_>, Vec<_>) = conns.into_iter().unzip();
+        let got = rpcs[0].call("recv_other", b"", WAIT);
+        assert!(
+            matches!(&got, Err(crate::RpcError::Handler(m)) if m == "Timeout"),
+            "{progress:?}: recv on the other worker's channel: {got:?}"
+        );
+        let calls: Vec<_> = rpcs
+            .into_iter()
+            .map(|rpc| std::thread::spawn(move || rpc.call("hold_or_read", b"", WAIT)))
+            .collect();
+        let results: Vec<String> = calls
+            .into_iter()
+            .map(|t| {
+                let r = t.join().expect("caller").expect("hold_or_read");
+                String::from_utf8_lossy(&r).into_owned()
+            })
+            .collect();
+        assert!(
+            results.iter().any(|r| r == "held"),
+            "{progress:?}: {results:?}"
+        );
+        assert!(
+            results
+                .iter()
+                .any(|r| r.starts_with("Err(\"Timeout\")") && r.ends_with("still held true")),
+            "{progress:?}: the read ended by its deadline, while the other worker was held: \
+             {results:?}"
+        );
+        drop((accepted, client, listener));
     }
 
     /// Caller mode, a close whose peer's application called in moments ago and then stopped:

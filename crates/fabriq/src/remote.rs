@@ -14,7 +14,7 @@ use fabriq_verbs::{MemoryRegion, RemoteAddr, Rkey};
 use tokio::sync::oneshot;
 
 use crate::channel::ChannelError;
-use crate::worker::{direct_or_submit, wait_reply, Command, OneSidedOp};
+use crate::worker::{direct_or_submit, wait_reply, Command, OneSidedOp, Waited};
 use crate::Channel;
 
 /// What a peer needs to reach an exposed region: 24 bytes on the wire.
@@ -213,8 +213,13 @@ impl RemoteRegion {
             // read, only after the handler returned. Nothing is posted.
             return Err(ChannelError::WouldDeadlock);
         }
+        let deadline = w.handler_deadline();
         let rx = self.submit(op);
-        wait_reply(w, rx).unwrap_or(Err(ChannelError::Closed))
+        match wait_reply(w, rx, deadline) {
+            Waited::Got(r) => r,
+            Waited::Closed => Err(ChannelError::Closed),
+            Waited::Expired => Err(ChannelError::Timeout),
+        }
     }
 
     fn word(v: Vec<u8>) -> Result<u64, ChannelError> {

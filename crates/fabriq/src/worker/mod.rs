@@ -424,6 +424,9 @@ pub(crate) struct WorkerConfig {
     pub(crate) progress: Progress,
     /// Longest a closing connection waits for what it still has to send (`Config::close_linger_ms`).
     pub(crate) close_linger: Duration,
+    /// Longest a handler's wait without a deadline of its own may take (`Config::rpc_timeout_ms`;
+    /// see [`WorkerShared::handler_deadline`]).
+    pub(crate) handler_wait: Duration,
 }
 
 /// The worker state: locked by whoever runs a progress pass.
@@ -552,7 +555,14 @@ pub(crate) fn spawn(
         clock: PassClock::default(),
         handoff: Handoff::default(),
     };
-    shared.install(worker, buffers, cq_peek, cfg.progress, cfg.idle_spin);
+    shared.install(
+        worker,
+        buffers,
+        cq_peek,
+        cfg.progress,
+        cfg.idle_spin,
+        cfg.handler_wait,
+    );
     let name = format!("fabriq-worker-{}", shared.id);
     std::thread::Builder::new()
         .name(name)
@@ -736,13 +746,14 @@ pub(crate) fn close_on_drop<V>(
 }
 
 /// Wait for a worker's reply on `rx`, progressing the worker from this thread: for the whole
-/// wait in caller mode, for the idle budget in thread mode (then block on `rx`). `None` if the
-/// sender was dropped.
-pub(crate) fn wait_reply<T>(w: &WorkerShared, rx: oneshot::Receiver<T>) -> Option<T> {
-    match wait_awaiting(w, rx, Awaited::Progress, None) {
-        Waited::Got(v) => Some(v),
-        Waited::Closed | Waited::Expired => None,
-    }
+/// wait in caller mode, for the idle budget in thread mode (then block on `rx`) — until
+/// `deadline` where there is one.
+pub(crate) fn wait_reply<T>(
+    w: &WorkerShared,
+    rx: oneshot::Receiver<T>,
+    deadline: Option<std::time::Instant>,
+) -> Waited<T> {
+    wait_awaiting(w, rx, Awaited::Progress, deadline)
 }
 
 /// How a wait for a worker's reply ended.

@@ -215,6 +215,9 @@ pub(crate) struct WorkerShared {
     holder: AtomicU64,
     caller_mode: AtomicBool,
     idle_spin_ns: AtomicU64,
+    /// How long a handler's wait without a deadline of its own may take (the endpoint's RPC
+    /// deadline): see [`WorkerShared::handler_wait`].
+    handler_wait_ns: AtomicU64,
     /// The endpoint was built where the process may use one CPU only: a spinning waiter steps
     /// aside at every round (what it waits for runs only then).
     one_cpu: AtomicBool,
@@ -262,6 +265,7 @@ impl WorkerShared {
             holder: AtomicU64::new(0),
             caller_mode: AtomicBool::new(false),
             idle_spin_ns: AtomicU64::new(50_000),
+            handler_wait_ns: AtomicU64::new(5_000_000_000),
             one_cpu: AtomicBool::new(false),
             poller: AtomicBool::new(false),
             spinner: AtomicBool::new(false),
@@ -283,6 +287,7 @@ impl WorkerShared {
         cq: fabriq_verbs::CompletionQueue,
         progress: Progress,
         idle_spin: Duration,
+        handler_wait: Duration,
     ) {
         // The CQ read its CPUs when it was created, on the thread that builds the endpoint:
         // the worker thread inherits them (and `pin_workers` pins within them).
@@ -292,6 +297,10 @@ impl WorkerShared {
             .store(progress == Progress::Caller, Ordering::Relaxed);
         self.idle_spin_ns.store(
             u64::try_from(idle_spin.as_nanos()).unwrap_or(u64::MAX),
+            Ordering::Relaxed,
+        );
+        self.handler_wait_ns.store(
+            u64::try_from(handler_wait.as_nanos()).unwrap_or(u64::MAX),
             Ordering::Relaxed,
         );
         let _ = self.buffers.set(buffers);
@@ -310,6 +319,17 @@ impl WorkerShared {
 
     pub(crate) fn idle_spin(&self) -> Duration {
         Duration::from_nanos(self.idle_spin_ns.load(Ordering::Relaxed))
+    }
+
+    /// The deadline of a wait that has none of its own (`recv`, a back-pressured `send`, a
+    /// one-sided operation) when a handler makes it: `None` for any other thread. A handler
+    /// holds its own worker; the worker it waits on may be held by a handler that waits for
+    /// it in turn, and a wait without end there would hold both workers for ever. Bounded by
+    /// the endpoint's RPC deadline (`Config::rpc_timeout_ms`), the wait ends with `Timeout`.
+    pub(crate) fn handler_deadline(&self) -> Option<StdInstant> {
+        holds_a_state().then(|| {
+            StdInstant::now() + Duration::from_nanos(self.handler_wait_ns.load(Ordering::Relaxed))
+        })
     }
 
     /// The worker's buffers (for sends prepared on application threads).
@@ -1250,7 +1270,10 @@ impl ChannelShared {
             // only after it returns.
             return Err(ChannelError::WouldDeadlock);
         }
-        let deadline = timeout.map(|t| StdInstant::now() + t);
+        let deadline = match timeout {
+            Some(t) => Some(StdInstant::now() + t),
+            None => self.worker.handler_deadline(),
+        };
         self.worker
             .wait_for(deadline, || match self.try_reserve(len) {
                 Err(ChannelError::WouldBlock) => None,
@@ -1313,7 +1336,10 @@ impl ChannelShared {
             // A handler of this worker: nothing more arrives before it returns.
             return Err(ChannelError::WouldDeadlock);
         }
-        let deadline = timeout.map(|t| StdInstant::now() + t);
+        let deadline = match timeout {
+            Some(t) => Some(StdInstant::now() + t),
+            None => self.worker.handler_deadline(),
+        };
         let handed = Cell::new(None);
         self.worker
             .wait_reading(

@@ -423,3 +423,57 @@ fn async_handlers_await_nested_calls_and_answer_their_own_callers() {
         );
     }
 }
+
+/// A handler that panics fails its call with `Handler("the handler panicked: …")`, and the
+/// worker goes on: the same channel and another channel on the same (only) worker are served
+/// after it, inline and deferred handlers alike (a deferred handler's panic drops its
+/// responder, which answers the caller). Thread mode and caller mode.
+#[test]
+fn a_panicking_handler_fails_its_call_and_the_worker_goes_on() {
+    use fabriq::rpc::HANDLER_PANICKED;
+    const CALL: Duration = Duration::from_secs(5);
+    for progress in [Progress::Thread, Progress::Caller] {
+        let cfg = Config {
+            device: "shm0".into(),
+            progress,
+            workers: 1,
+            ..Config::default()
+        };
+        let server = Endpoint::new(cfg.clone()).expect("server");
+        let client = Endpoint::new(cfg).expect("client");
+        let listener = server.listen("127.0.0.1:0").expect("listen");
+        server.serve("echo", |req| Ok(req.to_vec()));
+        server.serve("boom", |_| panic!("boom"));
+        server.serve_deferred("boom_later", |_, _responder| {
+            panic!("{}", String::from("boom later"))
+        });
+        let rpcs: Vec<Rpc> = (0..2)
+            .map(|_| {
+                let c = client.connect(listener.local_addr()).expect("connect");
+                Rpc::new(c)
+            })
+            .collect();
+        let _ends: Vec<_> = (0..2)
+            .map(|_| listener.accept_timeout(HANG).expect("accept"))
+            .collect();
+        for round in 0..3 {
+            let got = rpcs[0].call("boom", b"", CALL);
+            assert!(
+                matches!(&got, Err(RpcError::Handler(m)) if *m == format!("{HANDLER_PANICKED}boom")),
+                "{progress:?} round {round}: {got:?}"
+            );
+            let got = rpcs[0].call("boom_later", b"", CALL);
+            assert!(
+                matches!(&got, Err(RpcError::Handler(m)) if m == DROPPED_WITHOUT_REPLY),
+                "{progress:?} round {round}: {got:?}"
+            );
+            for rpc in &rpcs {
+                assert_eq!(
+                    rpc.call("echo", b"still here", CALL).expect("echo"),
+                    b"still here",
+                    "{progress:?} round {round}"
+                );
+            }
+        }
+    }
+}

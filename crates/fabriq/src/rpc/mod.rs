@@ -25,7 +25,9 @@ use crate::worker::{
 use crate::Channel;
 
 /// A method handler: request body in, reply body out, or an error text for the caller. Runs on a
-/// worker thread: it should not block for long (it holds up that worker's other channels).
+/// worker thread: it should not block for long (it holds up that worker's other channels). A
+/// handler that panics fails its call ([`RpcError::Handler`], starting [`HANDLER_PANICKED`]);
+/// the worker goes on.
 pub type Handler = Arc<dyn Fn(&[u8]) -> Result<Vec<u8>, String> + Send + Sync + 'static>;
 
 /// A handler that replies later: request body in, and the [`Responder`] that sends the reply
@@ -64,6 +66,10 @@ impl std::fmt::Debug for Responder {
 
 /// What a [`Responder`] dropped without a reply tells the caller.
 pub const DROPPED_WITHOUT_REPLY: &str = "the handler dropped the request without replying";
+
+/// How the text of [`RpcError::Handler`] starts when the handler panicked (the panic's message
+/// follows). The panic is caught on the worker, which goes on serving.
+pub const HANDLER_PANICKED: &str = "the handler panicked: ";
 
 impl Responder {
     pub(crate) fn new(stream: Arc<ChannelShared>, call_id: u64, trace_id: u64) -> Responder {

@@ -2027,19 +2027,34 @@ fn on_received(
             }
         };
         let handler = handlers.read().get(&method).map(|(_, h)| h.clone());
+        // A handler that panics fails its call, not the worker: the panic is caught here, and
+        // the worker's other channels, and this one, go on. `AssertUnwindSafe`: nothing of the
+        // worker is half-changed while a handler runs (the request is decoded and its slot
+        // released before, the reply queued after).
         let (status, reply) = match handler {
-            Some(Served::Inline(h)) => match h(body) {
-                Ok(r) => (rpcwire::Status::Ok, r),
-                Err(e) => (rpcwire::Status::HandlerError, e.into_bytes()),
-            },
+            Some(Served::Inline(h)) => {
+                match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| h(body))) {
+                    Ok(Ok(r)) => (rpcwire::Status::Ok, r),
+                    Ok(Err(e)) => (rpcwire::Status::HandlerError, e.into_bytes()),
+                    Err(panic) => (
+                        rpcwire::Status::HandlerError,
+                        handler_panicked(method, &panic).into_bytes(),
+                    ),
+                }
+            }
             Some(Served::Deferred(h)) => {
                 // The reply goes out when the responder is used (its send takes this state
-                // when it is free, or leaves a command for the next pass).
+                // when it is free, or leaves a command for the next pass); a handler that
+                // panics drops it, which answers the caller.
                 if let Some(ss) = st.streams.get(&stream) {
-                    h(
-                        body,
-                        Responder::new(Arc::clone(&ss.shared), call_id, trace.trace_id),
-                    );
+                    let responder = Responder::new(Arc::clone(&ss.shared), call_id, trace.trace_id);
+                    if let Err(panic) =
+                        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                            h(body, responder)
+                        }))
+                    {
+                        handler_panicked(method, &panic);
+                    }
                 }
                 if let (Payload::Pool(b), Some(_)) = (payload, recycle) {
                     pool.recycle(b);
@@ -2100,6 +2115,21 @@ fn on_received(
         }
     }
     Ok(())
+}
+
+/// What a caller whose handler panicked is told ([`crate::RpcError::Handler`]), logged too.
+fn handler_panicked(method: u32, panic: &Box<dyn std::any::Any + Send>) -> String {
+    let what = panic
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("a panic without a message");
+    tracing::error!(
+        method = format_args!("{method:#010x}"),
+        what,
+        "RPC handler panicked"
+    );
+    format!("{}{what}", crate::rpc::HANDLER_PANICKED)
 }
 
 /// `STREAM_OPEN` (only the connecting side opens streams: on an accepted connection a new

@@ -1,9 +1,11 @@
 //! RPC handlers that reply later (`serve_deferred`): the reply goes out from whichever thread
 //! uses the `Responder`, reaches the right caller among many, a failure reaches it as
 //! `RpcError::Handler`, and a responder dropped without a reply ends its call at once instead
-//! of at the caller's deadline. On shm and tcp, with worker threads and in caller mode. And a
+//! of at the caller's deadline. On shm and tcp, with worker threads and in caller mode. A
 //! handler's nested call: refused when blocking on its own worker, answered from a deferred
-//! handler. Waits are bounded by a generous deadline that only catches hangs.
+//! handler or an async one (`serve_async`); a handler's other waits on its own worker refused;
+//! a panicking handler failing only its call. Waits are bounded by a generous deadline that
+//! only catches hangs.
 
 use std::sync::mpsc;
 use std::time::Duration;

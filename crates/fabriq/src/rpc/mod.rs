@@ -6,8 +6,11 @@
 //! calling thread when it gets the worker's lock (a direct send, as a channel's), and the caller
 //! progresses the worker while it waits for the reply; the pass that gives it the reply ends
 //! there, leaving the rest of its work to the next pass. Deadlines are kept by the caller's
-//! worker (its timer wheel), so a call always ends: with the reply, [`RpcError::Timeout`],
-//! [`RpcError::UnknownMethod`] or [`RpcError::PeerGone`].
+//! worker (its timer wheel) — and a handler's call, whose worker may be held, by the waiting
+//! thread too — so a call always ends: with the reply, [`RpcError::Timeout`],
+//! [`RpcError::UnknownMethod`], [`RpcError::Handler`] or [`RpcError::PeerGone`]; a blocking
+//! call a handler makes on its own worker's channel fails at once
+//! ([`RpcError::WouldDeadlock`]).
 
 pub mod wire;
 

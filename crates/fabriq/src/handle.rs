@@ -20,7 +20,7 @@ use crate::message::{Message, SendBuf};
 use crate::remote::{RegionDescriptor, RemoteRegion};
 use crate::worker::shared::ChannelShared;
 use crate::worker::streams::ConnHandle;
-use crate::worker::{alloc_filled, close_on_drop, direct_or_submit_settled, Command, Worker};
+use crate::worker::{alloc_filled, close_on_drop, submit_on_stream, Command, Worker};
 
 struct Inner {
     shared: Arc<ChannelShared>,
@@ -126,14 +126,7 @@ impl Channel {
     /// Post `buf` now under the worker's lock, or queue it in the worker's inbox. The send
     /// window slot is already reserved.
     fn submit_buf(&self, buf: OutBuf, trace: TraceInfo) {
-        let s = &self.inner.shared;
-        let chan = s.id;
-        direct_or_submit_settled(
-            &s.worker,
-            (buf, trace),
-            |g, (buf, trace)| g.enqueue_send(chan, buf, trace),
-            |(buf, trace)| Command::Send { chan, buf, trace },
-        );
+        submit_on_stream(&self.inner.shared, buf, trace);
     }
 
     /// Copy `data` into a registered buffer and submit it (the window slot is reserved).

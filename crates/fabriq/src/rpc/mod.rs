@@ -23,7 +23,8 @@ use crate::channel::proto::TraceInfo;
 use crate::channel::{ChannelError, TraceFlags};
 use crate::worker::shared::{holds_a_state, ChannelShared};
 use crate::worker::{
-    alloc_filled, direct_or_submit_settled, now, wait_call, Call, Command, Waited, Worker,
+    alloc_filled, direct_or_submit_settled, now, submit_on_stream, wait_call, Call, Command,
+    Waited, Worker,
 };
 use crate::Channel;
 
@@ -111,13 +112,7 @@ impl Responder {
             stream: 0,
             stream_credits: 0,
         };
-        let chan = s.id;
-        direct_or_submit_settled(
-            &s.worker,
-            (buf, trace),
-            |g, (buf, trace)| g.enqueue_send(chan, buf, trace),
-            |(buf, trace)| Command::Send { chan, buf, trace },
-        );
+        submit_on_stream(s, buf, trace);
         Ok(())
     }
 }

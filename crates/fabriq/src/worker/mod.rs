@@ -683,6 +683,19 @@ pub(crate) fn direct_or_submit<V>(
     );
 }
 
+/// Send `buf` on stream `s` (its room already counted): posted now under the worker's lock, or
+/// queued in the worker's inbox. A channel's send and a deferred RPC reply go this way.
+#[inline]
+pub(crate) fn submit_on_stream(s: &ChannelShared, buf: OutBuf, trace: TraceInfo) {
+    let chan = s.id;
+    direct_or_submit_settled(
+        &s.worker,
+        (buf, trace),
+        |g, (buf, trace)| g.enqueue_send(chan, buf, trace),
+        |(buf, trace)| Command::Send { chan, buf, trace },
+    );
+}
+
 /// [`direct_or_submit`] where `direct` says whether it left anything for a pass: when it
 /// did not (a send that went straight out), the pass is skipped — the next call, the worker
 /// thread or a waiter polls the completion queue.

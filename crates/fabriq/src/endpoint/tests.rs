@@ -440,6 +440,56 @@ fn two_rpc_clients(
     (listener, client, conns)
 }
 
+/// A handler's first step where two handlers must run at the same time: count itself in, then
+/// wait (at most `bound`) for the other.
+fn both_in(arrived: &std::sync::atomic::AtomicUsize, bound: std::time::Duration) {
+    use std::sync::atomic::Ordering;
+    arrived.fetch_add(1, Ordering::SeqCst);
+    let t = std::time::Instant::now();
+    while arrived.load(Ordering::SeqCst) < 2 && t.elapsed() < bound {
+        std::thread::yield_now();
+    }
+}
+
+/// The sink's ends of the server's channels (`two_workers_and_a_sink`): a message on each makes
+/// the sink's listener hand them out; kept open by the caller.
+fn sink_ends(
+    out: &[crate::Channel],
+    sink_listener: &super::Listener,
+    wait: std::time::Duration,
+) -> Vec<crate::Channel> {
+    out.iter().for_each(|c| c.send(b"hello").expect("send"));
+    (0..out.len())
+        .map(|_| {
+            sink_listener
+                .accept_timeout(wait)
+                .expect("the sink accepts")
+        })
+        .collect()
+}
+
+/// Each of `rpcs` calls `method` at once, on a thread of its own, with `request(i)`; the
+/// results in the order of `rpcs`.
+fn call_each(
+    rpcs: Vec<crate::Rpc>,
+    method: &'static str,
+    request: impl Fn(usize) -> Vec<u8>,
+    wait: std::time::Duration,
+) -> Vec<Result<Vec<u8>, crate::RpcError>> {
+    let calls: Vec<_> = rpcs
+        .into_iter()
+        .enumerate()
+        .map(|(i, rpc)| {
+            let req = request(i);
+            std::thread::spawn(move || rpc.call(method, &req, wait))
+        })
+        .collect();
+    calls
+        .into_iter()
+        .map(|t| t.join().expect("caller"))
+        .collect()
+}
+
 /// Caller mode: a handler's send on a channel of another worker whose state is busy at
 /// that moment is queued there, and that worker's back-stop is nudged to take it once the
 /// worker is free (`WorkerShared::nudge_backstop`). Here the state is held by an application
@@ -506,7 +556,7 @@ fn a_send_a_handler_queues_for_a_busy_worker_goes_once_that_worker_is_free() {
 fn handlers_of_two_workers_sending_on_each_others_channels_do_not_deadlock() {
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::Arc;
-    use std::time::{Duration, Instant};
+    use std::time::Duration;
     const WAIT: Duration = Duration::from_secs(5);
     let (done_tx, done_rx) = std::sync::mpsc::channel();
     // The body runs on a thread of its own: deadlocked workers would never let its
@@ -518,11 +568,7 @@ fn handlers_of_two_workers_sending_on_each_others_channels_do_not_deadlock() {
             let (out, arrived) = (out.clone(), arrived.clone());
             server.serve("cross", move |_| {
                 // Both handlers in at once (bounded: the test reports it otherwise).
-                arrived.fetch_add(1, Ordering::SeqCst);
-                let t = Instant::now();
-                while arrived.load(Ordering::SeqCst) < 2 && t.elapsed() < WAIT / 5 {
-                    std::thread::yield_now();
-                }
+                both_in(&arrived, WAIT / 5);
                 for ch in out.iter() {
                     ch.send(b"across").map_err(|e| e.to_string())?;
                 }
@@ -532,14 +578,7 @@ fn handlers_of_two_workers_sending_on_each_others_channels_do_not_deadlock() {
         // Two connections, accepted on the server's two workers.
         let (listener, client, conns) = two_rpc_clients(&server);
         let (rpcs, accepted): (Vec<_>, Vec<_>) = conns.into_iter().unzip();
-        let calls: Vec<_> = rpcs
-            .into_iter()
-            .map(|rpc| std::thread::spawn(move || rpc.call("cross", b"", WAIT)))
-            .collect();
-        let results: Vec<_> = calls
-            .into_iter()
-            .map(|t| t.join().expect("caller"))
-            .collect();
+        let results = call_each(rpcs, "cross", |_| Vec::new(), WAIT);
         // Every send of both handlers arrived.
         let mut got = 0;
         for _ in 0..2 {
@@ -579,7 +618,7 @@ fn handlers_of_two_workers_sending_on_each_others_channels_do_not_deadlock() {
 fn deferred_handlers_of_two_workers_answer_after_nested_calls_on_each_others_channels() {
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::Arc;
-    use std::time::{Duration, Instant};
+    use std::time::Duration;
     const WAIT: Duration = Duration::from_secs(10);
     let (server, sink, sink_listener, out) = two_workers_and_a_sink();
     sink.serve("inner", |req| {
@@ -587,15 +626,7 @@ fn deferred_handlers_of_two_workers_answer_after_nested_calls_on_each_others_cha
         r.extend_from_slice(req);
         Ok(r)
     });
-    // The sink's ends of the two channels (its listener's accepts) stay open.
-    out.iter().for_each(|c| c.send(b"hello").expect("send"));
-    let _ends: Vec<_> = (0..2)
-        .map(|_| {
-            sink_listener
-                .accept_timeout(WAIT)
-                .expect("the sink accepts")
-        })
-        .collect();
+    let _ends = sink_ends(&out, &sink_listener, WAIT);
     let backends: Arc<Vec<crate::Rpc>> =
         Arc::new(out.iter().map(|c| crate::Rpc::new(c.clone())).collect());
     let rt = Arc::new(
@@ -610,11 +641,7 @@ fn deferred_handlers_of_two_workers_answer_after_nested_calls_on_each_others_cha
         let (rt, arrived) = (rt.clone(), arrived.clone());
         server.serve_deferred("outer", move |req, responder| {
             // Both handlers in at once (bounded: the assertions tell it otherwise).
-            arrived.fetch_add(1, Ordering::SeqCst);
-            let t = Instant::now();
-            while arrived.load(Ordering::SeqCst) < 2 && t.elapsed() < WAIT / 5 {
-                std::thread::yield_now();
-            }
+            both_in(&arrived, WAIT / 5);
             let (backends, req) = (backends.clone(), req.to_vec());
             rt.spawn(async move {
                 let mut body = Vec::new();
@@ -631,16 +658,12 @@ fn deferred_handlers_of_two_workers_answer_after_nested_calls_on_each_others_cha
     }
     let (listener, client, conns) = two_rpc_clients(&server);
     let (rpcs, accepted): (Vec<_>, Vec<_>) = conns.into_iter().unzip();
-    let calls: Vec<_> = rpcs
-        .into_iter()
-        .enumerate()
-        .map(|(i, rpc)| {
-            std::thread::spawn(move || rpc.call("outer", format!("{i}").as_bytes(), WAIT))
-        })
-        .collect();
-    for (i, t) in calls.into_iter().enumerate() {
-        let got = t.join().expect("caller").expect("the outer call");
-        assert_eq!(got, format!("inner:{i}|inner:{i}|").into_bytes());
+    let results = call_each(rpcs, "outer", |i| format!("{i}").into_bytes(), WAIT);
+    for (i, got) in results.into_iter().enumerate() {
+        assert_eq!(
+            got.expect("the outer call"),
+            format!("inner:{i}|inner:{i}|").into_bytes()
+        );
     }
     assert_eq!(
         arrived.load(Ordering::SeqCst),
@@ -667,7 +690,7 @@ fn blocking_nested_calls_of_two_workers_handlers_end_by_their_deadline() {
 fn blocking_nested_calls_end(progress: crate::Progress) {
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::Arc;
-    use std::time::{Duration, Instant};
+    use std::time::Duration;
     const WAIT: Duration = Duration::from_secs(10);
     const NESTED: Duration = Duration::from_millis(300);
     let (done_tx, done_rx) = std::sync::mpsc::channel();
@@ -675,25 +698,14 @@ fn blocking_nested_calls_end(progress: crate::Progress) {
     std::thread::spawn(move || {
         let (server, sink, sink_listener, out) = two_workers_and_a_sink_in(progress);
         sink.serve("inner", |req| Ok(req.to_vec()));
-        out.iter().for_each(|c| c.send(b"hello").expect("send"));
-        let _ends: Vec<_> = (0..2)
-            .map(|_| {
-                sink_listener
-                    .accept_timeout(WAIT)
-                    .expect("the sink accepts")
-            })
-            .collect();
+        let _ends = sink_ends(&out, &sink_listener, WAIT);
         let backends: Arc<Vec<crate::Rpc>> =
             Arc::new(out.iter().map(|c| crate::Rpc::new(c.clone())).collect());
         let arrived = Arc::new(AtomicUsize::new(0));
         {
             let arrived = arrived.clone();
             server.serve("outer", move |req| {
-                arrived.fetch_add(1, Ordering::SeqCst);
-                let t = Instant::now();
-                while arrived.load(Ordering::SeqCst) < 2 && t.elapsed() < WAIT / 5 {
-                    std::thread::yield_now();
-                }
+                both_in(&arrived, WAIT / 5);
                 let other = backends
                     .iter()
                     .find(|b| !b.channel().shared().worker.held_here())
@@ -703,14 +715,7 @@ fn blocking_nested_calls_end(progress: crate::Progress) {
         }
         let (listener, client, conns) = two_rpc_clients(&server);
         let (rpcs, accepted): (Vec<_>, Vec<_>) = conns.into_iter().unzip();
-        let calls: Vec<_> = rpcs
-            .into_iter()
-            .map(|rpc| std::thread::spawn(move || rpc.call("outer", b"x", WAIT)))
-            .collect();
-        let results: Vec<_> = calls
-            .into_iter()
-            .map(|t| t.join().expect("caller"))
-            .collect();
+        let results = call_each(rpcs, "outer", |_| b"x".to_vec(), WAIT);
         let _ = done_tx.send((results, arrived.load(Ordering::SeqCst)));
         drop((accepted, client, listener, server, sink_listener, sink));
     });
@@ -767,14 +772,7 @@ fn handler_waits_end(progress: crate::Progress) {
         ..caller_mode_config()
     });
     let region = sink.expose(4096).expect("expose");
-    out.iter().for_each(|c| c.send(b"hello").expect("send"));
-    let _ends: Vec<_> = (0..2)
-        .map(|_| {
-            sink_listener
-                .accept_timeout(WAIT)
-                .expect("the sink accepts")
-        })
-        .collect();
+    let _ends = sink_ends(&out, &sink_listener, WAIT);
     let remotes: Arc<Vec<crate::RemoteRegion>> = Arc::new(
         out.iter()
             .map(|c| c.remote_region(region.descriptor()))
@@ -822,16 +820,9 @@ fn handler_waits_end(progress: crate::Progress) {
         matches!(&got, Err(crate::RpcError::Handler(m)) if m == "Timeout"),
         "{progress:?}: recv on the other worker's channel: {got:?}"
     );
-    let calls: Vec<_> = rpcs
+    let results: Vec<String> = call_each(rpcs, "hold_or_read", |_| Vec::new(), WAIT)
         .into_iter()
-        .map(|rpc| std::thread::spawn(move || rpc.call("hold_or_read", b"", WAIT)))
-        .collect();
-    let results: Vec<String> = calls
-        .into_iter()
-        .map(|t| {
-            let r = t.join().expect("caller").expect("hold_or_read");
-            String::from_utf8_lossy(&r).into_owned()
-        })
+        .map(|r| String::from_utf8_lossy(&r.expect("hold_or_read")).into_owned())
         .collect();
     assert!(
         results.iter().any(|r| r == "held"),

@@ -19,18 +19,39 @@ const HANG: Duration = Duration::from_secs(30);
 /// first, so every reply crosses the others.
 const CALLERS: usize = 16;
 
-fn pair(device: &str, progress: Progress) -> (Endpoint, Endpoint, fabriq::Channel, Rpc) {
-    let cfg = Config {
+/// An endpoint's configuration here: one worker (the tests that need a handler on the worker
+/// of a given channel rely on it).
+fn config(device: &str, progress: Progress) -> Config {
+    Config {
         device: device.into(),
         progress,
+        workers: 1,
         ..Config::default()
-    };
+    }
+}
+
+fn pair(device: &str, progress: Progress) -> (Endpoint, Endpoint, fabriq::Channel, Rpc) {
+    let cfg = config(device, progress);
     let server = Endpoint::new(cfg.clone()).expect("server endpoint");
     let client = Endpoint::new(cfg).expect("client endpoint");
     let listener = server.listen("127.0.0.1:0").expect("listen");
     let c = client.connect(listener.local_addr()).expect("connect");
     let s = listener.accept_timeout(HANG).expect("accept");
     (server, client, s, Rpc::new(c))
+}
+
+/// A backend endpoint for `server`'s handlers to call (it serves nothing yet), and `server`'s
+/// RPC connection to it (on the server's only worker); the backend's end of it is kept open.
+fn backend(server: &Endpoint, progress: Progress) -> (Endpoint, fabriq::Channel, Rpc) {
+    let backend = Endpoint::new(config("shm0", progress)).expect("backend");
+    let listener = backend.listen("127.0.0.1:0").expect("listen");
+    let to_backend = Rpc::new(
+        server
+            .connect(listener.local_addr())
+            .expect("connect to the backend"),
+    );
+    let end = listener.accept_timeout(HANG).expect("accept");
+    (backend, end, to_backend)
 }
 
 /// `later` hands each request to a replier thread, which answers a batch of `CALLERS` in
@@ -164,14 +185,8 @@ fn a_blocking_call_on_the_handlers_own_worker_is_refused_and_call_async_works() 
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::Arc;
     for progress in [Progress::Thread, Progress::Caller] {
-        let cfg = Config {
-            device: "shm0".into(),
-            progress,
-            workers: 1,
-            ..Config::default()
-        };
         let (server, _client, _s, rpc) = pair("shm0", progress);
-        let backend = Endpoint::new(cfg).expect("backend");
+        let (backend, _backend_end, to_backend) = backend(&server, progress);
         let inner_calls = Arc::new(AtomicUsize::new(0));
         {
             let inner_calls = inner_calls.clone();
@@ -180,13 +195,6 @@ fn a_blocking_call_on_the_handlers_own_worker_is_refused_and_call_async_works() 
                 Ok(req.to_vec())
             });
         }
-        let backend_listener = backend.listen("127.0.0.1:0").expect("listen");
-        let to_backend = Rpc::new(
-            server
-                .connect(backend_listener.local_addr())
-                .expect("connect to the backend"),
-        );
-        let _backend_end = backend_listener.accept_timeout(HANG).expect("accept");
         {
             let to_backend = to_backend.clone();
             server.serve("blocking", move |req| {
@@ -242,23 +250,13 @@ fn a_handler_waiting_on_its_own_workers_channel_gets_would_deadlock() {
         let (done_tx, done_rx) = mpsc::channel();
         // On a thread of its own: a wait that never ends must fail the test, not hang it.
         std::thread::spawn(move || {
-            let cfg = Config {
-                device: "shm0".into(),
-                progress,
-                workers: 1,
-                ..Config::default()
-            };
-            let server = Endpoint::new(cfg.clone()).expect("server");
-            let client = Endpoint::new(cfg).expect("client");
-            let listener = server.listen("127.0.0.1:0").expect("listen");
-            let c = client.connect(listener.local_addr()).expect("connect");
-            let s = listener.accept_timeout(HANG).expect("accept");
+            let (server, client, s, rpc) = pair("shm0", progress);
+            let c = rpc.channel().clone();
             let region = client.expose(4096).expect("expose");
             c.send(&region.descriptor().to_bytes()).expect("descriptor");
             let desc = fabriq::RegionDescriptor::from_bytes(&s.recv_timeout(HANG).expect("recv"))
                 .expect("descriptor");
             let remote = s.remote_region(desc);
-            let rpc = Rpc::new(c.clone());
             let err = |e: ChannelError| format!("{e:?}");
             {
                 let s = s.clone();
@@ -374,25 +372,12 @@ fn async_handlers_await_nested_calls_and_answer_their_own_callers() {
             .enable_all()
             .build()
             .expect("runtime");
-        let cfg = Config {
-            device: "shm0".into(),
-            progress,
-            workers: 1,
-            ..Config::default()
-        };
         let (server, _client, _s, rpc) = pair("shm0", progress);
-        let backend = Endpoint::new(cfg).expect("backend");
+        let (backend, _backend_end, to_backend) = backend(&server, progress);
         backend.serve("double", |req| {
             let v = u32::from_le_bytes(req.try_into().map_err(|_| "4 bytes".to_string())?);
             Ok((v * 2).to_le_bytes().to_vec())
         });
-        let backend_listener = backend.listen("127.0.0.1:0").expect("listen");
-        let to_backend = Rpc::new(
-            server
-                .connect(backend_listener.local_addr())
-                .expect("connect to the backend"),
-        );
-        let _backend_end = backend_listener.accept_timeout(HANG).expect("accept");
         server.serve_async("double_later", rt.handle().clone(), move |req| {
             let to_backend = to_backend.clone();
             async move {
@@ -435,12 +420,7 @@ fn a_panicking_handler_fails_its_call_and_the_worker_goes_on() {
     use fabriq::rpc::HANDLER_PANICKED;
     const CALL: Duration = Duration::from_secs(5);
     for progress in [Progress::Thread, Progress::Caller] {
-        let cfg = Config {
-            device: "shm0".into(),
-            progress,
-            workers: 1,
-            ..Config::default()
-        };
+        let cfg = config("shm0", progress);
         let server = Endpoint::new(cfg.clone()).expect("server");
         let client = Endpoint::new(cfg).expect("client");
         let listener = server.listen("127.0.0.1:0").expect("listen");

@@ -306,19 +306,21 @@ impl Endpoint {
             .sum()
     }
 
+    /// `handler` serves `method` from now on (in place of the one before, if any).
+    fn register(&self, method: &str, handler: crate::rpc::Served) {
+        self.inner.handlers.write().insert(
+            crate::rpc::wire::method_id(method),
+            (method.to_string(), handler),
+        );
+    }
+
     /// Register an RPC handler for `method`; requests on any channel of this endpoint reach it,
     /// on the worker that received them.
     pub fn serve<F>(&self, method: &str, handler: F)
     where
         F: Fn(&[u8]) -> Result<Vec<u8>, String> + Send + Sync + 'static,
     {
-        self.inner.handlers.write().insert(
-            crate::rpc::wire::method_id(method),
-            (
-                method.to_string(),
-                crate::rpc::Served::Inline(Arc::new(handler)),
-            ),
-        );
+        self.register(method, crate::rpc::Served::Inline(Arc::new(handler)));
     }
 
     /// Register an RPC handler for `method` that replies later: it runs on the worker that
@@ -332,13 +334,7 @@ impl Endpoint {
     where
         F: Fn(&[u8], crate::rpc::Responder) + Send + Sync + 'static,
     {
-        self.inner.handlers.write().insert(
-            crate::rpc::wire::method_id(method),
-            (
-                method.to_string(),
-                crate::rpc::Served::Deferred(Arc::new(handler)),
-            ),
-        );
+        self.register(method, crate::rpc::Served::Deferred(Arc::new(handler)));
     }
 
     /// Register an async RPC handler for `method`: each request's future runs on `runtime`

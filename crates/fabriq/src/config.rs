@@ -12,7 +12,9 @@
 //! pin_workers = false        # pin worker i to CPU i
 //! idle_spin_us = 50          # busy-poll this long after the last work, then sleep
 //! rpc_timeout_ms = 5000      # default deadline of Rpc::call_default, and of a handler's
-//!                            # waits that have none of their own (recv, send, one-sided)
+//!                            # waits (recv, send, one-sided; the shorter deadline counts)
+//! remote_timeout_ms = 5000   # deadline of each one-sided operation (RemoteRegion::with_timeout
+//!                            # sets one region's); past it: Timeout, the outcome unknown
 //! handshake_timeout_ms = 5000
 //! # handshake_spin_us = 50   # each handshake wait on the control stream busy-polls this long,
 //!                            # then sleeps (0: never spin); unset: 50 on a host of 2 or more
@@ -160,6 +162,10 @@ pub struct Config {
     /// of its own (`recv`, a back-pressured `send`, a one-sided operation) may take before it
     /// ends with `Timeout`.
     pub rpc_timeout_ms: u64,
+    /// Deadline of each one-sided operation of a [`crate::RemoteRegion`], milliseconds (unless
+    /// the region sets its own): an operation not complete by then ends with `Timeout`, its
+    /// outcome unknown (it may still take effect at the owner).
+    pub remote_timeout_ms: u64,
     /// Connection handshake timeout, milliseconds.
     pub handshake_timeout_ms: u64,
     /// Busy-poll budget of each wait on a control stream during a connection handshake
@@ -233,6 +239,7 @@ impl Default for Config {
             pin_workers: false,
             idle_spin_us: 50,
             rpc_timeout_ms: 5000,
+            remote_timeout_ms: 5000,
             handshake_timeout_ms: 5000,
             handshake_spin_us: None,
             link_speed_gbps: 0,
@@ -327,6 +334,7 @@ impl Config {
         var!("FABRIQ_PIN_WORKERS", self.pin_workers, parse_bool);
         var!("FABRIQ_IDLE_SPIN_US", self.idle_spin_us, parse);
         var!("FABRIQ_RPC_TIMEOUT_MS", self.rpc_timeout_ms, parse);
+        var!("FABRIQ_REMOTE_TIMEOUT_MS", self.remote_timeout_ms, parse);
         var!(
             "FABRIQ_HANDSHAKE_TIMEOUT_MS",
             self.handshake_timeout_ms,
@@ -453,6 +461,11 @@ impl Config {
         Duration::from_millis(self.rpc_timeout_ms)
     }
 
+    /// The deadline of a one-sided operation.
+    pub fn remote_timeout(&self) -> Duration {
+        Duration::from_millis(self.remote_timeout_ms)
+    }
+
     /// The handshake timeout.
     pub fn handshake_timeout(&self) -> Duration {
         Duration::from_millis(self.handshake_timeout_ms.max(1))
@@ -556,10 +569,12 @@ mod tests {
                 "FABRIQ_PROGRESS" => Some("Caller".into()),
                 "FABRIQ_SHARE_CONNECTIONS" => Some("false".into()),
                 "FABRIQ_STREAM_WINDOW" => Some("256".into()),
+                "FABRIQ_REMOTE_TIMEOUT_MS" => Some("250".into()),
                 _ => None,
             })
             .expect("valid");
         assert_eq!(c.workers, 3);
+        assert_eq!(c.remote_timeout(), Duration::from_millis(250));
         assert_eq!(c.stream_window, 256);
         for w in ["3", "65537"] {
             let err = Config::default()

@@ -6,6 +6,11 @@
 //!
 //! Access outside the region or without the right is refused by the owner's provider: the
 //! operation completes with `RemoteAccess` (which, as on any RC QP, also breaks the channel).
+//!
+//! Every operation has a deadline ([`RemoteRegion::timeout`]: `Config::remote_timeout_ms`
+//! unless set with [`RemoteRegion::with_timeout`]); one not complete by then ends with
+//! `Timeout`, and its outcome is unknown — it may still take effect at the owner (a verbs QP
+//! whose retries run out says as much). The channel goes on; a late completion is dropped.
 
 use std::sync::atomic::AtomicU64;
 use std::time::Duration;
@@ -14,7 +19,7 @@ use fabriq_verbs::{MemoryRegion, RemoteAddr, Rkey};
 use tokio::sync::oneshot;
 
 use crate::channel::ChannelError;
-use crate::worker::{direct_or_submit, wait_reply, Command, OneSidedOp, Waited};
+use crate::worker::{direct_or_submit, now, wait_reply, Command, OneSidedOp, Waited};
 use crate::Channel;
 
 /// What a peer needs to reach an exposed region: 24 bytes on the wire.
@@ -157,11 +162,29 @@ impl ExposedRegion {
 pub struct RemoteRegion {
     channel: Channel,
     desc: RegionDescriptor,
+    timeout: Duration,
 }
 
 impl RemoteRegion {
     pub(crate) fn new(channel: Channel, desc: RegionDescriptor) -> RemoteRegion {
-        RemoteRegion { channel, desc }
+        let timeout = channel.endpoint().config().remote_timeout();
+        RemoteRegion {
+            channel,
+            desc,
+            timeout,
+        }
+    }
+
+    /// The same region with another deadline for each operation (from its start; a sync
+    /// operation made by an RPC handler ends at the handler's own bound if that comes first).
+    pub fn with_timeout(mut self, timeout: Duration) -> RemoteRegion {
+        self.timeout = timeout;
+        self
+    }
+
+    /// How long an operation may take before it ends with [`ChannelError::Timeout`].
+    pub fn timeout(&self) -> Duration {
+        self.timeout
     }
 
     /// The descriptor.
@@ -196,11 +219,17 @@ impl RemoteRegion {
         let (tx, rx) = oneshot::channel();
         let s = self.channel.shared();
         let chan = s.id;
+        let deadline = now().saturating_add(self.timeout);
         direct_or_submit(
             &s.worker,
             (op, tx),
-            |g, (op, reply)| g.enqueue_one_sided(chan, op, reply),
-            |(op, reply)| Command::OneSided { chan, op, reply },
+            |g, (op, reply)| g.enqueue_one_sided(chan, op, reply, deadline),
+            |(op, reply)| Command::OneSided {
+                chan,
+                op,
+                reply,
+                deadline,
+            },
         );
         rx
     }
@@ -213,7 +242,13 @@ impl RemoteRegion {
             // read, only after the handler returned. Nothing is posted.
             return Err(ChannelError::WouldDeadlock);
         }
-        let deadline = w.handler_deadline();
+        // The worker keeps the deadline, except for a handler's wait: the worker may be held
+        // by another handler waiting for this one (see `wait_call`).
+        let deadline = w.handler_deadline().map(|d| {
+            std::time::Instant::now()
+                .checked_add(self.timeout)
+                .map_or(d, |t| d.min(t))
+        });
         let rx = self.submit(op);
         match wait_reply(w, rx, deadline) {
             Waited::Got(r) => r,

@@ -459,3 +459,66 @@ fn a_panicking_handler_fails_its_call_and_the_worker_goes_on() {
         }
     }
 }
+
+/// Calls outstanding together with different deadlines each end at their own: a short one
+/// made after a long one, and the long one after it (the connection's one deadline timer is
+/// armed again for the earliest left), then one made afterwards. Their late replies are dropped;
+/// the channel goes on.
+#[test]
+fn outstanding_calls_with_different_deadlines_each_end_at_their_own() {
+    for progress in [Progress::Thread, Progress::Caller] {
+        let (server, _client, _s, rpc) = pair("shm0", progress);
+        let held = std::sync::Arc::new(std::sync::Mutex::new(Vec::<Responder>::new()));
+        let keep = std::sync::Arc::clone(&held);
+        server.serve_deferred("never", move |_, responder| {
+            keep.lock().expect("responders").push(responder);
+        });
+        server.serve("echo", |req| Ok(req.to_vec()));
+        // A call on its own thread; its outcome and how long it took, or a hang.
+        let timed = |rpc: Rpc, deadline: Duration| {
+            let (tx, rx) = mpsc::channel();
+            std::thread::spawn(move || {
+                let t0 = std::time::Instant::now();
+                let got = rpc.call("never", b"", deadline);
+                let _ = tx.send((got, t0.elapsed()));
+            });
+            rx
+        };
+        let ended = |rx: mpsc::Receiver<_>, what: &str| {
+            rx.recv_timeout(HANG)
+                .unwrap_or_else(|_| panic!("{progress:?}: the {what} call did not end"))
+        };
+        let long = timed(rpc.clone(), Duration::from_millis(1_500));
+        std::thread::sleep(Duration::from_millis(50));
+        let short = timed(rpc.clone(), Duration::from_millis(150));
+        let (got, took) = ended(short, "short");
+        assert!(
+            matches!(got, Err(RpcError::Timeout)),
+            "{progress:?}: {got:?}"
+        );
+        assert!(
+            (Duration::from_millis(150)..Duration::from_millis(1_400)).contains(&took),
+            "{progress:?}: the short call ended after {took:?}"
+        );
+        let (got, took) = ended(long, "long");
+        assert!(
+            matches!(got, Err(RpcError::Timeout)),
+            "{progress:?}: {got:?}"
+        );
+        assert!(
+            (Duration::from_millis(1_500)..HANG).contains(&took),
+            "{progress:?}: the long call ended after {took:?}"
+        );
+        let (got, took) = ended(timed(rpc.clone(), Duration::from_millis(200)), "later");
+        assert!(
+            matches!(got, Err(RpcError::Timeout)),
+            "{progress:?}: {got:?}"
+        );
+        assert!(took < HANG, "{progress:?}: {took:?}");
+        // The handler answers now: the replies find no call and are dropped.
+        for responder in held.lock().expect("responders").drain(..) {
+            responder.reply(b"late").expect("late reply");
+        }
+        assert_eq!(rpc.call("echo", b"on", HANG).expect("echo"), b"on");
+    }
+}

@@ -1039,3 +1039,34 @@ fn a_pooled_connection_whose_peer_hung_up_is_not_reused_before_its_worker_notice
         }
     }
 }
+
+/// A call's deadline does not stay in the worker's timer wheel after its reply: one timer per
+/// connection follows the earliest deadline of its calls. (Filed per call, 2 000 answered calls
+/// with a minute to run left 2 000 entries behind, and a busy server millions.)
+#[test]
+fn answered_calls_leave_no_deadlines_in_the_timer_wheel() {
+    use std::time::Duration;
+    for progress in [crate::Progress::Thread, crate::Progress::Caller] {
+        let (a, b, listener) = client_server(crate::Config {
+            progress,
+            ..caller_mode_config()
+        });
+        b.serve("echo", |req| Ok(req.to_vec()));
+        let rpc = crate::Rpc::new(a.connect(listener.local_addr()).expect("connect"));
+        let _server = listener
+            .accept_timeout(Duration::from_secs(10))
+            .expect("accept");
+        for i in 0..2_000u32 {
+            let reply = rpc
+                .call("echo", &i.to_le_bytes(), Duration::from_secs(60))
+                .expect("call");
+            assert_eq!(reply[..], i.to_le_bytes());
+        }
+        let worker = &rpc.channel().shared().worker;
+        let filed = worker.lock_state().expect("worker state").timers_filed();
+        assert!(
+            filed <= 4,
+            "{progress:?}: {filed} timers filed after 2 000 answered calls"
+        );
+    }
+}

@@ -258,7 +258,10 @@ impl Rpc {
             return Err(RpcError::WouldDeadlock);
         }
         // A handler's call keeps its deadline itself (see `wait_call`).
-        let deadline = holds_a_state().then(|| std::time::Instant::now() + timeout);
+        // (A deadline past the clock's range is none.)
+        let deadline = holds_a_state()
+            .then(|| std::time::Instant::now().checked_add(timeout))
+            .flatten();
         let (call_id, rx) = self.submit(method, request, timeout)?;
         match wait_call(w, rx, call_id, deadline) {
             Waited::Got(r) => r,

@@ -120,6 +120,7 @@ pub(crate) enum Command {
         chan: StreamKey,
         op: OneSidedOp,
         reply: OneSidedReply,
+        deadline: Instant,
     },
     SetThresholds {
         chan: StreamKey,
@@ -184,7 +185,9 @@ const NUDGE_MAX: Duration = Duration::from_millis(5);
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 enum Timer {
     Channel(u32),
-    Call(StreamKey, u64),
+    /// The earliest deadline of a connection's RPC calls and one-sided operations
+    /// (`ConnState::deadline_at`).
+    Deadlines(u32),
     /// A closing connection's linger ends (`ConnState::closing`).
     Linger(u32),
     /// A closing connection nudges its peer again (`ConnState::nudge`).
@@ -195,17 +198,33 @@ enum Timer {
     ReadyDue,
 }
 
+/// A one-sided operation posted to the QP. Its buffer stays until the completion comes, even
+/// after its deadline passed (`reply` taken: the caller was told `Timeout`).
 struct OneSidedPending {
     buf: PoolBuf,
     op_len: usize,
+    reply: Option<OneSidedReply>,
+    deadline: Instant,
+}
+
+/// A one-sided operation waiting for room in the send queue.
+struct OneSidedQueued {
+    op: OneSidedOp,
     reply: OneSidedReply,
+    deadline: Instant,
+}
+
+/// An RPC call waiting for its response.
+struct PendingCall {
+    reply: CallReply,
+    deadline: Instant,
 }
 
 /// One stream of a connection: an application channel.
 struct StreamState {
     shared: Arc<ChannelShared>,
     /// RPC calls waiting for their response on this stream.
-    calls: FxHashMap<u64, CallReply>,
+    calls: FxHashMap<u64, PendingCall>,
     /// The peer closed the stream: nothing more arrives, nothing more is sent, but the
     /// application may still read what was delivered.
     peer_closed: bool,
@@ -233,8 +252,14 @@ struct ConnState {
     /// Messages waiting for the core (credits, send window), in order, each with its stream.
     backlog: VecDeque<(OutBuf, TraceInfo)>,
     streams: FxHashMap<u32, StreamState>,
-    one_sided_queue: VecDeque<(OneSidedOp, OneSidedReply)>,
+    one_sided_queue: VecDeque<OneSidedQueued>,
     one_sided: FxHashMap<u64, OneSidedPending>,
+    /// When the worker's `Timer::Deadlines` for this connection fires: the earliest deadline
+    /// of its calls and one-sided operations when it was armed. One timer per connection
+    /// instead of one per call: a timer filed per call would stay in the wheel until its
+    /// deadline, long after the reply — at 500 000 calls a second and 5 s deadlines, millions
+    /// of entries.
+    deadline_at: Option<Instant>,
     control: Option<ControlStream>,
     lease: Option<QpLease>,
     accept: Option<std::sync::mpsc::Sender<Accepted>>,
@@ -280,6 +305,61 @@ impl ConnState {
                 timers.insert(t, (t, Timer::Channel(id)));
             }
         }
+    }
+
+    /// Arm the worker's timer for a call's or one-sided operation's deadline `t`, unless one
+    /// at or before it is armed already.
+    fn arm_deadline(
+        &mut self,
+        id: u32,
+        t: Instant,
+        timers: &mut wheel::TimerWheel<(Instant, Timer)>,
+    ) {
+        if self.deadline_at.map_or(true, |cur| t < cur) {
+            self.deadline_at = Some(t);
+            timers.insert(t, (t, Timer::Deadlines(id)));
+        }
+    }
+
+    /// End every call and one-sided operation whose deadline is at or before `now` with
+    /// `Timeout`, and return the earliest deadline left. A posted operation keeps its buffer
+    /// until its completion comes; a queued one is never posted.
+    fn expire(&mut self, now: Instant) -> Option<Instant> {
+        let mut next: Option<Instant> = None;
+        let mut keep = |d: Instant| next = Some(next.map_or(d, |n| n.min(d)));
+        let mut due = Vec::new();
+        for ss in self.streams.values_mut() {
+            due.extend(
+                ss.calls
+                    .iter()
+                    .filter(|(_, c)| c.deadline <= now)
+                    .map(|(&id, _)| id),
+            );
+            for id in due.drain(..) {
+                if let Some(c) = ss.calls.remove(&id) {
+                    let _ = c.reply.send(Err(RpcError::Timeout));
+                }
+            }
+            ss.calls.values().for_each(|c| keep(c.deadline));
+        }
+        for p in self.one_sided.values_mut() {
+            if p.deadline <= now {
+                if let Some(reply) = p.reply.take() {
+                    let _ = reply.send(Err(ChannelError::Timeout));
+                }
+            } else if p.reply.is_some() {
+                keep(p.deadline);
+            }
+        }
+        for q in std::mem::take(&mut self.one_sided_queue) {
+            if q.deadline <= now {
+                let _ = q.reply.send(Err(ChannelError::Timeout));
+            } else {
+                keep(q.deadline);
+                self.one_sided_queue.push_back(q);
+            }
+        }
+        next
     }
 
     /// A message the peer has: its buffer is recycled, its stream's send window opens.
@@ -406,6 +486,14 @@ impl ConnState {
             )),
             Err(e) => tracing::warn!(%e, "no memory for a stream control message"),
         }
+    }
+}
+
+impl Worker {
+    /// Entries filed in the timer wheel.
+    #[cfg(test)]
+    pub(crate) fn timers_filed(&self) -> usize {
+        self.timers.len()
     }
 }
 
@@ -1105,8 +1193,9 @@ impl Worker {
         chan: StreamKey,
         op: OneSidedOp,
         reply: OneSidedReply,
+        deadline: Instant,
     ) {
-        self.command_one_sided(chan, op, reply);
+        self.command_one_sided(chan, op, reply, deadline);
     }
 
     /// Protocol counters of the connection carrying a stream.
@@ -1185,7 +1274,9 @@ impl Worker {
             return;
         };
         if wc.wr_id >> 56 == WR_ONE_SIDED {
-            if let Some(p) = st.one_sided.remove(&(wc.wr_id & ((1 << 56) - 1))) {
+            let pending = st.one_sided.remove(&(wc.wr_id & ((1 << 56) - 1)));
+            // No reply: its deadline passed (the caller was told); the buffer goes back now.
+            if let Some((p, reply)) = pending.and_then(|mut p| p.reply.take().map(|r| (p, r))) {
                 let result = if wc.status.is_success() {
                     Ok(p.buf.get(..p.op_len).unwrap_or(&[]).to_vec())
                 } else {
@@ -1194,7 +1285,7 @@ impl Worker {
                         status: wc.status,
                     })
                 };
-                let _ = p.reply.send(result);
+                let _ = reply.send(result);
             }
         } else {
             st.driver.handle_completion(now, wc);
@@ -1222,7 +1313,12 @@ impl Worker {
             Command::Send { chan, buf, trace } => self.command_send(chan, buf, trace),
             Command::Released { chan } => self.take_released(chan),
             Command::Call(call) => self.command_call(*call),
-            Command::OneSided { chan, op, reply } => self.command_one_sided(chan, op, reply),
+            Command::OneSided {
+                chan,
+                op,
+                reply,
+                deadline,
+            } => self.command_one_sided(chan, op, reply, deadline),
             Command::SetThresholds { chan, thresholds } => {
                 if let Some(st) = self.conns.get_mut(&key_conn(chan)) {
                     if let Err(e) = st.driver.core_mut().set_thresholds(thresholds) {
@@ -1287,6 +1383,7 @@ impl Worker {
                 streams,
                 one_sided_queue: VecDeque::new(),
                 one_sided: FxHashMap::default(),
+                deadline_at: None,
                 control,
                 lease,
                 accept,
@@ -1389,8 +1486,8 @@ impl Worker {
         let Some(ss) = st.streams.remove(&key_stream(chan)) else {
             return;
         };
-        for (_, reply) in ss.calls {
-            let _ = reply.send(Err(RpcError::PeerGone));
+        for (_, c) in ss.calls {
+            let _ = c.reply.send(Err(RpcError::PeerGone));
         }
         ss.shared.fail(Failure::Closed);
         // Unread messages already returned their connection credit when they arrived.
@@ -1457,9 +1554,8 @@ impl Worker {
             return None;
         }
         ss.shared.count_in(buf.len() as u64);
-        ss.calls.insert(call_id, reply);
-        self.timers
-            .insert(deadline, (deadline, Timer::Call(chan, call_id)));
+        ss.calls.insert(call_id, PendingCall { reply, deadline });
+        st.arm_deadline(key_conn(chan), deadline, &mut self.timers);
         let trace = TraceInfo {
             trace_id: call_id,
             flags: TraceFlags(TraceFlags::RPC_REQUEST),
@@ -1469,9 +1565,22 @@ impl Worker {
         Some((chan, buf, trace))
     }
 
-    fn command_one_sided(&mut self, chan: StreamKey, op: OneSidedOp, reply: OneSidedReply) {
+    fn command_one_sided(
+        &mut self,
+        chan: StreamKey,
+        op: OneSidedOp,
+        reply: OneSidedReply,
+        deadline: Instant,
+    ) {
         match self.conns.get_mut(&key_conn(chan)) {
-            Some(st) if st.failed.is_none() => st.one_sided_queue.push_back((op, reply)),
+            Some(st) if st.failed.is_none() => {
+                st.one_sided_queue.push_back(OneSidedQueued {
+                    op,
+                    reply,
+                    deadline,
+                });
+                st.arm_deadline(key_conn(chan), deadline, &mut self.timers);
+            }
             Some(st) => {
                 let err = st
                     .failed
@@ -1525,16 +1634,16 @@ impl Worker {
             _ => RpcError::PeerGone,
         };
         for ss in st.streams.values_mut() {
-            for (_, reply) in ss.calls.drain() {
-                let _ = reply.send(Err(call_err()));
+            for (_, c) in ss.calls.drain() {
+                let _ = c.reply.send(Err(call_err()));
             }
             ss.shared.fail(why.clone());
         }
-        for (_, p) in st.one_sided.drain() {
-            let _ = p.reply.send(Err(why.to_error()));
-        }
-        for (_, reply) in st.one_sided_queue.drain(..) {
+        for reply in st.one_sided.drain().filter_map(|(_, p)| p.reply) {
             let _ = reply.send(Err(why.to_error()));
+        }
+        for q in st.one_sided_queue.drain(..) {
+            let _ = q.reply.send(Err(why.to_error()));
         }
         st.backlog.clear();
         if let Some(c) = st.control.take() {
@@ -1585,14 +1694,15 @@ impl Worker {
                         self.fail_conn(id, Failure::Closed);
                     }
                 }
-                Timer::Call(chan, call) => {
-                    let reply = self
-                        .conns
-                        .get_mut(&key_conn(chan))
-                        .and_then(|st| st.streams.get_mut(&key_stream(chan)))
-                        .and_then(|ss| ss.calls.remove(&call));
-                    if let Some(reply) = reply {
-                        let _ = reply.send(Err(RpcError::Timeout));
+                Timer::Deadlines(id) => {
+                    if let Some(st) = self.conns.get_mut(&id) {
+                        // A later timer than the one armed last is stale: that one expires.
+                        if st.deadline_at == Some(t) {
+                            st.deadline_at = None;
+                            if let Some(next) = st.expire(now) {
+                                st.arm_deadline(id, next, &mut self.timers);
+                            }
+                        }
                     }
                 }
             }
@@ -2107,7 +2217,7 @@ fn on_received(
                 let Some(ss) = st.streams.get_mut(&stream) else {
                     return Ok(());
                 };
-                if let Some(reply) = ss.calls.remove(&call_id) {
+                if let Some(PendingCall { reply, .. }) = ss.calls.remove(&call_id) {
                     let r = match status {
                         rpcwire::Status::Ok => Ok(body.to_vec()),
                         rpcwire::Status::UnknownMethod => Err(RpcError::UnknownMethod(
@@ -2164,8 +2274,8 @@ fn on_stream_control(
         st.driver.core_mut().ack_now();
         if let Some(ss) = st.streams.get_mut(&stream) {
             ss.peer_closed = true;
-            for (_, reply) in ss.calls.drain() {
-                let _ = reply.send(Err(RpcError::PeerGone));
+            for (_, c) in ss.calls.drain() {
+                let _ = c.reply.send(Err(RpcError::PeerGone));
             }
             ss.shared.fail(Failure::PeerGone);
         }
@@ -2200,7 +2310,12 @@ fn on_stream_control(
 fn post_one_sided(st: &mut ConnState, pool: &Buffers, next: &mut u64) -> usize {
     let mut posted = 0;
     while (st.one_sided.len() as u32) < ONE_SIDED_DEPTH {
-        let Some((op, reply)) = st.one_sided_queue.pop_front() else {
+        let Some(OneSidedQueued {
+            op,
+            reply,
+            deadline,
+        }) = st.one_sided_queue.pop_front()
+        else {
             break;
         };
         let (len, op_len) = match &op {
@@ -2248,8 +2363,15 @@ fn post_one_sided(st: &mut ConnState, pool: &Buffers, next: &mut u64) -> usize {
             .post_send(&[SendWr::new(wr_id, list, opcode).with_flags(SendFlags::SIGNALED)])
         {
             Ok(()) => {
-                st.one_sided
-                    .insert(token, OneSidedPending { buf, op_len, reply });
+                st.one_sided.insert(
+                    token,
+                    OneSidedPending {
+                        buf,
+                        op_len,
+                        reply: Some(reply),
+                        deadline,
+                    },
+                );
                 posted += 1;
             }
             Err(e) => {

@@ -328,6 +328,57 @@ fn connect_to_nothing_and_handshakes_cut_short_are_typed_errors() {
     }
 }
 
+/// Peers that connect and say nothing, or part of a hello, hold up no other peer's
+/// handshake: a client behind five of them connects at once, and each of them is reported
+/// when its handshake deadline passes. (The listener read one peer's hello at a time: the
+/// client behind three silent peers timed out after the handshake deadline, and the server
+/// took its connection a deadline per silent peer later.)
+#[test]
+fn silent_and_half_sent_peers_hold_up_no_other_connect() {
+    for device in devices() {
+        let Some((server, client, listener)) = server_client_listener(Config {
+            device: device.clone(),
+            handshake_timeout_ms: 3_000,
+            ..Config::default()
+        }) else {
+            continue;
+        };
+        let addr = listener.local_addr();
+        let provider = device.trim_end_matches(char::is_numeric).to_string();
+        let frame = wire::encode(&Message::Hello(raw_hello(&provider)));
+        let mut stalled: Vec<TcpStream> = (0..3)
+            .map(|_| TcpStream::connect(addr).expect("tcp"))
+            .collect();
+        for part in [&frame[..2], &frame[..frame.len() - 1]] {
+            let mut raw = TcpStream::connect(addr).expect("tcp");
+            raw.write_all(part).expect("part of a hello");
+            stalled.push(raw);
+        }
+        std::thread::sleep(Duration::from_millis(50));
+        let t0 = Instant::now();
+        let c = client.connect(addr).expect("connect behind stalled peers");
+        let s = listener.accept_timeout(HANG).expect("accept");
+        let took = t0.elapsed();
+        assert!(
+            took < Duration::from_millis(2_500),
+            "{device}: connect and accept took {took:?}, a handshake deadline"
+        );
+        ping(&c, &s, b"through");
+        for i in 0..stalled.len() {
+            let seen = listener
+                .next_failure(HANG)
+                .unwrap_or_else(|| panic!("{device}: stalled peer {i} not reported"));
+            assert!(
+                matches!(seen, ConnError::Timeout { phase: "hello", .. }),
+                "{device}: {seen}"
+            );
+        }
+        ping(&s, &c, b"and back");
+        drop(stalled);
+        drop(server);
+    }
+}
+
 #[test]
 fn a_closed_channels_qp_and_control_stream_serve_the_next_connect() {
     for device in devices() {

@@ -64,7 +64,7 @@ impl Step {
         }
     }
 
-    fn io_error(&self, e: std::io::Error) -> ConnError {
+    pub(crate) fn io_error(&self, e: std::io::Error) -> ConnError {
         match e.kind() {
             ErrorKind::WouldBlock | ErrorKind::TimedOut => ConnError::Timeout {
                 peer: Some(self.peer),
@@ -228,7 +228,7 @@ impl Step {
         wire::decode_body(&body).map_err(|e| self.decode_error(e))
     }
 
-    fn decode_error(&self, e: DecodeError) -> ConnError {
+    pub(crate) fn decode_error(&self, e: DecodeError) -> ConnError {
         match e {
             DecodeError::UnsupportedVersion(v) => ConnError::VersionMismatch {
                 local: VERSION,

@@ -21,6 +21,7 @@ use fabriq_verbs::{
 use parking_lot::Mutex;
 
 use super::control::{ControlStream, Home, QpLease};
+use super::greeting::{Greeted, Greeting};
 use super::handshake::{check_peer_hello, reject_code_for, rejected, send_reject, Step};
 use super::qp_cache::QpCache;
 use super::region_cache::RegionCache;
@@ -403,6 +404,7 @@ impl ConnManager {
                 local_name,
             }),
             idle: Mutex::new(Vec::new()),
+            greetings: Mutex::new(Vec::new()),
             admitted: Vec::new(),
             last_tcp: AtomicBool::new(true),
         })
@@ -1143,6 +1145,10 @@ impl ListenerCloser {
     }
 }
 
+/// New peers whose hello has not all arrived that a listener keeps at once; a new one beyond
+/// them ends the oldest (each would end at its handshake deadline anyway).
+const MAX_GREETINGS: usize = 256;
+
 /// What a listener read where it expected a hello.
 enum HelloRead {
     Hello(Box<Hello>),
@@ -1164,6 +1170,9 @@ pub struct Listener {
     home: Arc<ListenerHome>,
     /// Streams waiting for their next hello; only touched by the accepting thread.
     idle: Mutex<Vec<(Stream, SocketAddr)>>,
+    /// New peers whose hello has not all arrived (`conn::greeting`), oldest first; only
+    /// touched by the accepting thread.
+    greetings: Mutex<Vec<Greeting>>,
     /// Providers admitted besides the manager's own (an endpoint on several devices routes
     /// each `Incoming` to the manager of its provider).
     admitted: Vec<String>,
@@ -1259,9 +1268,21 @@ impl Listener {
             tv_nsec: 0,
         };
         let mut idle = self.idle.lock();
+        let mut greetings = self.greetings.lock();
         loop {
             if self.home.closed.load(Ordering::Acquire) {
                 return Err(ConnError::Closed);
+            }
+            // A new peer that did not say its hello in time.
+            if let Some(i) = greetings.iter().position(|g| g.deadline <= Instant::now()) {
+                let mut g = greetings.remove(i);
+                let err = ConnError::Timeout {
+                    peer: Some(g.peer),
+                    phase: "hello",
+                    after: self.mgr.inner.cfg.handshake_timeout,
+                };
+                self.refuse(&mut g.stream, g.peer, &err);
+                return Err(err);
             }
             {
                 let mut returned = self.home.returned.lock();
@@ -1293,13 +1314,25 @@ impl Listener {
                 }
                 None => None,
             };
+            // Wake for the first greeting's deadline too.
+            let left = match greetings.iter().map(|g| g.deadline).min() {
+                Some(d) => {
+                    let to_greeting = d.saturating_duration_since(Instant::now());
+                    let ts = Timespec {
+                        tv_sec: to_greeting.as_secs() as i64,
+                        tv_nsec: i64::from(to_greeting.subsec_nanos()),
+                    };
+                    Some(left.map_or(ts, |l| l.min(ts)))
+                }
+                None => left,
+            };
             let spinning = Instant::now() < spin_until;
             let wait = if spinning { Some(&zero) } else { left.as_ref() };
-            // Poll set: the TCP listener, the wake-up socket, the local listener if any, then
-            // the kept streams.
+            // Poll set: the TCP listener, the wake-up socket, the local listener if any, the
+            // kept streams, then the new peers' streams.
             let base = 2 + usize::from(self.unix.is_some());
             let ready: Vec<bool> = {
-                let mut fds = Vec::with_capacity(base + idle.len());
+                let mut fds = Vec::with_capacity(base + idle.len() + greetings.len());
                 fds.push(PollFd::new(&self.tcp, PollFlags::IN));
                 fds.push(PollFd::new(&self.home.wake_rx, PollFlags::IN));
                 if let Some(u) = &self.unix {
@@ -1307,6 +1340,9 @@ impl Listener {
                 }
                 for (s, _) in idle.iter() {
                     fds.push(PollFd::new(s, PollFlags::IN));
+                }
+                for g in greetings.iter() {
+                    fds.push(PollFd::new(&g.stream, PollFlags::IN));
                 }
                 match poll(&mut fds, wait) {
                     Ok(_) => {}
@@ -1323,7 +1359,16 @@ impl Listener {
             }
             // A peer of this host opening a control stream on the local socket.
             if base == 3 && ready.get(2).copied().unwrap_or(false) {
-                if let Some(found) = self.accept_local()? {
+                if let Some(found) = self.accept_local(&mut greetings)? {
+                    return Ok(found);
+                }
+                continue;
+            }
+            // A new peer's stream with more of its hello (or closed).
+            let kept = base + idle.len();
+            if let Some(i) = ready.iter().skip(kept).position(|&r| r) {
+                let g = greetings.remove(i);
+                if let Some(found) = self.greet(g, &mut greetings)? {
                     return Ok(found);
                 }
                 continue;
@@ -1333,7 +1378,7 @@ impl Listener {
                 self.home.drain_wake();
             }
             // A kept stream with a new hello (or closed by its peer).
-            if let Some(i) = ready.iter().skip(base).position(|&r| r) {
+            if let Some(i) = ready.iter().skip(base).take(idle.len()).position(|&r| r) {
                 let (mut stream, peer) = idle.remove(i);
                 match self.read_hello(&mut stream, peer, true) {
                     Ok(HelloRead::Hello(hello)) => return Ok(self.incoming(stream, peer, *hello)),
@@ -1364,21 +1409,72 @@ impl Listener {
                     .set_nonblocking(true)
                     .map_err(|e| ConnError::io("accepted stream non-blocking", e))?;
                 stream.set_nodelay(true).ok();
-                let mut stream = Stream::Tcp(stream);
-                return match self.read_hello(&mut stream, peer, false)? {
-                    HelloRead::Hello(hello) => Ok(self.incoming(stream, peer, *hello)),
-                    HelloRead::Eof | HelloRead::Close => Err(ConnError::PeerClosed {
-                        peer,
-                        phase: "hello",
-                    }),
-                };
+                let deadline = Instant::now() + self.mgr.inner.cfg.handshake_timeout;
+                let g = Greeting::new(Stream::Tcp(stream), peer, deadline);
+                match self.greet(g, &mut greetings)? {
+                    Some(found) => return Ok(found),
+                    // Its hello is on the way: wait for it as for a kept stream's.
+                    None => spin_until = Instant::now() + spin,
+                }
             }
         }
     }
 
+    /// Read what a new peer sent: its checked hello when all of it is there; `None` (the
+    /// greeting kept in `greetings` to be read when more comes) when not yet. The oldest
+    /// greetings go when there are more than [`MAX_GREETINGS`].
+    fn greet(
+        &self,
+        mut g: Greeting,
+        greetings: &mut Vec<Greeting>,
+    ) -> Result<Option<Incoming>, ConnError> {
+        let step = Step::new(
+            g.peer,
+            "hello",
+            self.mgr.inner.cfg.handshake_timeout,
+            Duration::ZERO,
+        );
+        let msgs = match g.pull(&step) {
+            Ok(Greeted::Frames(msgs)) => msgs,
+            Ok(Greeted::Waiting) => {
+                if greetings.len() >= MAX_GREETINGS {
+                    // Cut short: the time it had.
+                    let mut oldest = greetings.remove(0);
+                    let allowed = self.mgr.inner.cfg.handshake_timeout;
+                    let left = oldest.deadline.saturating_duration_since(Instant::now());
+                    let err = ConnError::Timeout {
+                        peer: Some(oldest.peer),
+                        phase: "hello",
+                        after: allowed.saturating_sub(left),
+                    };
+                    self.refuse(&mut oldest.stream, oldest.peer, &err);
+                }
+                greetings.push(g);
+                return Ok(None);
+            }
+            Ok(Greeted::Closed) => {
+                return Err(ConnError::PeerClosed {
+                    peer: g.peer,
+                    phase: "hello",
+                })
+            }
+            Err(e) => {
+                self.refuse(&mut g.stream, g.peer, &e);
+                return Err(e);
+            }
+        };
+        match self.check_hello(&mut g.stream, g.peer, msgs, false)? {
+            HelloRead::Hello(hello) => Ok(Some(self.incoming(g.stream, g.peer, *hello))),
+            HelloRead::Eof | HelloRead::Close => Err(ConnError::PeerClosed {
+                peer: g.peer,
+                phase: "hello",
+            }),
+        }
+    }
+
     /// Accept a stream on the local socket and read its hello; `None` when there was none to
-    /// accept after all.
-    fn accept_local(&self) -> Result<Option<Incoming>, ConnError> {
+    /// accept after all, or its hello is not all there yet (see [`Listener::greet`]).
+    fn accept_local(&self, greetings: &mut Vec<Greeting>) -> Result<Option<Incoming>, ConnError> {
         let Some(unix) = &self.unix else {
             return Ok(None);
         };
@@ -1393,14 +1489,11 @@ impl Listener {
             .set_nonblocking(true)
             .map_err(|e| ConnError::io("accepted stream non-blocking", e))?;
         let peer = stream::local_peer(self.local);
-        let mut stream = Stream::Local(stream);
-        match self.read_hello(&mut stream, peer, false)? {
-            HelloRead::Hello(hello) => Ok(Some(self.incoming(stream, peer, *hello))),
-            HelloRead::Eof | HelloRead::Close => Err(ConnError::PeerClosed {
-                peer,
-                phase: "hello",
-            }),
-        }
+        let deadline = Instant::now() + self.mgr.inner.cfg.handshake_timeout;
+        self.greet(
+            Greeting::new(Stream::Local(stream), peer, deadline),
+            greetings,
+        )
     }
 
     fn incoming(&self, stream: Stream, peer_addr: SocketAddr, hello: Hello) -> Incoming {
@@ -1434,6 +1527,18 @@ impl Listener {
                 return Err(e);
             }
         };
+        self.check_hello(stream, peer, msgs, eof_ok)
+    }
+
+    /// Check the frames a peer sent where its hello was due (`eof_ok`: on a kept stream).
+    fn check_hello(
+        &self,
+        stream: &mut Stream,
+        peer: SocketAddr,
+        msgs: Vec<Message>,
+        eof_ok: bool,
+    ) -> Result<HelloRead, ConnError> {
+        let inner = &self.mgr.inner;
         // A kept stream may still hold the `Close` of the connection it carried, or its
         // `Ready` or a `Nudge`, when that connection ended before its worker read them
         // (`PendingConn::finish_accepting`, `ControlStream::nudge`).

@@ -33,6 +33,7 @@
 //! the [`Hello`]s this module hands over. See `docs/arch/conn.md`.
 
 mod control;
+mod greeting;
 mod handshake;
 mod manager;
 mod pool;

@@ -450,6 +450,45 @@ fn server_times_out_on_a_silent_client_and_keeps_listening() {
     server.join().unwrap().pop().unwrap().unwrap();
 }
 
+/// A peer that connects and says nothing, or sends part of a frame, holds up no other peer:
+/// the listener takes the next one's hello while they wait, and drops each of them, one per
+/// call, when its deadline passes.
+#[test]
+fn a_silent_or_half_sent_peer_holds_up_no_other_handshake() {
+    let (srv, _) = manager(ConnConfig {
+        handshake_timeout: Duration::from_millis(1_500),
+        ..ConnConfig::default()
+    });
+    let listener = srv.listen("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr();
+    let frame = wire::encode(&Message::Ready);
+    let mut stalled = vec![TcpStream::connect(addr).unwrap()];
+    for part in [&frame[..2], &frame[..frame.len() - 1]] {
+        let mut s = TcpStream::connect(addr).unwrap();
+        s.write_all(part).unwrap();
+        stalled.push(s);
+    }
+    std::thread::sleep(Duration::from_millis(20));
+    let client = std::thread::spawn(move || {
+        let (cli, _) = manager(ConnConfig::default());
+        cli.connect(addr, LONG).map(|_| ())
+    });
+    // The first peer to finish its hello is the real client's, before any deadline.
+    let first = listener.accept_with(Some(LONG), |_, _| Ok(()));
+    let started = std::time::Instant::now();
+    assert!(first.is_ok(), "{:?}", first.err());
+    client.join().unwrap().expect("the client connected");
+    for _ in 0..stalled.len() {
+        let err = listener.next_incoming(Some(LONG)).unwrap_err();
+        assert_timeout(&err, "hello", None);
+    }
+    assert!(started.elapsed() < LONG);
+    let err = listener
+        .next_incoming(Some(Duration::from_millis(20)))
+        .unwrap_err();
+    assert_timeout(&err, "accept", None);
+}
+
 #[test]
 fn version_mismatch_from_the_server_side() {
     let (addr, h) = raw_server(|mut s| {

@@ -1,7 +1,8 @@
-//! A newly accepted peer's first frames, read as they arrive: the listener keeps each stream
-//! whose hello is not all there yet beside its other streams and reads it when it is readable,
-//! instead of waiting on it, so that a peer that connects and says nothing — or part of a
-//! frame — holds up no other peer's handshake. Each is dropped at its deadline.
+//! A peer's hello, read as it arrives (on a newly accepted stream or a kept control stream):
+//! the listener keeps each stream whose hello is not all there yet beside its other streams and
+//! reads it when it is readable, instead of waiting on it, so that a peer that connects and
+//! says nothing — or part of a frame — holds up no other peer's handshake. Each is dropped at
+//! its deadline.
 
 use std::net::SocketAddr;
 use std::time::Instant;
@@ -22,6 +23,9 @@ pub(crate) struct Greeting {
     pub(crate) peer: SocketAddr,
     /// When the listener gives up on it.
     pub(crate) deadline: Instant,
+    /// A control stream kept from an earlier connection: it may start with that connection's
+    /// last frames, and its peer may let it go.
+    pub(crate) kept: bool,
     got: Vec<u8>,
 }
 
@@ -36,12 +40,22 @@ pub(crate) enum Greeted {
 }
 
 impl Greeting {
+    /// A newly accepted stream.
     pub(crate) fn new(stream: Stream, peer: SocketAddr, deadline: Instant) -> Greeting {
         Greeting {
             stream,
             peer,
             deadline,
+            kept: false,
             got: Vec::new(),
+        }
+    }
+
+    /// A kept control stream that became readable.
+    pub(crate) fn kept(stream: Stream, peer: SocketAddr, deadline: Instant) -> Greeting {
+        Greeting {
+            kept: true,
+            ..Greeting::new(stream, peer, deadline)
         }
     }
 
@@ -49,14 +63,19 @@ impl Greeting {
     /// whole. `step` names the phase in errors.
     pub(crate) fn pull(&mut self, step: &Step) -> Result<Greeted, ConnError> {
         let mut buf = [0u8; READ];
+        let mut closed = false;
         loop {
             match rustix::net::recv(&self.stream, &mut buf, rustix::net::RecvFlags::DONTWAIT) {
-                Ok((0, _)) if self.got.is_empty() => return Ok(Greeted::Closed),
-                Ok((0, _)) => {
-                    return Err(ConnError::PeerClosed {
-                        peer: self.peer,
-                        phase: "hello",
-                    })
+                // A reset as a close: a peer that closes with bytes of ours unread resets the
+                // connection (a kept stream's peer letting it go, our `Close` unread).
+                Ok((0, _)) | Err(rustix::io::Errno::CONNRESET) if self.got.is_empty() => {
+                    return Ok(Greeted::Closed)
+                }
+                // Whole frames before it are still read (a kept stream's last `Close`): the
+                // close shows again at the stream's next read.
+                Ok((0, _)) | Err(rustix::io::Errno::CONNRESET) => {
+                    closed = true;
+                    break;
                 }
                 Ok((n, _)) => {
                     self.got.extend_from_slice(buf.get(..n).unwrap_or_default());
@@ -73,7 +92,13 @@ impl Greeting {
                 Err(e) => return Err(step.io_error(e.into())),
             }
         }
-        frames(&self.got).map_err(|e| step.decode_error(e))
+        match frames(&self.got).map_err(|e| step.decode_error(e))? {
+            Greeted::Waiting if closed => Err(ConnError::PeerClosed {
+                peer: self.peer,
+                phase: "hello",
+            }),
+            read => Ok(read),
+        }
     }
 }
 

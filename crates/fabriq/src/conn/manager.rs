@@ -1152,10 +1152,21 @@ const MAX_GREETINGS: usize = 256;
 /// What a listener read where it expected a hello.
 enum HelloRead {
     Hello(Box<Hello>),
-    /// The peer closed the stream before sending anything.
-    Eof,
     /// A `Close` of the previous connection on a kept stream; the hello may follow.
     Close,
+}
+
+/// What became of a stream whose hello a listener read ([`Listener::greet`]).
+enum Greet {
+    /// A checked hello.
+    Found(Box<Incoming>),
+    /// Not all there yet: kept with the listener's greetings.
+    Waiting,
+    /// A kept stream that held only its last connection's `Close` (or `Ready`, `Nudge`): back
+    /// to the idle streams, to wait for its next hello.
+    Idle(Stream, SocketAddr),
+    /// A kept stream its peer let go.
+    Gone,
 }
 
 /// Accepts peers: new TCP connections and further handshakes on control streams kept open
@@ -1364,12 +1375,14 @@ impl Listener {
                 }
                 continue;
             }
-            // A new peer's stream with more of its hello (or closed).
+            // A stream with more of a hello that was not all there (or closed).
             let kept = base + idle.len();
             if let Some(i) = ready.iter().skip(kept).position(|&r| r) {
                 let g = greetings.remove(i);
-                if let Some(found) = self.greet(g, &mut greetings)? {
-                    return Ok(found);
+                match self.greet(g, &mut greetings)? {
+                    Greet::Found(found) => return Ok(*found),
+                    Greet::Idle(stream, peer) => idle.push((stream, peer)),
+                    Greet::Waiting | Greet::Gone => {}
                 }
                 continue;
             }
@@ -1379,20 +1392,26 @@ impl Listener {
             }
             // A kept stream with a new hello (or closed by its peer).
             if let Some(i) = ready.iter().skip(base).take(idle.len()).position(|&r| r) {
-                let (mut stream, peer) = idle.remove(i);
-                match self.read_hello(&mut stream, peer, true) {
-                    Ok(HelloRead::Hello(hello)) => return Ok(self.incoming(stream, peer, *hello)),
-                    Ok(HelloRead::Eof) => continue, // the peer let the stream go
+                let (stream, peer) = idle.remove(i);
+                let tcp = !stream.is_local();
+                let deadline = Instant::now() + self.mgr.inner.cfg.handshake_timeout;
+                match self.greet(Greeting::kept(stream, peer, deadline), &mut greetings)? {
+                    Greet::Found(found) => return Ok(*found),
+                    Greet::Gone => {} // the peer let the stream go
                     // The peer's Close of the previous connection: wait for its next hello.
-                    Ok(HelloRead::Close) => {
-                        if !stream.is_local() {
+                    Greet::Idle(stream, peer) => {
+                        if tcp {
                             spin_until = Instant::now() + spin;
                         }
                         idle.push((stream, peer));
-                        continue;
                     }
-                    Err(e) => return Err(e),
+                    Greet::Waiting => {
+                        if tcp {
+                            spin_until = Instant::now() + spin;
+                        }
+                    }
                 }
+                continue;
             }
             if ready.first().copied().unwrap_or(false) {
                 let (stream, peer) = match self.tcp.accept() {
@@ -1412,22 +1431,18 @@ impl Listener {
                 let deadline = Instant::now() + self.mgr.inner.cfg.handshake_timeout;
                 let g = Greeting::new(Stream::Tcp(stream), peer, deadline);
                 match self.greet(g, &mut greetings)? {
-                    Some(found) => return Ok(found),
+                    Greet::Found(found) => return Ok(*found),
                     // Its hello is on the way: wait for it as for a kept stream's.
-                    None => spin_until = Instant::now() + spin,
+                    _ => spin_until = Instant::now() + spin,
                 }
             }
         }
     }
 
-    /// Read what a new peer sent: its checked hello when all of it is there; `None` (the
-    /// greeting kept in `greetings` to be read when more comes) when not yet. The oldest
-    /// greetings go when there are more than [`MAX_GREETINGS`].
-    fn greet(
-        &self,
-        mut g: Greeting,
-        greetings: &mut Vec<Greeting>,
-    ) -> Result<Option<Incoming>, ConnError> {
+    /// Read what a peer sent where its hello is due, and check it when all of it is there;
+    /// one not all there yet waits in `greetings` to be read when more comes (the oldest go
+    /// when there are more than [`MAX_GREETINGS`]).
+    fn greet(&self, mut g: Greeting, greetings: &mut Vec<Greeting>) -> Result<Greet, ConnError> {
         let step = Step::new(
             g.peer,
             "hello",
@@ -1450,8 +1465,9 @@ impl Listener {
                     self.refuse(&mut oldest.stream, oldest.peer, &err);
                 }
                 greetings.push(g);
-                return Ok(None);
+                return Ok(Greet::Waiting);
             }
+            Ok(Greeted::Closed) if g.kept => return Ok(Greet::Gone),
             Ok(Greeted::Closed) => {
                 return Err(ConnError::PeerClosed {
                     peer: g.peer,
@@ -1463,9 +1479,12 @@ impl Listener {
                 return Err(e);
             }
         };
-        match self.check_hello(&mut g.stream, g.peer, msgs, false)? {
-            HelloRead::Hello(hello) => Ok(Some(self.incoming(g.stream, g.peer, *hello))),
-            HelloRead::Eof | HelloRead::Close => Err(ConnError::PeerClosed {
+        match self.check_hello(&mut g.stream, g.peer, msgs, g.kept)? {
+            HelloRead::Hello(hello) => Ok(Greet::Found(Box::new(
+                self.incoming(g.stream, g.peer, *hello),
+            ))),
+            HelloRead::Close if g.kept => Ok(Greet::Idle(g.stream, g.peer)),
+            HelloRead::Close => Err(ConnError::PeerClosed {
                 peer: g.peer,
                 phase: "hello",
             }),
@@ -1490,10 +1509,13 @@ impl Listener {
             .map_err(|e| ConnError::io("accepted stream non-blocking", e))?;
         let peer = stream::local_peer(self.local);
         let deadline = Instant::now() + self.mgr.inner.cfg.handshake_timeout;
-        self.greet(
+        match self.greet(
             Greeting::new(Stream::Local(stream), peer, deadline),
             greetings,
-        )
+        )? {
+            Greet::Found(found) => Ok(Some(*found)),
+            _ => Ok(None),
+        }
     }
 
     fn incoming(&self, stream: Stream, peer_addr: SocketAddr, hello: Hello) -> Incoming {
@@ -1504,30 +1526,6 @@ impl Listener {
             hello,
             home: Some(Arc::clone(&self.home)),
         }
-    }
-
-    fn read_hello(
-        &self,
-        stream: &mut Stream,
-        peer: SocketAddr,
-        eof_ok: bool,
-    ) -> Result<HelloRead, ConnError> {
-        let inner = &self.mgr.inner;
-        let step = Step::new(
-            peer,
-            "hello",
-            inner.cfg.handshake_timeout,
-            self.mgr.spin_for(stream.is_local()),
-        );
-        let msgs = match step.read_frames(stream, eof_ok) {
-            Ok(None) => return Ok(HelloRead::Eof),
-            Ok(Some(msgs)) => msgs,
-            Err(e) => {
-                self.refuse(stream, peer, &e);
-                return Err(e);
-            }
-        };
-        self.check_hello(stream, peer, msgs, eof_ok)
     }
 
     /// Check the frames a peer sent where its hello was due (`eof_ok`: on a kept stream).

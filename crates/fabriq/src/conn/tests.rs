@@ -1096,7 +1096,14 @@ fn a_control_stream_reports_a_vanished_peer_and_garbage() {
 /// `finish_accepting`: the server's manager and listener, the client's socket, and the server's
 /// side with its control stream non-blocking, as a worker owns it.
 fn accepted_by_hand() -> (ConnManager, Listener, TcpStream, Established, ControlStream) {
-    let (srv, _) = manager(ConnConfig::default());
+    accepted_by_hand_with(ConnConfig::default())
+}
+
+/// [`accepted_by_hand`] with the server's configuration `cfg`.
+fn accepted_by_hand_with(
+    cfg: ConnConfig,
+) -> (ConnManager, Listener, TcpStream, Established, ControlStream) {
+    let (srv, _) = manager(cfg);
     let listener = srv.listen("127.0.0.1:0").unwrap();
     let hello = wire::encode(&Message::Hello(some_hello("heap")));
     let mut c = raw_client(listener.local_addr(), &hello);
@@ -1108,6 +1115,35 @@ fn accepted_by_hand() -> (ConnManager, Listener, TcpStream, Established, Control
     control.set_nonblocking(true).unwrap();
     assert!(matches!(read_frame(&mut c), Some(Message::HelloAck(_))));
     (srv, listener, c, est, control)
+}
+
+/// A kept control stream whose peer sends part of its next hello and stalls holds up no other
+/// peer: that hello waits beside the others, and the stream is reported at its deadline.
+#[test]
+fn a_kept_stream_with_part_of_a_hello_holds_up_no_other_handshake() {
+    let (srv, listener, mut c, est, mut control) = accepted_by_hand_with(ConnConfig {
+        handshake_timeout: Duration::from_millis(1_500),
+        ..ConnConfig::default()
+    });
+    let hello = wire::encode(&Message::Hello(some_hello("heap")));
+    let mut all = wire::encode(&Message::Ready);
+    all.extend(wire::encode(&Message::Close));
+    all.extend_from_slice(&hello[..hello.len() - 3]);
+    c.write_all(&all).unwrap();
+    assert_eq!(wait_peer(&mut control), ControlEvent::PeerClosed);
+    drop(control);
+    srv.release(est);
+    let addr = listener.local_addr();
+    let client = std::thread::spawn(move || {
+        let (cli, _) = manager(ConnConfig::default());
+        cli.connect(addr, LONG).map(|_| ())
+    });
+    let first = listener.accept_with(Some(LONG), |_, _| Ok(()));
+    assert!(first.is_ok(), "{:?}", first.err());
+    client.join().unwrap().expect("the client connected");
+    let err = listener.next_incoming(Some(LONG)).unwrap_err();
+    assert_timeout(&err, "hello", None);
+    drop(c);
 }
 
 /// The owner of an accepted control stream reads the peer's `Ready`, `Nudge` and `Close` and

@@ -86,6 +86,13 @@ impl Greeting {
                             max: MAX_HELD,
                         }));
                     }
+                    // A receive that did not fill the buffer took what there was: whole
+                    // frames need no receive more (one that would find nothing).
+                    if n < READ {
+                        if let Ok(Greeted::Frames(msgs)) = frames(&self.got) {
+                            return Ok(Greeted::Frames(msgs));
+                        }
+                    }
                 }
                 Err(rustix::io::Errno::INTR) => {}
                 Err(rustix::io::Errno::AGAIN) => break,

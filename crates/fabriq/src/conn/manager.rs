@@ -1147,7 +1147,7 @@ impl ListenerCloser {
 
 /// New peers whose hello has not all arrived that a listener keeps at once; a new one beyond
 /// them ends the oldest (each would end at its handshake deadline anyway).
-const MAX_GREETINGS: usize = 256;
+pub(crate) const MAX_GREETINGS: usize = 256;
 
 /// What a listener read where it expected a hello.
 enum HelloRead {

@@ -489,6 +489,44 @@ fn a_silent_or_half_sent_peer_holds_up_no_other_handshake() {
     assert_timeout(&err, "accept", None);
 }
 
+/// Past `MAX_GREETINGS` new peers waiting for their hello at once, the oldest go (closed,
+/// counted as failed handshakes), and a client that says its hello is still served.
+#[test]
+fn past_the_most_waiting_greetings_the_oldest_go() {
+    const EXTRA: usize = 8;
+    let (srv, _) = manager(ConnConfig {
+        handshake_timeout: LONG,
+        ..ConnConfig::default()
+    });
+    let listener = srv.listen("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr();
+    // Connected while the listener accepts (its backlog holds fewer).
+    let peers = std::thread::spawn(move || {
+        let silent: Vec<TcpStream> = (0..super::manager::MAX_GREETINGS + EXTRA)
+            .map(|_| TcpStream::connect(addr).unwrap())
+            .collect();
+        let (cli, _) = manager(ConnConfig::default());
+        let connected = cli.connect(addr, LONG).map(|_| ());
+        (silent, connected)
+    });
+    let first = listener.accept_with(Some(LONG), |_, _| Ok(()));
+    assert!(first.is_ok(), "{:?}", first.err());
+    let (mut silent, connected) = peers.join().unwrap();
+    connected.expect("the client connected");
+    assert_eq!(srv.stats().failed, EXTRA as u64, "{:?}", srv.stats());
+    for s in silent.iter_mut().take(EXTRA) {
+        s.set_read_timeout(Some(LONG)).unwrap();
+        let got = s.read(&mut [0u8; 1]);
+        assert!(
+            matches!(&got, Ok(0))
+                || got
+                    .as_ref()
+                    .is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionReset),
+            "an oldest greeting left open: {got:?}"
+        );
+    }
+}
+
 #[test]
 fn version_mismatch_from_the_server_side() {
     let (addr, h) = raw_server(|mut s| {

@@ -1145,8 +1145,8 @@ impl ListenerCloser {
     }
 }
 
-/// New peers whose hello has not all arrived that a listener keeps at once; a new one beyond
-/// them ends the oldest (each would end at its handshake deadline anyway).
+/// Peers whose hello has not all arrived that a listener keeps at once; one more ends the
+/// oldest (each would end at its handshake deadline anyway).
 pub(crate) const MAX_GREETINGS: usize = 256;
 
 /// What a listener read where it expected a hello.
@@ -1181,8 +1181,8 @@ pub struct Listener {
     home: Arc<ListenerHome>,
     /// Streams waiting for their next hello; only touched by the accepting thread.
     idle: Mutex<Vec<(Stream, SocketAddr)>>,
-    /// New peers whose hello has not all arrived (`conn::greeting`), oldest first; only
-    /// touched by the accepting thread.
+    /// Streams whose hello has not all arrived (`conn::greeting`), oldest first; only touched
+    /// by the accepting thread.
     greetings: Mutex<Vec<Greeting>>,
     /// Providers admitted besides the manager's own (an endpoint on several devices routes
     /// each `Incoming` to the manager of its provider).
@@ -1284,16 +1284,9 @@ impl Listener {
             if self.home.closed.load(Ordering::Acquire) {
                 return Err(ConnError::Closed);
             }
-            // A new peer that did not say its hello in time.
+            // A peer that did not finish its hello in time.
             if let Some(i) = greetings.iter().position(|g| g.deadline <= Instant::now()) {
-                let mut g = greetings.remove(i);
-                let err = ConnError::Timeout {
-                    peer: Some(g.peer),
-                    phase: "hello",
-                    after: self.mgr.inner.cfg.handshake_timeout,
-                };
-                self.refuse(&mut g.stream, g.peer, &err);
-                return Err(err);
+                return Err(self.give_up(greetings.remove(i)));
             }
             {
                 let mut returned = self.home.returned.lock();
@@ -1398,16 +1391,14 @@ impl Listener {
                 match self.greet(Greeting::kept(stream, peer, deadline), &mut greetings)? {
                     Greet::Found(found) => return Ok(*found),
                     Greet::Gone => {} // the peer let the stream go
-                    // The peer's Close of the previous connection: wait for its next hello.
-                    Greet::Idle(stream, peer) => {
+                    // The peer's Close of the previous connection (its next hello may follow),
+                    // or part of a hello.
+                    waiting => {
                         if tcp {
                             spin_until = Instant::now() + spin;
                         }
-                        idle.push((stream, peer));
-                    }
-                    Greet::Waiting => {
-                        if tcp {
-                            spin_until = Instant::now() + spin;
+                        if let Greet::Idle(stream, peer) = waiting {
+                            idle.push((stream, peer));
                         }
                     }
                 }
@@ -1453,16 +1444,7 @@ impl Listener {
             Ok(Greeted::Frames(msgs)) => msgs,
             Ok(Greeted::Waiting) => {
                 if greetings.len() >= MAX_GREETINGS {
-                    // Cut short: the time it had.
-                    let mut oldest = greetings.remove(0);
-                    let allowed = self.mgr.inner.cfg.handshake_timeout;
-                    let left = oldest.deadline.saturating_duration_since(Instant::now());
-                    let err = ConnError::Timeout {
-                        peer: Some(oldest.peer),
-                        phase: "hello",
-                        after: allowed.saturating_sub(left),
-                    };
-                    self.refuse(&mut oldest.stream, oldest.peer, &err);
+                    self.give_up(greetings.remove(0));
                 }
                 greetings.push(g);
                 return Ok(Greet::Waiting);
@@ -1489,6 +1471,19 @@ impl Listener {
                 phase: "hello",
             }),
         }
+    }
+
+    /// End a greeting whose hello did not come in time (or that made room for a newer one):
+    /// counted as a failed handshake; the error says how long it had.
+    fn give_up(&self, mut g: Greeting) -> ConnError {
+        let allowed = self.mgr.inner.cfg.handshake_timeout;
+        let err = ConnError::Timeout {
+            peer: Some(g.peer),
+            phase: "hello",
+            after: allowed.saturating_sub(g.deadline.saturating_duration_since(Instant::now())),
+        };
+        self.refuse(&mut g.stream, g.peer, &err);
+        err
     }
 
     /// Accept a stream on the local socket and read its hello; `None` when there was none to

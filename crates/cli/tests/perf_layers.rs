@@ -61,6 +61,38 @@ fn rpc_lat(device: &str) {
     assert_latency(&v, 200, 64, "round_trip");
 }
 
+/// One-sided operations through `RemoteRegion` on a region the server exposed: each read
+/// checked against the region's content, each fetch-and-add against the count so far.
+fn channel_one_sided(device: &str) {
+    let v = perf_json(&[
+        "--layer", "channel", "-d", device, "-t", "read_lat", "-n", "200", "-s", "4096",
+    ]);
+    assert_header(&v, "channel", "read_lat", device);
+    assert_latency(&v, 200, 4096, "round_trip");
+    let v = perf_json(&[
+        "--layer",
+        "channel",
+        "-d",
+        device,
+        "-t",
+        "atomic_lat",
+        "-n",
+        "200",
+    ]);
+    assert_header(&v, "channel", "atomic_lat", device);
+    assert_latency(&v, 200, 8, "round_trip");
+}
+
+#[test]
+fn channel_one_sided_on_shm0() {
+    channel_one_sided("shm0");
+}
+
+#[test]
+fn channel_one_sided_on_tcp0() {
+    channel_one_sided("tcp0");
+}
+
 #[test]
 fn channel_send_lat_on_shm0() {
     channel_send_lat("shm0");

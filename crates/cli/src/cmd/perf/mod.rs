@@ -290,7 +290,8 @@ pub struct Args {
     #[arg(long, value_enum, default_value = "verbs")]
     pub layer: Layer,
     /// Test to run (default: send_lat; rpc_lat with --layer rpc). Channel layer: send_lat,
-    /// send_bw; rpc layer: rpc_lat, rpc_rate.
+    /// send_bw, connect_lat, read_lat, atomic_lat (one-sided, through `RemoteRegion`); rpc
+    /// layer: rpc_lat, rpc_rate.
     #[arg(short = 't', long = "test", value_enum)]
     pub test: Option<TestKind>,
     /// Concurrent callers in rpc_rate.

@@ -13,6 +13,9 @@
 //! send_bw:   warmup × data → Count{messages};  iters × data → Count{messages}  (clock: first
 //!            measured send .. the second Count)
 //! rpc_*:     calls of `echo` (served by the server's worker thread, not by this loop)
+//! read_lat, atomic_lat: Run → Region{addr, len, rkey} instead of Ready (a region the server
+//!            exposed for the run, holding the payload: no server code runs per operation);
+//!            then (warmup + iters) `RemoteRegion::read` / `fetch_and_add` on it
 //! connect_lat: Run → Listeners{cold_port, cached_port} instead of Ready; then
 //!            (warmup + iters) connects to each listener, in alternating blocks, each one
 //!            closed and settled on both sides (the `perf.settled` RPC) before the next
@@ -48,7 +51,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
-use fabriq::{Channel, Config, Endpoint, Progress, Rpc};
+use fabriq::{Channel, Config, Endpoint, Progress, RegionDescriptor, RemoteRegion, Rpc};
 use hdrhistogram::Histogram;
 use serde::{Deserialize, Serialize};
 
@@ -84,6 +87,15 @@ pub enum Ctl {
         cold_port: u16,
         /// The listener of the server's own endpoint (defaults).
         cached_port: u16,
+    },
+    /// Server → client (read_lat, atomic_lat): the region exposed for the run.
+    Region {
+        /// Its address in the server.
+        addr: u64,
+        /// Its length, bytes.
+        len: u64,
+        /// Its key for this channel.
+        rkey: u32,
     },
     /// Server → client (send_bw): messages received in the phase just ended.
     Count {
@@ -156,14 +168,18 @@ pub fn validate(layer: Layer, test: TestKind, size: u32, iters: u64, warmup: u64
     let ok = match layer {
         Layer::Channel => matches!(
             test,
-            TestKind::SendLat | TestKind::SendBw | TestKind::ConnectLat
+            TestKind::SendLat
+                | TestKind::SendBw
+                | TestKind::ConnectLat
+                | TestKind::ReadLat
+                | TestKind::AtomicLat
         ),
         Layer::Rpc => matches!(test, TestKind::RpcLat | TestKind::RpcRate),
         Layer::Verbs => false,
     };
     if !ok {
         return Err(PerfError::Unsupported(format!(
-            "test {} is not available at --layer {} (channel: send_lat, send_bw, connect_lat; rpc: rpc_lat, rpc_rate)",
+            "test {} is not available at --layer {} (channel: send_lat, send_bw, connect_lat, read_lat, atomic_lat; rpc: rpc_lat, rpc_rate)",
             test.name(),
             layer.name()
         )));
@@ -313,7 +329,14 @@ fn session(ch: &Channel, rig: &ServerRig<'_>) -> Result<()> {
                     serve_connects(ch, rig)?;
                     continue;
                 }
-                send_ctl(ch, &Ctl::Ready)?;
+                // One-sided tests: the region lives until the run's end.
+                let _region = match test {
+                    TestKind::ReadLat | TestKind::AtomicLat => Some(offer_region(ch, rig, size)?),
+                    _ => {
+                        send_ctl(ch, &Ctl::Ready)?;
+                        None
+                    }
+                };
                 let errors = match test {
                     TestKind::SendLat => serve_pingpong(ch, size, iters + warmup)?,
                     TestKind::SendBw => {
@@ -338,6 +361,32 @@ fn session(ch: &Channel, rig: &ServerRig<'_>) -> Result<()> {
             }
         }
     }
+}
+
+/// read_lat, atomic_lat, server side: a region of `size` bytes (8 at least) holding the
+/// payload (an atomic's word starts at 0), its descriptor for this channel to the client.
+fn offer_region(ch: &Channel, rig: &ServerRig<'_>, size: u32) -> Result<fabriq::ExposedRegion> {
+    let len = size.max(8) as usize;
+    let region = rig
+        .ep
+        .expose(len)
+        .map_err(chan_err("expose a region for the run"))?;
+    let mut content = payload(size);
+    content.resize(len, 0);
+    content[..8].fill(0);
+    region
+        .write_at(0, &content)
+        .map_err(chan_err("fill the run's region"))?;
+    let d = region.descriptor_for(ch);
+    send_ctl(
+        ch,
+        &Ctl::Region {
+            addr: d.addr,
+            len: d.len,
+            rkey: d.rkey,
+        },
+    )?;
+    Ok(region)
 }
 
 /// connect_lat, server side: two listeners (a cold endpoint's and this endpoint's), their
@@ -550,25 +599,34 @@ pub fn run_client(plan: &ClientPlan) -> Result<PerfReport> {
             results.extend(rows);
             break;
         }
-        match expect_ctl(&ch, "Ready")? {
-            Ctl::Ready => {}
+        let region = match expect_ctl(&ch, "Ready")? {
+            Ctl::Ready => None,
+            Ctl::Region { addr, len, rkey } => Some(ch.remote_region(RegionDescriptor {
+                addr,
+                len,
+                rkey,
+            })),
             other => {
                 return Err(PerfError::Protocol(format!(
                     "expected Ready, got {other:?}"
                 )))
             }
-        }
-        let row = match plan.test {
+        };
+        let row = match (plan.test, &region) {
+            (TestKind::ReadLat, Some(r)) => read_lat(r, size, plan.iters, plan.warmup)?,
+            (TestKind::AtomicLat, Some(r)) => atomic_lat(r, plan.iters, plan.warmup)?,
+            _ => match plan.test {
             TestKind::SendLat => send_lat(&ch, size, plan.iters, plan.warmup)?,
             TestKind::SendBw => send_bw(&ch, size, plan.iters, plan.warmup)?,
             TestKind::RpcLat => rpc_lat(&rpc, size, plan.iters, plan.warmup)?,
             TestKind::RpcRate => rpc_rate(&rpc, size, plan.iters, plan.warmup, plan.callers)?,
             other => {
                 return Err(PerfError::Unsupported(format!(
-                    "{} is a verbs-layer test",
+                    "{} is a verbs-layer test, or the server sent no region",
                     other.name()
                 )))
             }
+            },
         };
         send_ctl(&ch, &Ctl::End)?;
         let server_errors = match expect_ctl(&ch, "Done")? {
@@ -828,6 +886,32 @@ fn rpc_err(context: &'static str) -> impl FnOnce(fabriq::RpcError) -> PerfError 
     }
 }
 
+/// read_lat: one-sided reads of the server's region, checked against the payload it holds
+/// (whose first 8 bytes are zero).
+fn read_lat(region: &RemoteRegion, size: u32, iters: u64, warmup: u64) -> Result<RunResult> {
+    let mut want = payload(size);
+    want.iter_mut().take(8).for_each(|b| *b = 0);
+    latency_loop(size, iters, warmup, LatencyKind::RoundTrip, || {
+        let got = region
+            .read(0, size)
+            .map_err(chan_err("read_lat: read the server's region"))?;
+        Ok(got == want)
+    })
+}
+
+/// atomic_lat: fetch-and-add 1 on the server's word, which must return the count so far.
+fn atomic_lat(region: &RemoteRegion, iters: u64, warmup: u64) -> Result<RunResult> {
+    let mut expected = 0u64;
+    latency_loop(8, iters, warmup, LatencyKind::RoundTrip, || {
+        let before = region
+            .fetch_and_add(0, 1)
+            .map_err(chan_err("atomic_lat: fetch-and-add on the server's word"))?;
+        let intact = before == expected;
+        expected = before.wrapping_add(1);
+        Ok(intact)
+    })
+}
+
 fn rpc_lat(rpc: &Rpc, size: u32, iters: u64, warmup: u64) -> Result<RunResult> {
     let buf = payload(size);
     latency_loop(size, iters, warmup, LatencyKind::RoundTrip, || {
@@ -943,6 +1027,9 @@ mod tests {
         assert!(validate(Layer::Channel, TestKind::RpcLat, 8, 10, 0).is_err());
         assert!(validate(Layer::Rpc, TestKind::SendLat, 8, 10, 0).is_err());
         assert!(validate(Layer::Channel, TestKind::WriteLat, 8, 10, 0).is_err());
+        assert!(validate(Layer::Channel, TestKind::ReadLat, 8, 10, 0).is_ok());
+        assert!(validate(Layer::Channel, TestKind::AtomicLat, 8, 10, 0).is_ok());
+        assert!(validate(Layer::Rpc, TestKind::ReadLat, 8, 10, 0).is_err());
         assert!(validate(Layer::Channel, TestKind::SendLat, 0, 10, 0).is_err());
         assert!(validate(Layer::Channel, TestKind::SendLat, 8, 0, 0).is_err());
         assert!(validate(Layer::Rpc, TestKind::RpcLat, 8, u64::MAX, 1).is_err());

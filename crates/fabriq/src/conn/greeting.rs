@@ -17,7 +17,8 @@ const READ: usize = 1024;
 /// Most bytes a greeting may hold: a whole frame of the largest size, and a read past it.
 const MAX_HELD: usize = 4 + MAX_FRAME_LEN + READ;
 
-/// An accepted stream whose hello has not all arrived.
+/// A stream whose hello the listener reads as it comes: newly accepted, or a kept control
+/// stream that became readable.
 pub(crate) struct Greeting {
     pub(crate) stream: Stream,
     pub(crate) peer: SocketAddr,

@@ -45,42 +45,29 @@ fn assert_latency(v: &Value, iters: u64, size: u64, kind: &str) {
     assert!(get("mean_us") > 0.0);
 }
 
-fn channel_send_lat(device: &str) {
+/// A latency run of 200 iterations of `size` bytes: the report's header and its one row.
+fn latency_run(layer: &str, test: &str, device: &str, size: u64, kind: &str) {
+    let size_arg = size.to_string();
     let v = perf_json(&[
-        "--layer", "channel", "-d", device, "-t", "send_lat", "-n", "200",
+        "--layer", layer, "-d", device, "-t", test, "-n", "200", "-s", &size_arg,
     ]);
-    assert_header(&v, "channel", "send_lat", device);
-    assert_latency(&v, 200, 8, "one_way");
+    assert_header(&v, layer, test, device);
+    assert_latency(&v, 200, size, kind);
+}
+
+fn channel_send_lat(device: &str) {
+    latency_run("channel", "send_lat", device, 8, "one_way");
 }
 
 fn rpc_lat(device: &str) {
-    let v = perf_json(&[
-        "--layer", "rpc", "-d", device, "-t", "rpc_lat", "-n", "200", "-s", "64",
-    ]);
-    assert_header(&v, "rpc", "rpc_lat", device);
-    assert_latency(&v, 200, 64, "round_trip");
+    latency_run("rpc", "rpc_lat", device, 64, "round_trip");
 }
 
 /// One-sided operations through `RemoteRegion` on a region the server exposed: each read
 /// checked against the region's content, each fetch-and-add against the count so far.
 fn channel_one_sided(device: &str) {
-    let v = perf_json(&[
-        "--layer", "channel", "-d", device, "-t", "read_lat", "-n", "200", "-s", "4096",
-    ]);
-    assert_header(&v, "channel", "read_lat", device);
-    assert_latency(&v, 200, 4096, "round_trip");
-    let v = perf_json(&[
-        "--layer",
-        "channel",
-        "-d",
-        device,
-        "-t",
-        "atomic_lat",
-        "-n",
-        "200",
-    ]);
-    assert_header(&v, "channel", "atomic_lat", device);
-    assert_latency(&v, 200, 8, "round_trip");
+    latency_run("channel", "read_lat", device, 4096, "round_trip");
+    latency_run("channel", "atomic_lat", device, 8, "round_trip");
 }
 
 #[test]

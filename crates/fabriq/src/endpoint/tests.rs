@@ -1070,3 +1070,65 @@ fn answered_calls_leave_no_deadlines_in_the_timer_wheel() {
         );
     }
 }
+
+/// A peer that sends a stream more messages than its window lets it leave unconsumed — which
+/// would grow the reader's delivery queue without bound — has its connection failed with
+/// `ChannelError::Protocol` once past the window; what arrived within the window can still be
+/// read, in order, the sender learns its connection is gone, and another peer's connection
+/// to the same endpoint keeps working.
+#[test]
+fn a_peer_past_its_stream_window_fails_its_connection_alone() {
+    use crate::ChannelError;
+    use std::time::Duration;
+    const WAIT: Duration = Duration::from_secs(10);
+    for device in ["shm0", "tcp0"] {
+        let cfg = crate::Config {
+            device: device.into(),
+            workers: 1,
+            stream_window: 4,
+            ..crate::Config::default()
+        };
+        let (a, b, listener) = client_server(cfg.clone());
+        let ca = a.connect(listener.local_addr()).expect("connect");
+        let cb = listener.accept_timeout(WAIT).expect("accept");
+        ca.shared().ignore_stream_window();
+        for i in 0..32u64 {
+            if let Err(e) = ca.send_timeout(&i.to_le_bytes(), WAIT) {
+                // The server may fail the connection before the last sends.
+                assert!(i > 4, "{device}: send {i}: {e}");
+                break;
+            }
+        }
+        // Nothing is read before the server failed the connection, which the sender learns.
+        match ca.recv_timeout(WAIT) {
+            Err(ChannelError::PeerGone | ChannelError::Closed) => {}
+            other => panic!("{device}: the sender got {other:?}"),
+        }
+        let mut read = 0u64;
+        let err = loop {
+            match cb.recv_timeout(WAIT) {
+                Ok(m) => {
+                    assert_eq!(m[..], read.to_le_bytes(), "{device}: message {read}");
+                    read += 1;
+                }
+                Err(e) => break e,
+            }
+        };
+        assert!(
+            matches!(err, ChannelError::Protocol(ref what) if what.contains("window")),
+            "{device}: {err:?} after {read} messages"
+        );
+        assert_eq!(read, 5, "{device}: the window's 4 and the one past it");
+        // Another peer of the same server is not affected.
+        let c = super::Endpoint::new(cfg).expect("c");
+        let cc = c.connect(listener.local_addr()).expect("connect c");
+        let cs = listener.accept_timeout(WAIT).expect("accept c");
+        for i in 0..100u64 {
+            cc.send_timeout(&i.to_le_bytes(), WAIT).expect("send c");
+            let m = cs.recv_timeout(WAIT).expect("recv c");
+            cs.send_timeout(&m, WAIT).expect("echo c");
+            assert_eq!(cc.recv_timeout(WAIT).expect("reply c")[..], i.to_le_bytes());
+        }
+        drop(b);
+    }
+}

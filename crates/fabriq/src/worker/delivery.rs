@@ -25,11 +25,12 @@ pub(crate) struct DeliveryQueue {
 }
 
 impl DeliveryQueue {
-    /// Append a delivered message.
-    pub(crate) fn push(&self, m: Message) {
+    /// Append a delivered message; how many wait now.
+    pub(crate) fn push(&self, m: Message) -> u64 {
         let mut q = self.queue.lock();
         q.push_back(m);
         self.len.store(q.len(), Ordering::Release);
+        q.len() as u64
     }
 
     /// True when no message waits (one load: a message pushed meanwhile is seen next time).

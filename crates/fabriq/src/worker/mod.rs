@@ -1631,6 +1631,7 @@ impl Worker {
         st.failed_flag.store(true, Ordering::Release);
         let call_err = || match &why {
             Failure::Error(s) => RpcError::Channel(ChannelError::Failed(s.clone())),
+            Failure::Protocol(s) => RpcError::Channel(ChannelError::Protocol(s.clone())),
             _ => RpcError::PeerGone,
         };
         for ss in st.streams.values_mut() {
@@ -1762,6 +1763,12 @@ impl Worker {
             while let Some(ev) = st.driver.poll_event() {
                 events += 1;
                 match ev {
+                    CoreEvent::Received { .. }
+                        if matches!(st.failed, Some(Failure::Protocol(_))) =>
+                    {
+                        // Nothing more of a peer that broke the protocol is delivered (the
+                        // core still hands out what arrived with the offending message).
+                    }
                     CoreEvent::Received {
                         seq,
                         trace,
@@ -1778,7 +1785,9 @@ impl Worker {
                             payload,
                         };
                         if let Err(e) = on_received(st, me, buffers, handlers, handoff, msg) {
-                            newly_failed = Some(Failure::Error(e));
+                            // Nothing more of this peer is delivered.
+                            newly_failed = Some(Failure::Protocol(e));
+                            break;
                         }
                         if defer && handoff.done() && !st.driver.core().has_deliveries() {
                             // The reader has its message (the caller its reply) and nothing
@@ -1808,6 +1817,7 @@ impl Worker {
                                 ..
                             } => Failure::PeerGone,
                             ChannelError::Closed => Failure::Closed,
+                            ChannelError::Protocol(what) => Failure::Protocol(what.clone()),
                             other => Failure::Error(other.to_string()),
                         };
                         newly_failed = Some(why);
@@ -1815,6 +1825,9 @@ impl Worker {
                 }
             }
             progress += events;
+            if newly_failed.is_some() {
+                break;
+            }
             // The thread running this pass was handed the message it waits for: it leaves with
             // it now, and the rest of the round (reposts, a due ack, the backlog, the timer)
             // is the next pass's — for a reader that answers, the pump of its send, which
@@ -2111,8 +2124,16 @@ fn on_received(
             ss.shared.count_handed();
             handoff.message = Some(m);
             handoff.done = true;
-        } else {
-            ss.shared.deliver(m);
+        } else if ss.shared.deliver(m) > ss.shared.stream_window() {
+            // A sender keeps at most a window of messages unconsumed (`try_reserve`), and the
+            // application here consumed at least what this end reported: more waiting than
+            // that is a peer that ignores the window, which would grow this queue without
+            // bound. The connection fails (`ChannelError::Protocol`); the messages delivered
+            // can still be read.
+            return Err(format!(
+                "peer sent stream {stream} more than the {} unconsumed messages its window allows",
+                ss.shared.stream_window()
+            ));
         }
         return Ok(());
     }

@@ -952,6 +952,8 @@ impl Drop for SpinnerGuard<'_> {
 pub(crate) enum Failure {
     Closed,
     PeerGone,
+    /// The peer broke the protocol (what it did).
+    Protocol(String),
     Error(String),
 }
 
@@ -960,6 +962,7 @@ impl Failure {
         match self {
             Failure::Closed => ChannelError::Closed,
             Failure::PeerGone => ChannelError::PeerGone,
+            Failure::Protocol(s) => ChannelError::Protocol(s.clone()),
             Failure::Error(s) => ChannelError::Failed(s.clone()),
         }
     }
@@ -997,8 +1000,9 @@ pub(crate) struct ChannelShared {
     /// hold little), and skip the atomic steps.
     outstanding_bytes: AtomicU64,
     /// The connection's stream window (negotiated in the handshake): `send` waits while the
-    /// unconsumed count of `sends` is at it.
-    stream_window: u64,
+    /// unconsumed count of `sends` is at it, and the worker fails a connection whose peer
+    /// leaves more than that waiting here. Set once (atomic for tests that ignore it).
+    stream_window: AtomicU64,
     /// Consumed messages after which the worker is told (a quarter of the window): a report
     /// goes out then even if the stream sends nothing.
     pub(crate) report_every: u64,
@@ -1041,7 +1045,7 @@ impl ChannelShared {
             sends: AtomicU64::new(0),
             window: AtomicU64::new(window),
             outstanding_bytes: AtomicU64::new(0),
-            stream_window,
+            stream_window: AtomicU64::new(stream_window),
             report_every: (stream_window / 4).max(1),
             tx_notify: tokio::sync::Notify::new(),
             tx_async_waiters: AtomicUsize::new(0),
@@ -1054,9 +1058,9 @@ impl ChannelShared {
     }
 
     /// Worker: a message for the application (blocking waiters are woken by the progress pass
-    /// that delivered it).
-    pub(crate) fn deliver(&self, m: Message) {
-        self.rx.push(m);
+    /// that delivered it). Returns how many now wait.
+    pub(crate) fn deliver(&self, m: Message) -> u64 {
+        let waiting = self.rx.push(m);
         // Pairs with `recv_async`'s count-then-look, whose look takes the queue's lock: either
         // its look comes after this push (it sees the message), or its count happened before
         // its look's unlock, which this push's lock came after (this sees it waiting). The
@@ -1064,6 +1068,19 @@ impl ChannelShared {
         if self.rx_async_waiters.load(Ordering::Acquire) > 0 {
             self.rx_notify.notify_one();
         }
+        waiting
+    }
+
+    /// The connection's stream window: data messages either end may hold unconsumed.
+    pub(crate) fn stream_window(&self) -> u64 {
+        self.stream_window.load(Ordering::Relaxed)
+    }
+
+    /// Let this end send past the stream window, as a peer that ignores it would.
+    #[cfg(test)]
+    pub(crate) fn ignore_stream_window(&self) {
+        self.stream_window
+            .store(u64::from(u32::MAX >> 1), Ordering::Relaxed);
     }
 
     /// Worker: the stream closed here; drop what the application never read. Returns how many
@@ -1230,9 +1247,10 @@ impl ChannelShared {
             }
         }
         let window = self.window.load(Ordering::Relaxed);
+        let stream_window = self.stream_window();
         let mut cur = self.sends.load(Ordering::Acquire);
         loop {
-            if cur % UNCONSUMED >= window || cur / UNCONSUMED >= self.stream_window {
+            if cur % UNCONSUMED >= window || cur / UNCONSUMED >= stream_window {
                 return Err(ChannelError::WouldBlock);
             }
             match self.sends.compare_exchange_weak(

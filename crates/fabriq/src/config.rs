@@ -40,7 +40,8 @@
 //! share_connections = true   # channels to one peer share one connection per worker (false: a
 //!                            # connection per channel, e.g. to give a flow its own credits)
 //! stream_window = 64         # data messages of one channel the peer may hold unconsumed before
-//!                            # its sender waits (4..=65536; a connection uses the smaller side's)
+//!                            # its sender waits, and RPC calls of one channel out at once
+//!                            # (4..=65536; a connection uses the smaller side's)
 //! ack_delay_us = 50          # a received message is acknowledged at the latest this long after
 //!                            # delivery when no frame going back carries the ack (1..=10000000)
 //! close_linger_ms = 5000     # a connection whose last channel closed keeps going this long at
@@ -213,8 +214,9 @@ pub struct Config {
     pub share_connections: bool,
     /// Data messages of one channel (stream) the peer's sender may have here unconsumed by the
     /// application before it waits (`FABRIQ_STREAM_WINDOW`, 4 ..= 65 536, default 64): a reader
-    /// that stops holds back only its own channel, by at most this many messages. Announced
-    /// in the hello; a connection uses the smaller of the two sides'.
+    /// that stops holds back only its own channel, by at most this many messages. Also the
+    /// RPC calls of one channel out at once (more wait for replies). Announced in the hello;
+    /// a connection uses the smaller of the two sides'; a peer past it breaks the protocol.
     pub stream_window: u32,
     /// Longest a delivered message waits for its acknowledgement when no frame going back
     /// carries it (a lone ack goes then), microseconds (1 ..= 10 000 000, default 50). Acks also

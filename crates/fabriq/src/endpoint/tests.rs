@@ -1132,3 +1132,179 @@ fn a_peer_past_its_stream_window_fails_its_connection_alone() {
         drop(b);
     }
 }
+
+/// Requests a deferred handler holds, each with its responder.
+type Held = parking_lot::Mutex<Vec<(Vec<u8>, crate::rpc::Responder)>>;
+
+/// Deferred handler `hold` of `ep`: each request waits in the returned list with its responder.
+fn held_calls(ep: &super::Endpoint) -> std::sync::Arc<Held> {
+    let held = std::sync::Arc::new(parking_lot::Mutex::new(Vec::new()));
+    let h = std::sync::Arc::clone(&held);
+    ep.serve_deferred("hold", move |req, responder| {
+        h.lock().push((req.to_vec(), responder));
+    });
+    held
+}
+
+/// Waits until `held` has `n` requests (or `within`) and then 100 ms more; how many it has.
+fn settle_at(held: &Held, n: usize, within: std::time::Duration) -> usize {
+    let until = std::time::Instant::now() + within;
+    while held.lock().len() < n && std::time::Instant::now() < until {
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+    std::thread::sleep(std::time::Duration::from_millis(100));
+    held.lock().len()
+}
+
+/// A stream keeps at most a window of calls out: the rest wait at the caller, in order, and go
+/// as replies come, so the server never holds more than a window of one stream's requests (it
+/// held all 20 before). A call that timed out while out keeps its place until its late reply
+/// comes; one that timed out while waiting never reaches the server.
+#[test]
+fn a_stream_keeps_at_most_a_window_of_calls_out() {
+    use std::time::Duration;
+    const WAIT: Duration = Duration::from_secs(10);
+    for device in ["shm0", "tcp0"] {
+        let (a, b, listener) = client_server(crate::Config {
+            device: device.into(),
+            workers: 1,
+            stream_window: 4,
+            ..crate::Config::default()
+        });
+        let held = held_calls(&b);
+        let rpc = std::sync::Arc::new(crate::Rpc::new(
+            a.connect(listener.local_addr()).expect("connect"),
+        ));
+        let _server = listener.accept_timeout(WAIT).expect("accept");
+        let callers: Vec<_> = (0..20u32)
+            .map(|i| {
+                let rpc = std::sync::Arc::clone(&rpc);
+                std::thread::spawn(move || rpc.call("hold", &i.to_le_bytes(), WAIT))
+            })
+            .collect();
+        let mut answered = 0;
+        while answered < 20 {
+            let n = settle_at(&held, 4.min(20 - answered), WAIT);
+            assert_eq!(n, 4.min(20 - answered), "{device}: requests held at once");
+            for (req, responder) in held.lock().drain(..) {
+                responder.reply(&[&req[..], b"!"].concat()).expect("reply");
+                answered += 1;
+            }
+        }
+        for (i, c) in callers.into_iter().enumerate() {
+            let reply = c.join().expect("caller").expect("call");
+            assert_eq!(
+                reply,
+                [&(i as u32).to_le_bytes()[..], b"!"].concat(),
+                "{device}"
+            );
+        }
+
+        // Four calls time out while out; a fifth, waiting behind them, times out unsent; a
+        // sixth waits until the four late replies come, then goes.
+        let short: Vec<_> = (0..4u32)
+            .map(|i| {
+                let rpc = std::sync::Arc::clone(&rpc);
+                std::thread::spawn(move || {
+                    rpc.call("hold", &i.to_le_bytes(), Duration::from_millis(200))
+                })
+            })
+            .collect();
+        assert_eq!(settle_at(&held, 4, WAIT), 4, "{device}");
+        let unsent = rpc.call("hold", b"unsent", Duration::from_millis(100));
+        assert!(
+            matches!(unsent, Err(crate::RpcError::Timeout)),
+            "{device}: {unsent:?}"
+        );
+        for c in short {
+            let r = c.join().expect("caller");
+            assert!(
+                matches!(r, Err(crate::RpcError::Timeout)),
+                "{device}: {r:?}"
+            );
+        }
+        let last = {
+            let rpc = std::sync::Arc::clone(&rpc);
+            std::thread::spawn(move || rpc.call("hold", b"last", WAIT))
+        };
+        assert_eq!(
+            settle_at(&held, 5, Duration::from_millis(300)),
+            4,
+            "{device}: the sixth waits behind the late four"
+        );
+        for (_, responder) in held.lock().drain(..) {
+            responder.reply(b"late").expect("late reply");
+        }
+        assert_eq!(settle_at(&held, 1, WAIT), 1, "{device}");
+        let (req, responder) = held.lock().pop().expect("the sixth");
+        assert_eq!(
+            req, b"last",
+            "{device}: the unsent call never reached the server"
+        );
+        responder.reply(b"done").expect("reply");
+        assert_eq!(
+            last.join().expect("caller").expect("call"),
+            b"done",
+            "{device}"
+        );
+    }
+}
+
+/// A caller that keeps more than a window of calls out on a stream — whose replies the server
+/// would queue without bound while it withheld its credits — has its connection failed with
+/// `ChannelError::Protocol`; another caller of the same server goes on.
+#[test]
+fn a_caller_past_its_call_window_fails_its_connection_alone() {
+    use crate::{ChannelError, RpcError};
+    use std::time::Duration;
+    const WAIT: Duration = Duration::from_secs(10);
+    for device in ["shm0", "tcp0"] {
+        let cfg = crate::Config {
+            device: device.into(),
+            workers: 1,
+            stream_window: 4,
+            ..crate::Config::default()
+        };
+        let (a, b, listener) = client_server(cfg.clone());
+        let held = held_calls(&b);
+        b.serve("echo", |req| Ok(req.to_vec()));
+        let rude = std::sync::Arc::new(crate::Rpc::new(
+            a.connect(listener.local_addr()).expect("connect"),
+        ));
+        let server_side = listener.accept_timeout(WAIT).expect("accept");
+        rude.channel().shared().ignore_stream_window();
+        let callers: Vec<_> = (0..8u32)
+            .map(|i| {
+                let rpc = std::sync::Arc::clone(&rude);
+                std::thread::spawn(move || rpc.call("hold", &i.to_le_bytes(), WAIT))
+            })
+            .collect();
+        for c in callers {
+            match c.join().expect("caller") {
+                Err(RpcError::PeerGone | RpcError::Channel(_)) => {}
+                other => panic!("{device}: a call past the window got {other:?}"),
+            }
+        }
+        match server_side.recv_timeout(WAIT) {
+            Err(ChannelError::Protocol(what)) => {
+                assert!(what.contains("calls"), "{device}: {what}")
+            }
+            other => panic!("{device}: the server's stream got {other:?}"),
+        }
+        assert!(
+            held.lock().len() <= 4,
+            "{device}: {} requests held",
+            held.lock().len()
+        );
+        held.lock().clear();
+        let c = super::Endpoint::new(cfg).expect("c");
+        let polite = crate::Rpc::new(c.connect(listener.local_addr()).expect("connect c"));
+        let _s = listener.accept_timeout(WAIT).expect("accept c");
+        for i in 0..100u32 {
+            assert_eq!(
+                polite.call("echo", &i.to_le_bytes(), WAIT).expect("call"),
+                i.to_le_bytes()
+            );
+        }
+    }
+}

@@ -244,7 +244,9 @@ impl Rpc {
     }
 
     /// Call `method` and wait for the reply, at most `timeout`. Blocking: from async code use
-    /// [`Rpc::call_async`].
+    /// [`Rpc::call_async`]. A channel keeps at most its stream window
+    /// ([`crate::Config::stream_window`]) of calls out; a call beyond it waits, within its
+    /// `timeout`, for a reply of the channel's earlier calls.
     pub fn call(
         &self,
         method: &str,

@@ -216,8 +216,20 @@ struct OneSidedQueued {
 
 /// An RPC call waiting for its response.
 struct PendingCall {
-    reply: CallReply,
+    /// `None` once the caller was told `Timeout` while its request was out: the entry stays
+    /// until the reply comes, holding the call's place in the stream's window.
+    reply: Option<CallReply>,
     deadline: Instant,
+    /// The request waits here for room in the window (in `StreamState::waiting`).
+    waiting: bool,
+}
+
+impl PendingCall {
+    fn answer(self, r: Result<Vec<u8>, RpcError>) {
+        if let Some(reply) = self.reply {
+            let _ = reply.send(r);
+        }
+    }
 }
 
 /// One stream of a connection: an application channel.
@@ -225,6 +237,15 @@ struct StreamState {
     shared: Arc<ChannelShared>,
     /// RPC calls waiting for their response on this stream.
     calls: FxHashMap<u64, PendingCall>,
+    /// Calls of this end whose request went out and whose reply has not come (timed-out ones
+    /// included): at most the stream window. The peer holds this end to the same bound, so
+    /// the replies it queues for a stream stay within a window whatever the caller asks.
+    calls_out: u64,
+    /// Requests held for room in the window (call id and request), in order.
+    waiting: VecDeque<(u64, OutBuf)>,
+    /// Requests of the peer taken in and not yet answered into the core (`offer_to`): a peer
+    /// that keeps more than a window of them breaks the protocol.
+    serving: u64,
     /// The peer closed the stream: nothing more arrives, nothing more is sent, but the
     /// application may still read what was delivered.
     peer_closed: bool,
@@ -239,6 +260,9 @@ impl StreamState {
         StreamState {
             shared,
             calls: FxHashMap::default(),
+            calls_out: 0,
+            waiting: VecDeque::new(),
+            serving: 0,
             peer_closed: false,
             to_report: 0,
             report_queued: false,
@@ -332,15 +356,32 @@ impl ConnState {
             due.extend(
                 ss.calls
                     .iter()
-                    .filter(|(_, c)| c.deadline <= now)
+                    .filter(|(_, c)| c.reply.is_some() && c.deadline <= now)
                     .map(|(&id, _)| id),
             );
+            let mut unsent = false;
             for id in due.drain(..) {
-                if let Some(c) = ss.calls.remove(&id) {
-                    let _ = c.reply.send(Err(RpcError::Timeout));
+                let Some(c) = ss.calls.get_mut(&id) else {
+                    continue;
+                };
+                if let Some(reply) = c.reply.take() {
+                    let _ = reply.send(Err(RpcError::Timeout));
+                }
+                // A request that never left goes; one that did keeps its place until its
+                // reply comes.
+                if c.waiting {
+                    ss.calls.remove(&id);
+                    unsent = true;
                 }
             }
-            ss.calls.values().for_each(|c| keep(c.deadline));
+            if unsent {
+                let calls = &ss.calls;
+                ss.waiting.retain(|(id, _)| calls.contains_key(id));
+            }
+            ss.calls
+                .values()
+                .filter(|c| c.reply.is_some())
+                .for_each(|c| keep(c.deadline));
         }
         for p in self.one_sided.values_mut() {
             if p.deadline <= now {
@@ -433,13 +474,13 @@ fn offer_to(
         }
         other => other,
     };
-    match driver.send(buf, trace) {
+    let offered = match driver.send(buf, trace) {
         Ok(_) => Offered::Queued,
-        Err((ChannelError::WouldBlock, buf)) => Offered::Later(buf, trace),
+        Err((ChannelError::WouldBlock, buf)) => return Offered::Later(buf, trace),
         Err((e, buf)) => {
             tracing::warn!(%e, "message refused by the channel");
             let rpc = trace.flags.0 & (TraceFlags::RPC_REQUEST | TraceFlags::RPC_RESPONSE) != 0;
-            match ss {
+            match ss.as_deref_mut() {
                 Some(_) if is_stream_control(trace.flags) => {}
                 // RPC messages count in the send window only.
                 Some(ss) if rpc => ss.shared.send_progress(1, buf.len() as u64),
@@ -448,7 +489,13 @@ fn offer_to(
             }
             Offered::Dropped
         }
+    };
+    if trace.flags.contains(TraceFlags::RPC_RESPONSE) {
+        if let Some(ss) = ss {
+            ss.serving = ss.serving.saturating_sub(1);
+        }
     }
+    offered
 }
 
 impl ConnState {
@@ -1487,7 +1534,7 @@ impl Worker {
             return;
         };
         for (_, c) in ss.calls {
-            let _ = c.reply.send(Err(RpcError::PeerGone));
+            c.answer(Err(RpcError::PeerGone));
         }
         ss.shared.fail(Failure::Closed);
         // Unread messages already returned their connection credit when they arrived.
@@ -1530,8 +1577,9 @@ impl Worker {
     }
 
     /// Keep the reply channel of `call` and arm its deadline; the request to send (its
-    /// stream, buffer and trace), or `None` (the caller told `PeerGone`) when the stream or its
-    /// connection is gone.
+    /// stream, buffer and trace), or `None`: the stream or its connection is gone (the caller
+    /// told `PeerGone`), or the stream has a window of calls out and the request waits for
+    /// one of their replies (`release_calls`).
     fn register_call(&mut self, call: Call) -> Option<(StreamKey, OutBuf, TraceInfo)> {
         let Call {
             chan,
@@ -1553,16 +1601,26 @@ impl Worker {
             let _ = reply.send(Err(RpcError::PeerGone));
             return None;
         }
-        ss.shared.count_in(buf.len() as u64);
-        ss.calls.insert(call_id, PendingCall { reply, deadline });
-        st.arm_deadline(key_conn(chan), deadline, &mut self.timers);
-        let trace = TraceInfo {
-            trace_id: call_id,
-            flags: TraceFlags(TraceFlags::RPC_REQUEST),
-            stream: key_stream(chan),
-            stream_credits: 0,
+        // At the window the request waits (a reply of the stream lets it go: `release_calls`).
+        let waiting = ss.calls_out >= ss.shared.stream_window();
+        ss.calls.insert(
+            call_id,
+            PendingCall {
+                reply: Some(reply),
+                deadline,
+                waiting,
+            },
+        );
+        let out = if waiting {
+            ss.waiting.push_back((call_id, buf));
+            None
+        } else {
+            ss.calls_out += 1;
+            ss.shared.count_in(buf.len() as u64);
+            Some((chan, buf, request_trace(call_id, key_stream(chan))))
         };
-        Some((chan, buf, trace))
+        st.arm_deadline(key_conn(chan), deadline, &mut self.timers);
+        out
     }
 
     fn command_one_sided(
@@ -1636,8 +1694,9 @@ impl Worker {
         };
         for ss in st.streams.values_mut() {
             for (_, c) in ss.calls.drain() {
-                let _ = c.reply.send(Err(call_err()));
+                c.answer(Err(call_err()));
             }
+            ss.waiting.clear();
             ss.shared.fail(why.clone());
         }
         for reply in st.one_sided.drain().filter_map(|(_, p)| p.reply) {
@@ -2057,6 +2116,34 @@ fn into_payload(
 }
 
 /// `STREAM_OPEN`, `STREAM_CLOSE` or `STREAM_CREDIT`: the worker's own messages of a stream.
+/// Requests that waited for room in their stream's call window, as far as it opened now, to
+/// the connection's backlog, in order.
+fn release_calls(ss: &mut StreamState, stream: u32, backlog: &mut VecDeque<(OutBuf, TraceInfo)>) {
+    let window = ss.shared.stream_window();
+    while ss.calls_out < window {
+        let Some((call_id, buf)) = ss.waiting.pop_front() else {
+            break;
+        };
+        let Some(call) = ss.calls.get_mut(&call_id) else {
+            continue;
+        };
+        call.waiting = false;
+        ss.calls_out += 1;
+        ss.shared.count_in(buf.len() as u64);
+        backlog.push_back((buf, request_trace(call_id, stream)));
+    }
+}
+
+/// The trace of call `call_id`'s request on `stream`.
+fn request_trace(call_id: u64, stream: u32) -> TraceInfo {
+    TraceInfo {
+        trace_id: call_id,
+        flags: TraceFlags(TraceFlags::RPC_REQUEST),
+        stream,
+        stream_credits: 0,
+    }
+}
+
 fn is_stream_control(flags: TraceFlags) -> bool {
     flags.0 & (TraceFlags::STREAM_OPEN | TraceFlags::STREAM_CLOSE | TraceFlags::STREAM_CREDIT) != 0
 }
@@ -2170,6 +2257,21 @@ fn on_received(
                 return Ok(());
             }
         };
+        // A caller keeps at most a window of calls out on a stream (`Worker::register_call`),
+        // and this end counts a request as served once its reply went into the core: more
+        // than a window here is a peer that ignores the window, whose replies would queue
+        // here without bound while it withheld its credits.
+        let window = if let Some(ss) = st.streams.get_mut(&stream) {
+            ss.serving += 1;
+            (ss.serving > ss.shared.stream_window()).then(|| ss.shared.stream_window())
+        } else {
+            None
+        };
+        if let Some(window) = window {
+            return Err(format!(
+                "peer has more than the {window} calls its window allows waiting on stream {stream}"
+            ));
+        }
         let handler = handlers.read().get(&method).map(|(_, h)| h.clone());
         // A handler that panics fails its call, not the worker: the panic is caught here, and
         // the worker's other channels, and this one, go on. `AssertUnwindSafe`: nothing of the
@@ -2226,7 +2328,13 @@ fn on_received(
                     },
                 ));
             }
-            Err(e) => tracing::warn!(%e, "no memory for an RPC reply"),
+            Err(e) => {
+                // The caller learns by its deadline; the request is done here.
+                tracing::warn!(%e, "no memory for an RPC reply");
+                if let Some(ss) = st.streams.get_mut(&stream) {
+                    ss.serving = ss.serving.saturating_sub(1);
+                }
+            }
         }
         if let (Payload::Pool(b), Some(_)) = (payload, recycle) {
             pool.recycle(b);
@@ -2238,7 +2346,18 @@ fn on_received(
                 let Some(ss) = st.streams.get_mut(&stream) else {
                     return Ok(());
                 };
-                if let Some(PendingCall { reply, .. }) = ss.calls.remove(&call_id) {
+                let Some(call) = ss.calls.remove(&call_id) else {
+                    return Ok(());
+                };
+                if call.waiting {
+                    return Err(format!(
+                        "peer answered call {call_id} on stream {stream}, which was not sent"
+                    ));
+                }
+                // Its place in the window opens: the next waiting request goes.
+                ss.calls_out = ss.calls_out.saturating_sub(1);
+                release_calls(ss, stream, &mut st.backlog);
+                if let Some(reply) = call.reply {
                     let r = match status {
                         rpcwire::Status::Ok => Ok(body.to_vec()),
                         rpcwire::Status::UnknownMethod => Err(RpcError::UnknownMethod(
@@ -2296,8 +2415,9 @@ fn on_stream_control(
         if let Some(ss) = st.streams.get_mut(&stream) {
             ss.peer_closed = true;
             for (_, c) in ss.calls.drain() {
-                let _ = c.reply.send(Err(RpcError::PeerGone));
+                c.answer(Err(RpcError::PeerGone));
             }
+            ss.waiting.clear();
             ss.shared.fail(Failure::PeerGone);
         }
         return Ok(());

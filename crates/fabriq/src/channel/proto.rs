@@ -770,6 +770,14 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
         self.fail(err);
     }
 
+    /// A delivered message broke the protocol of the layer above (a stream sent past its
+    /// window, say): the channel fails with [`ChannelError::Protocol`], and nothing that
+    /// arrived after that message is handed out.
+    pub fn handle_violation(&mut self, what: String) {
+        self.events.retain(|e| !matches!(e, Event::Received { .. }));
+        self.protocol_error(what);
+    }
+
     /// Time passed; spurious calls are harmless.
     pub fn handle_timeout(&mut self, _now: Instant) {
         // Deadlines are checked against `now` in `poll_work_request`.

@@ -238,22 +238,28 @@ struct StreamState {
     /// RPC calls waiting for their response on this stream.
     calls: FxHashMap<u64, PendingCall>,
     /// Calls of this end whose request went out and whose reply has not come (timed-out ones
-    /// included): at most the stream window. The peer holds this end to the same bound, so
-    /// the replies it queues for a stream stay within a window whatever the caller asks.
-    calls_out: u64,
-    /// Requests held for room in the window (call id and request), in order.
-    waiting: VecDeque<(u64, OutBuf)>,
+    /// included): at most the stream window (the rest wait in `ConnState::waiting_calls`).
+    /// The peer holds this end to the same bound, so the replies it queues for a stream stay
+    /// within a window whatever the caller asks.
+    calls_out: u32,
     /// Requests of the peer taken in and not yet answered into the core (`offer_to`): a peer
     /// that keeps more than a window of them breaks the protocol.
-    serving: u64,
+    serving: u32,
     /// The peer closed the stream: nothing more arrives, nothing more is sent, but the
     /// application may still read what was delivered.
     peer_closed: bool,
-    /// Messages of this stream the application consumed, not yet reported to the peer.
-    to_report: u64,
+    /// Messages of this stream the application consumed, not yet reported to the peer (a
+    /// window at most: the peer keeps no more unconsumed). 32 bits, like the counts above,
+    /// keep the state of a stream in 56 bytes.
+    to_report: u32,
     /// A lone `STREAM_CREDIT` report is queued.
     report_queued: bool,
 }
+
+// With its key, a stream's entry in its connection's map fills one cache line: the message
+// path reads it on every send and delivery (an entry of 72 bytes measured 3–4% slower 8-byte
+// round trips, `docs/BENCHMARKS.md`).
+const _: () = assert!(std::mem::size_of::<StreamState>() <= 56);
 
 impl StreamState {
     fn new(shared: Arc<ChannelShared>) -> StreamState {
@@ -261,7 +267,6 @@ impl StreamState {
             shared,
             calls: FxHashMap::default(),
             calls_out: 0,
-            waiting: VecDeque::new(),
             serving: 0,
             peer_closed: false,
             to_report: 0,
@@ -276,6 +281,9 @@ struct ConnState {
     /// Messages waiting for the core (credits, send window), in order, each with its stream.
     backlog: VecDeque<(OutBuf, TraceInfo)>,
     streams: FxHashMap<u32, StreamState>,
+    /// Per stream, the requests held for room in its call window (call id and request), in
+    /// order (`StreamState::calls_out`); a stream with none has no entry.
+    waiting_calls: FxHashMap<u32, VecDeque<(u64, OutBuf)>>,
     one_sided_queue: VecDeque<OneSidedQueued>,
     one_sided: FxHashMap<u64, OneSidedPending>,
     /// When the worker's `Timer::Deadlines` for this connection fires: the earliest deadline
@@ -352,7 +360,7 @@ impl ConnState {
         let mut next: Option<Instant> = None;
         let mut keep = |d: Instant| next = Some(next.map_or(d, |n| n.min(d)));
         let mut due = Vec::new();
-        for ss in self.streams.values_mut() {
+        for (stream, ss) in self.streams.iter_mut() {
             due.extend(
                 ss.calls
                     .iter()
@@ -375,8 +383,13 @@ impl ConnState {
                 }
             }
             if unsent {
-                let calls = &ss.calls;
-                ss.waiting.retain(|(id, _)| calls.contains_key(id));
+                if let Some(q) = self.waiting_calls.get_mut(stream) {
+                    let calls = &ss.calls;
+                    q.retain(|(id, _)| calls.contains_key(id));
+                    if q.is_empty() {
+                        self.waiting_calls.remove(stream);
+                    }
+                }
             }
             ss.calls
                 .values()
@@ -436,7 +449,7 @@ fn offer_to(
     mut trace: TraceInfo,
 ) -> Offered {
     if let Some(ss) = ss.as_deref_mut() {
-        let owed = ss.to_report + ss.shared.take_released();
+        let owed = u64::from(ss.to_report) + ss.shared.take_released();
         // A data message carries the count once half a report's worth built up, not every
         // read: each count it carries costs the peer an atomic step on its send window,
         // and a lag under half a report (an eighth of the window) never holds the peer
@@ -447,7 +460,7 @@ fn offer_to(
                 .stream_credits
                 .saturating_add(owed.min(u32::MAX.into()) as u32);
         } else {
-            ss.to_report = owed;
+            ss.to_report = owed.min(u32::MAX.into()) as u32;
         }
         if trace.flags.contains(TraceFlags::STREAM_CREDIT) {
             ss.report_queued = false;
@@ -1186,8 +1199,9 @@ impl Worker {
         let Some(ss) = st.streams.get_mut(&stream) else {
             return;
         };
-        ss.to_report += ss.shared.take_released();
-        if ss.to_report >= ss.shared.report_every && !ss.report_queued && !ss.peer_closed {
+        let owed = u64::from(ss.to_report) + ss.shared.take_released();
+        ss.to_report = owed.min(u32::MAX.into()) as u32;
+        if owed >= ss.shared.report_every && !ss.report_queued && !ss.peer_closed {
             ss.report_queued = true;
             st.queue_stream_control(&self.buffers, stream, TraceFlags::STREAM_CREDIT);
             self.mark_dirty(key_conn(chan));
@@ -1427,6 +1441,7 @@ impl Worker {
             ConnState {
                 driver,
                 backlog: VecDeque::new(),
+                waiting_calls: FxHashMap::default(),
                 streams,
                 one_sided_queue: VecDeque::new(),
                 one_sided: FxHashMap::default(),
@@ -1536,6 +1551,7 @@ impl Worker {
         for (_, c) in ss.calls {
             c.answer(Err(RpcError::PeerGone));
         }
+        st.waiting_calls.remove(&key_stream(chan));
         ss.shared.fail(Failure::Closed);
         // Unread messages already returned their connection credit when they arrived.
         ss.shared.discard();
@@ -1602,7 +1618,7 @@ impl Worker {
             return None;
         }
         // At the window the request waits (a reply of the stream lets it go: `release_calls`).
-        let waiting = ss.calls_out >= ss.shared.stream_window();
+        let waiting = u64::from(ss.calls_out) >= ss.shared.stream_window();
         ss.calls.insert(
             call_id,
             PendingCall {
@@ -1612,7 +1628,10 @@ impl Worker {
             },
         );
         let out = if waiting {
-            ss.waiting.push_back((call_id, buf));
+            st.waiting_calls
+                .entry(key_stream(chan))
+                .or_default()
+                .push_back((call_id, buf));
             None
         } else {
             ss.calls_out += 1;
@@ -1696,9 +1715,9 @@ impl Worker {
             for (_, c) in ss.calls.drain() {
                 c.answer(Err(call_err()));
             }
-            ss.waiting.clear();
             ss.shared.fail(why.clone());
         }
+        st.waiting_calls.clear();
         for reply in st.one_sided.drain().filter_map(|(_, p)| p.reply) {
             let _ = reply.send(Err(why.to_error()));
         }
@@ -1822,12 +1841,6 @@ impl Worker {
             while let Some(ev) = st.driver.poll_event() {
                 events += 1;
                 match ev {
-                    CoreEvent::Received { .. }
-                        if matches!(st.failed, Some(Failure::Protocol(_))) =>
-                    {
-                        // Nothing more of a peer that broke the protocol is delivered (the
-                        // core still hands out what arrived with the offending message).
-                    }
                     CoreEvent::Received {
                         seq,
                         trace,
@@ -1844,9 +1857,9 @@ impl Worker {
                             payload,
                         };
                         if let Err(e) = on_received(st, me, buffers, handlers, handoff, msg) {
-                            // Nothing more of this peer is delivered.
-                            newly_failed = Some(Failure::Protocol(e));
-                            break;
+                            // Nothing more of this peer is delivered; the core's `Error`
+                            // follows.
+                            st.driver.core_mut().handle_violation(e);
                         }
                         if defer && handoff.done() && !st.driver.core().has_deliveries() {
                             // The reader has its message (the caller its reply) and nothing
@@ -1884,9 +1897,6 @@ impl Worker {
                 }
             }
             progress += events;
-            if newly_failed.is_some() {
-                break;
-            }
             // The thread running this pass was handed the message it waits for: it leaves with
             // it now, and the rest of the round (reposts, a due ack, the backlog, the timer)
             // is the next pass's — for a reader that answers, the pump of its send, which
@@ -2118,10 +2128,18 @@ fn into_payload(
 /// `STREAM_OPEN`, `STREAM_CLOSE` or `STREAM_CREDIT`: the worker's own messages of a stream.
 /// Requests that waited for room in their stream's call window, as far as it opened now, to
 /// the connection's backlog, in order.
-fn release_calls(ss: &mut StreamState, stream: u32, backlog: &mut VecDeque<(OutBuf, TraceInfo)>) {
+fn release_calls(
+    ss: &mut StreamState,
+    stream: u32,
+    waiting_calls: &mut FxHashMap<u32, VecDeque<(u64, OutBuf)>>,
+    backlog: &mut VecDeque<(OutBuf, TraceInfo)>,
+) {
+    let Some(waiting) = waiting_calls.get_mut(&stream) else {
+        return;
+    };
     let window = ss.shared.stream_window();
-    while ss.calls_out < window {
-        let Some((call_id, buf)) = ss.waiting.pop_front() else {
+    while u64::from(ss.calls_out) < window {
+        let Some((call_id, buf)) = waiting.pop_front() else {
             break;
         };
         let Some(call) = ss.calls.get_mut(&call_id) else {
@@ -2131,6 +2149,9 @@ fn release_calls(ss: &mut StreamState, stream: u32, backlog: &mut VecDeque<(OutB
         ss.calls_out += 1;
         ss.shared.count_in(buf.len() as u64);
         backlog.push_back((buf, request_trace(call_id, stream)));
+    }
+    if waiting.is_empty() {
+        waiting_calls.remove(&stream);
     }
 }
 
@@ -2234,14 +2255,22 @@ fn on_received(
         st.driver.core_mut().handle_released(1);
         return on_stream_control(st, me, stream, flags);
     }
-    let live = st.streams.get(&stream).is_some_and(|ss| !ss.peer_closed);
-    if !live {
-        // For a stream closed here (its messages were in flight) or never opened: dropped,
-        // and its slot's credit returns at once.
-        st.driver.core_mut().handle_released(1);
+    // One look-up of the stream for the rest (the core, the backlog and the stream are
+    // separate parts of the connection's state).
+    let ConnState {
+        streams,
+        driver,
+        backlog,
+        waiting_calls,
+        ..
+    } = st;
+    driver.core_mut().handle_released(1);
+    let Some(ss) = streams.get_mut(&stream).filter(|ss| !ss.peer_closed) else {
+        // For a stream closed here (its messages were in flight) or never opened: dropped
+        // (its slot's credit returned above).
         tracing::debug!(stream, "message for a closed stream dropped");
         return Ok(());
-    }
+    };
     let (payload, recycle) = into_payload(payload, pool);
     let bytes: &[u8] = match &payload {
         Payload::Eager(v) => v,
@@ -2249,7 +2278,6 @@ fn on_received(
     };
     if flags.contains(TraceFlags::RPC_REQUEST) {
         // Run the handler here, to completion, and reply inline.
-        st.driver.core_mut().handle_released(1);
         let (call_id, method, body) = match rpcwire::decode_request(bytes) {
             Ok(v) => v,
             Err(e) => {
@@ -2261,15 +2289,11 @@ fn on_received(
         // and this end counts a request as served once its reply went into the core: more
         // than a window here is a peer that ignores the window, whose replies would queue
         // here without bound while it withheld its credits.
-        let window = if let Some(ss) = st.streams.get_mut(&stream) {
-            ss.serving += 1;
-            (ss.serving > ss.shared.stream_window()).then(|| ss.shared.stream_window())
-        } else {
-            None
-        };
-        if let Some(window) = window {
+        ss.serving += 1;
+        if u64::from(ss.serving) > ss.shared.stream_window() {
             return Err(format!(
-                "peer has more than the {window} calls its window allows waiting on stream {stream}"
+                "peer has more than the {} calls its window allows waiting on stream {stream}",
+                ss.shared.stream_window()
             ));
         }
         let handler = handlers.read().get(&method).map(|(_, h)| h.clone());
@@ -2292,15 +2316,11 @@ fn on_received(
                 // The reply goes out when the responder is used (its send takes this state
                 // when it is free, or leaves a command for the next pass); a handler that
                 // panics drops it, which answers the caller.
-                if let Some(ss) = st.streams.get(&stream) {
-                    let responder = Responder::new(Arc::clone(&ss.shared), call_id, trace.trace_id);
-                    if let Err(panic) =
-                        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                            h(body, responder)
-                        }))
-                    {
-                        handler_panicked(method, &panic);
-                    }
+                let responder = Responder::new(Arc::clone(&ss.shared), call_id, trace.trace_id);
+                if let Err(panic) =
+                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| h(body, responder)))
+                {
+                    handler_panicked(method, &panic);
                 }
                 if let (Payload::Pool(b), Some(_)) = (payload, recycle) {
                     pool.recycle(b);
@@ -2315,10 +2335,8 @@ fn on_received(
         let head = rpcwire::encode_response_header(call_id, status);
         match alloc_filled(pool, &[&head, &reply]) {
             Ok(buf) => {
-                if let Some(ss) = st.streams.get(&stream) {
-                    ss.shared.count_in(buf.len() as u64);
-                }
-                st.backlog.push_back((
+                ss.shared.count_in(buf.len() as u64);
+                backlog.push_back((
                     buf,
                     TraceInfo {
                         trace_id: trace.trace_id,
@@ -2331,21 +2349,15 @@ fn on_received(
             Err(e) => {
                 // The caller learns by its deadline; the request is done here.
                 tracing::warn!(%e, "no memory for an RPC reply");
-                if let Some(ss) = st.streams.get_mut(&stream) {
-                    ss.serving = ss.serving.saturating_sub(1);
-                }
+                ss.serving -= 1;
             }
         }
         if let (Payload::Pool(b), Some(_)) = (payload, recycle) {
             pool.recycle(b);
         }
     } else if flags.contains(TraceFlags::RPC_RESPONSE) {
-        st.driver.core_mut().handle_released(1);
         match rpcwire::decode_response(bytes) {
             Ok((call_id, status, body)) => {
-                let Some(ss) = st.streams.get_mut(&stream) else {
-                    return Ok(());
-                };
                 let Some(call) = ss.calls.remove(&call_id) else {
                     return Ok(());
                 };
@@ -2355,8 +2367,10 @@ fn on_received(
                     ));
                 }
                 // Its place in the window opens: the next waiting request goes.
-                ss.calls_out = ss.calls_out.saturating_sub(1);
-                release_calls(ss, stream, &mut st.backlog);
+                ss.calls_out -= 1;
+                if !waiting_calls.is_empty() {
+                    release_calls(ss, stream, waiting_calls, backlog);
+                }
                 if let Some(reply) = call.reply {
                     let r = match status {
                         rpcwire::Status::Ok => Ok(body.to_vec()),
@@ -2417,9 +2431,9 @@ fn on_stream_control(
             for (_, c) in ss.calls.drain() {
                 c.answer(Err(RpcError::PeerGone));
             }
-            ss.waiting.clear();
             ss.shared.fail(Failure::PeerGone);
         }
+        st.waiting_calls.remove(&stream);
         return Ok(());
     }
     let Some(accept) = &st.accept else {

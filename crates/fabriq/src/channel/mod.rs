@@ -98,6 +98,10 @@ pub enum ChannelError {
     /// The peer broke the protocol.
     #[error("protocol violation by peer: {0}")]
     Protocol(String),
+    /// The peer refused the channel: it has as many open on the connection as it allows
+    /// (its `Config::max_streams`). Close channels to it, or connect again later.
+    #[error("the peer refused the channel: it has as many open on this connection as it allows")]
+    StreamRefused,
     /// The verbs layer refused a call.
     #[error(transparent)]
     Verbs(#[from] VerbsError),

@@ -73,6 +73,9 @@ impl TraceFlags {
     pub const STREAM_CLOSE: u16 = 1 << 4;
     /// The (empty) message only reports `stream_credits`.
     pub const STREAM_CREDIT: u16 = 1 << 5;
+    /// With `STREAM_CLOSE`: the accepting side refused the stream (it has as many open on
+    /// the connection as it allows). A peer that does not know the bit sees a close.
+    pub const STREAM_REFUSED: u16 = 1 << 6;
 
     /// True if every bit of `bits` is set.
     pub fn contains(self, bits: u16) -> bool {

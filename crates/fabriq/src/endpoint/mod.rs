@@ -593,6 +593,7 @@ impl Endpoint {
             peer,
             eager_max,
             stream_window,
+            max_streams: self.inner.config.max_streams,
             first_stream: Some(Arc::clone(&first)),
             ready_within: self.inner.config.handshake_timeout(),
         });

@@ -1308,3 +1308,83 @@ fn a_caller_past_its_call_window_fails_its_connection_alone() {
         }
     }
 }
+
+/// Past `max_streams` open on one connection, the accepting side refuses a peer's new stream:
+/// nothing of it is kept or handed to the listener, and the opener's channel (and a call on it)
+/// fails with `StreamRefused`; once a stream closes, the next one is taken. (Without the
+/// bound, a peer could make the accepting side keep streams without end.)
+#[test]
+fn streams_past_the_limit_are_refused_and_the_rest_go_on() {
+    use crate::{ChannelError, RpcError};
+    use std::time::Duration;
+    const WAIT: Duration = Duration::from_secs(10);
+    for device in ["shm0", "tcp0"] {
+        let (a, b, listener) = client_server(crate::Config {
+            device: device.into(),
+            workers: 1,
+            max_streams: 3,
+            ..crate::Config::default()
+        });
+        b.serve("echo", |req| Ok(req.to_vec()));
+        let mut pairs = Vec::new();
+        for _ in 0..3 {
+            let c = a.connect(listener.local_addr()).expect("connect");
+            let s = listener.accept_timeout(WAIT).expect("accept");
+            pairs.push((c, s));
+        }
+        assert_eq!(
+            a.conn_stats().connects,
+            1,
+            "{device}: one shared connection"
+        );
+        let refused = a
+            .connect(listener.local_addr())
+            .expect("connect past the limit");
+        match refused.recv_timeout(WAIT) {
+            Err(ChannelError::StreamRefused) => {}
+            other => panic!("{device}: the fourth channel got {other:?}"),
+        }
+        let rpc = crate::Rpc::new(refused);
+        match rpc.call("echo", b"x", WAIT) {
+            Err(RpcError::Channel(ChannelError::StreamRefused)) => {}
+            other => panic!("{device}: a call on it got {other:?}"),
+        }
+        assert!(
+            listener.accept_timeout(Duration::from_millis(200)).is_err(),
+            "{device}: a refused stream reached the listener"
+        );
+        // The three go on.
+        for (i, (c, s)) in pairs.iter().enumerate() {
+            c.send_timeout(&[i as u8], WAIT).expect("send");
+            assert_eq!(
+                s.recv_timeout(WAIT).expect("recv")[..],
+                [i as u8],
+                "{device}"
+            );
+        }
+        // One closes on both ends: the next stream is taken.
+        let (c, s) = pairs.pop().expect("pair");
+        drop(c);
+        assert!(
+            matches!(s.recv_timeout(WAIT), Err(ChannelError::PeerGone)),
+            "{device}"
+        );
+        drop(s);
+        let mut taken = None;
+        for _ in 0..100 {
+            // The server's close of its end may still be on its way.
+            let c = a.connect(listener.local_addr()).expect("connect again");
+            if let Ok(s) = listener.accept_timeout(Duration::from_millis(100)) {
+                taken = Some((c, s));
+                break;
+            }
+        }
+        let (c, s) = taken.expect("a stream after one closed");
+        c.send_timeout(b"again", WAIT).expect("send");
+        assert_eq!(
+            &s.recv_timeout(WAIT).expect("recv")[..],
+            b"again",
+            "{device}"
+        );
+    }
+}

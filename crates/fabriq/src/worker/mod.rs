@@ -161,6 +161,8 @@ pub(crate) struct Adopt {
     pub(crate) eager_max: u32,
     /// The stream window both sides agreed on.
     pub(crate) stream_window: u32,
+    /// Accepting side: streams the peer may have open at once (`Config::max_streams`).
+    pub(crate) max_streams: u32,
     /// Accepting side, when the driver awaits the peer's `Ready`: how long it may take.
     pub(crate) ready_within: Duration,
     /// Accepting side: the stream the handshake opened (already handed to the listener).
@@ -300,6 +302,8 @@ struct ConnState {
     eager_max: u32,
     /// The stream window both sides agreed on (streams the peer opens get it).
     stream_window: u32,
+    /// Accepting side: streams the peer may have open at once; more are refused.
+    max_streams: u32,
     timer_at: Option<Instant>,
     failed: Option<Failure>,
     /// The connecting side's last user let go (or the endpoint went) while messages or
@@ -1404,6 +1408,7 @@ impl Worker {
             peer,
             eager_max,
             stream_window,
+            max_streams,
             first_stream,
             ready_within,
         } = a;
@@ -1453,6 +1458,7 @@ impl Worker {
                 peer,
                 eager_max,
                 stream_window,
+                max_streams,
                 timer_at: None,
                 failed: None,
                 closing: None,
@@ -2253,7 +2259,7 @@ fn on_received(
     }
     if is_stream_control(flags) {
         st.driver.core_mut().handle_released(1);
-        return on_stream_control(st, me, stream, flags);
+        return on_stream_control(st, me, pool, stream, flags);
     }
     // One look-up of the stream for the rest (the core, the backlog and the stream are
     // separate parts of the connection's state).
@@ -2410,11 +2416,13 @@ fn handler_panicked(method: u32, panic: &Box<dyn std::any::Any + Send>) -> Strin
 }
 
 /// `STREAM_OPEN` (only the connecting side opens streams: on an accepted connection a new
-/// stream goes to the listener), `STREAM_CLOSE` (a close crossing ours is ignored) or
+/// stream goes to the listener, or is refused past `max_streams`), `STREAM_CLOSE` (a close
+/// crossing ours is ignored; with `STREAM_REFUSED`, the peer refused the stream) or
 /// `STREAM_CREDIT` (its report is already applied).
 fn on_stream_control(
     st: &mut ConnState,
     me: &Weak<WorkerShared>,
+    pool: &Buffers,
     stream: u32,
     flags: TraceFlags,
 ) -> Result<(), String> {
@@ -2426,12 +2434,25 @@ fn on_stream_control(
         // sent (`Worker::linger`): that goes at once, not after the ack delay — which in
         // caller mode, should nobody call in here, would be the back-stop's grace.
         st.driver.core_mut().ack_now();
+        let refused = flags.contains(TraceFlags::STREAM_REFUSED);
+        let why = if refused {
+            Failure::Refused
+        } else {
+            Failure::PeerGone
+        };
+        let call_err = || {
+            if refused {
+                RpcError::Channel(ChannelError::StreamRefused)
+            } else {
+                RpcError::PeerGone
+            }
+        };
         if let Some(ss) = st.streams.get_mut(&stream) {
             ss.peer_closed = true;
             for (_, c) in ss.calls.drain() {
-                c.answer(Err(RpcError::PeerGone));
+                c.answer(Err(call_err()));
             }
-            ss.shared.fail(Failure::PeerGone);
+            ss.shared.fail(why);
         }
         st.waiting_calls.remove(&stream);
         return Ok(());
@@ -2443,6 +2464,21 @@ fn on_stream_control(
     };
     if st.streams.contains_key(&stream) {
         return Err(format!("peer opened stream {stream} twice"));
+    }
+    if st.streams.len() >= st.max_streams as usize {
+        // Nothing of it is kept: its messages find no stream and are dropped, and the peer,
+        // told, never closes it.
+        tracing::warn!(
+            stream,
+            max_streams = st.max_streams,
+            "stream refused: the peer has as many open on the connection as allowed"
+        );
+        st.queue_stream_control(
+            pool,
+            stream,
+            TraceFlags::STREAM_CLOSE | TraceFlags::STREAM_REFUSED,
+        );
+        return Ok(());
     }
     let Some(worker) = me.upgrade() else {
         return Ok(());

@@ -954,6 +954,8 @@ pub(crate) enum Failure {
     PeerGone,
     /// The peer broke the protocol (what it did).
     Protocol(String),
+    /// The peer refused the stream (`STREAM_REFUSED`).
+    Refused,
     Error(String),
 }
 
@@ -963,6 +965,7 @@ impl Failure {
             Failure::Closed => ChannelError::Closed,
             Failure::PeerGone => ChannelError::PeerGone,
             Failure::Protocol(s) => ChannelError::Protocol(s.clone()),
+            Failure::Refused => ChannelError::StreamRefused,
             Failure::Error(s) => ChannelError::Failed(s.clone()),
         }
     }

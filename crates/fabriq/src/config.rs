@@ -44,6 +44,9 @@
 //!                            # (4..=65536; a connection uses the smaller side's)
 //! max_streams = 4096         # channels a peer may have open at once on one connection it
 //!                            # made to this endpoint; more are refused (1..=1048576)
+//! max_connections = 4096     # connections peers made to this endpoint it keeps at once (each
+//!                            # holds a receive ring); a handshake past it is rejected
+//!                            # (Unavailable) (1..=1048576)
 //! ack_delay_us = 50          # a received message is acknowledged at the latest this long after
 //!                            # delivery when no frame going back carries the ack (1..=10000000)
 //! close_linger_ms = 5000     # a connection whose last channel closed keeps going this long at
@@ -61,7 +64,7 @@
 //! `FABRIQ_RX_SLOTS`, `FABRIQ_SQ_DEPTH`, `FABRIQ_SIGNAL_EVERY`, `FABRIQ_MAX_QUEUED`, `FABRIQ_MAX_MESSAGE_LEN`,
 //! `FABRIQ_EAGER_MAX`, `FABRIQ_CHUNK_SIZE`, `FABRIQ_READS_IN_FLIGHT`, `FABRIQ_RNR_RETRY`,
 //! `FABRIQ_AUTH_TOKEN`, `FABRIQ_QP_CACHE_SIZE`, `FABRIQ_REUSE_CONTROL_STREAMS`,
-//! `FABRIQ_SHARE_CONNECTIONS`, `FABRIQ_STREAM_WINDOW`, `FABRIQ_MAX_STREAMS`, `FABRIQ_ACK_DELAY_US`, `FABRIQ_CLOSE_LINGER_MS`, `FABRIQ_DEVICE_OPTIONS` (`key=value,key=value`); `FABRIQ_CONFIG` names a
+//! `FABRIQ_SHARE_CONNECTIONS`, `FABRIQ_STREAM_WINDOW`, `FABRIQ_MAX_STREAMS`, `FABRIQ_MAX_CONNECTIONS`, `FABRIQ_ACK_DELAY_US`, `FABRIQ_CLOSE_LINGER_MS`, `FABRIQ_DEVICE_OPTIONS` (`key=value,key=value`); `FABRIQ_CONFIG` names a
 //! TOML file read by [`Config::from_env`].
 
 use std::path::Path;
@@ -226,6 +229,12 @@ pub struct Config {
     /// opener's channel fails with [`crate::ChannelError::StreamRefused`]), so a peer cannot
     /// make this side keep streams without bound.
     pub max_streams: u32,
+    /// Connections peers made to this endpoint that it keeps at once, over all its listeners
+    /// (`FABRIQ_MAX_CONNECTIONS`, 1 ..= 1 048 576, default 4096): each holds a QP and a
+    /// registered receive ring (`rx_slots` × the slot size) until it closed and the
+    /// application dropped its channels. A handshake past it is rejected with
+    /// `RejectCode::Unavailable`, so peers cannot make this side pin memory without bound.
+    pub max_connections: u32,
     /// Longest a delivered message waits for its acknowledgement when no frame going back
     /// carries it (a lone ack goes then), microseconds (1 ..= 10 000 000, default 50). Acks also
     /// go at once every quarter ring of deliveries.
@@ -270,6 +279,7 @@ impl Default for Config {
             share_connections: true,
             stream_window: crate::channel::wire::STREAM_WINDOW as u32,
             max_streams: 4096,
+            max_connections: 4096,
             ack_delay_us: 50,
             close_linger_ms: 5000,
         }
@@ -380,6 +390,7 @@ impl Config {
         );
         var!("FABRIQ_STREAM_WINDOW", self.stream_window, parse);
         var!("FABRIQ_MAX_STREAMS", self.max_streams, parse);
+        var!("FABRIQ_MAX_CONNECTIONS", self.max_connections, parse);
         var!("FABRIQ_ACK_DELAY_US", self.ack_delay_us, parse);
         var!("FABRIQ_CLOSE_LINGER_MS", self.close_linger_ms, parse);
         if let Some(v) = get("FABRIQ_AUTH_TOKEN") {
@@ -431,6 +442,9 @@ impl Config {
         }
         if !(1..=1 << 20).contains(&self.max_streams) {
             return bad("max_streams must be in 1..=1048576");
+        }
+        if !(1..=1 << 20).contains(&self.max_connections) {
+            return bad("max_connections must be in 1..=1048576");
         }
         if !(1..=10_000_000).contains(&self.ack_delay_us) {
             return bad("ack_delay_us must be in 1..=10000000");
@@ -585,6 +599,7 @@ mod tests {
                 "FABRIQ_SHARE_CONNECTIONS" => Some("false".into()),
                 "FABRIQ_STREAM_WINDOW" => Some("256".into()),
                 "FABRIQ_MAX_STREAMS" => Some("16".into()),
+                "FABRIQ_MAX_CONNECTIONS" => Some("8".into()),
                 "FABRIQ_REMOTE_TIMEOUT_MS" => Some("250".into()),
                 _ => None,
             })
@@ -592,12 +607,14 @@ mod tests {
         assert_eq!(c.workers, 3);
         assert_eq!(c.remote_timeout(), Duration::from_millis(250));
         assert_eq!(c.stream_window, 256);
-        assert_eq!(c.max_streams, 16);
-        for m in ["0", "1048577"] {
-            let err = Config::default()
-                .with_env_vars(|k| (k == "FABRIQ_MAX_STREAMS").then(|| m.into()))
-                .and_then(|c| c.validate().map(|()| c));
-            assert!(err.is_err(), "max streams {m}");
+        assert_eq!((c.max_streams, c.max_connections), (16, 8));
+        for var in ["FABRIQ_MAX_STREAMS", "FABRIQ_MAX_CONNECTIONS"] {
+            for m in ["0", "1048577"] {
+                let err = Config::default()
+                    .with_env_vars(|k| (k == var).then(|| m.into()))
+                    .and_then(|c| c.validate().map(|()| c));
+                assert!(err.is_err(), "{var}={m}");
+            }
         }
         for w in ["3", "65537"] {
             let err = Config::default()

@@ -166,6 +166,15 @@ pub enum ConnError {
         /// This manager's worker.
         local: u32,
     },
+    /// Server side: a peer's handshake turned away because the endpoint keeps as many
+    /// connections as it may (`Config::max_connections`); the peer was told `Unavailable`.
+    #[error("rejected {peer}: this endpoint keeps {max} connections (max_connections)")]
+    AtCapacity {
+        /// The peer.
+        peer: SocketAddr,
+        /// The bound.
+        max: u32,
+    },
     /// The listener was closed.
     #[error("listener closed")]
     Closed,

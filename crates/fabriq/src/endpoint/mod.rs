@@ -100,6 +100,8 @@ struct Inner {
     /// Peer addresses already classified as this host's or not (`is_this_host` costs a socket),
     /// so a connect that finds a pooled connection pays no system call.
     this_host: Mutex<rustc_hash::FxHashMap<std::net::IpAddr, bool>>,
+    /// Connections peers made to this endpoint that it keeps (`Config::max_connections`).
+    accepted: Arc<AtomicUsize>,
 }
 
 impl Inner {
@@ -215,6 +217,7 @@ impl Endpoint {
                 handlers,
                 next_worker: AtomicUsize::new(0),
                 this_host: Mutex::new(Default::default()),
+                accepted: Arc::new(AtomicUsize::new(0)),
             }),
         })
     }
@@ -505,9 +508,10 @@ impl Endpoint {
         &self,
         w: &WorkerRef,
         pending: PendingConn,
-        accept: Option<std::sync::mpsc::Sender<Accepted>>,
+        accept: Option<(std::sync::mpsc::Sender<Accepted>, worker::Admission)>,
         early: Option<Result<ChannelDriver, ChannelError>>,
     ) -> Result<Adopted, ChannelError> {
+        let (accept, admission) = accept.unzip();
         let geo = match Self::peer_geometry(pending.peer()) {
             Ok(g) => g,
             Err(e) => {
@@ -594,6 +598,7 @@ impl Endpoint {
             eager_max,
             stream_window,
             max_streams: self.inner.config.max_streams,
+            admission,
             first_stream: Some(Arc::clone(&first)),
             ready_within: self.inner.config.handshake_timeout(),
         });
@@ -751,8 +756,17 @@ impl Endpoint {
             Some(t) => workers.get(t as usize).unwrap_or(&workers[0]),
             None => self.pick_worker(fabric),
         };
+        let max = self.inner.config.max_connections;
+        let Some(admission) = worker::Admission::take(&self.inner.accepted, max as usize) else {
+            let peer = incoming.peer_addr();
+            incoming.reject(
+                RejectCode::Unavailable,
+                &format!("at capacity: {max} connections"),
+            );
+            return Err(ChannelError::Connect(ConnError::AtCapacity { peer, max }));
+        };
         let pending = w.conn.accept_incoming(incoming)?;
-        self.finish_pending(w, pending, Some(accept), None)
+        self.finish_pending(w, pending, Some((accept, admission)), None)
             .map(|_| ())
     }
 

@@ -1388,3 +1388,85 @@ fn streams_past_the_limit_are_refused_and_the_rest_go_on() {
         );
     }
 }
+
+/// An endpoint keeps at most `max_connections` connections that peers made to it: a handshake
+/// past them is rejected (`Unavailable`, said in the connecting side's error) before a QP or a
+/// receive ring is set up, the kept connections go on, and once one of them is gone the next
+/// handshake is taken. (Without the bound, peers could make it pin rings without end.)
+#[test]
+fn connections_past_the_limit_are_rejected_and_the_rest_go_on() {
+    use crate::conn::{ConnError, RejectCode};
+    use crate::ChannelError;
+    use std::time::Duration;
+    const WAIT: Duration = Duration::from_secs(10);
+    for device in ["shm0", "tcp0"] {
+        let cfg = crate::Config {
+            device: device.into(),
+            workers: 1,
+            share_connections: false,
+            max_connections: 2,
+            ..crate::Config::default()
+        };
+        let (a, b, listener) = client_server(cfg);
+        let mut pairs = Vec::new();
+        for _ in 0..2 {
+            let c = a.connect(listener.local_addr()).expect("connect");
+            let s = listener.accept_timeout(WAIT).expect("accept");
+            pairs.push((c, s));
+        }
+        let qps = b.conn_stats().qps_created;
+        match a.connect(listener.local_addr()) {
+            Err(ChannelError::Connect(ConnError::Rejected {
+                code: RejectCode::Unavailable,
+                reason,
+                ..
+            })) => assert!(reason.contains("capacity"), "{device}: {reason}"),
+            other => panic!("{device}: a third connection got {other:?}"),
+        }
+        assert_eq!(
+            b.conn_stats().qps_created,
+            qps,
+            "{device}: a QP for a rejected peer"
+        );
+        match listener.next_failure(WAIT) {
+            Some(ConnError::AtCapacity { max: 2, .. }) => {}
+            other => panic!("{device}: the server recorded {other:?}"),
+        }
+        for (i, (c, s)) in pairs.iter().enumerate() {
+            c.send_timeout(&[i as u8], WAIT).expect("send");
+            assert_eq!(
+                s.recv_timeout(WAIT).expect("recv")[..],
+                [i as u8],
+                "{device}"
+            );
+        }
+        let (c, s) = pairs.pop().expect("pair");
+        drop(c);
+        assert!(
+            matches!(s.recv_timeout(WAIT), Err(ChannelError::PeerGone)),
+            "{device}"
+        );
+        drop(s);
+        let until = std::time::Instant::now() + WAIT;
+        let c = loop {
+            match a.connect(listener.local_addr()) {
+                Ok(c) => break c,
+                Err(e) if std::time::Instant::now() < until => {
+                    assert!(
+                        matches!(e, ChannelError::Connect(ConnError::Rejected { .. })),
+                        "{e}"
+                    );
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                Err(e) => panic!("{device}: no connection after one closed: {e}"),
+            }
+        };
+        let s = listener.accept_timeout(WAIT).expect("accept again");
+        c.send_timeout(b"again", WAIT).expect("send");
+        assert_eq!(
+            &s.recv_timeout(WAIT).expect("recv")[..],
+            b"again",
+            "{device}"
+        );
+    }
+}

@@ -163,6 +163,8 @@ pub(crate) struct Adopt {
     pub(crate) stream_window: u32,
     /// Accepting side: streams the peer may have open at once (`Config::max_streams`).
     pub(crate) max_streams: u32,
+    /// Accepting side: the connection's place among those the endpoint keeps.
+    pub(crate) admission: Option<Admission>,
     /// Accepting side, when the driver awaits the peer's `Ready`: how long it may take.
     pub(crate) ready_within: Duration,
     /// Accepting side: the stream the handshake opened (already handed to the listener).
@@ -277,6 +279,30 @@ impl StreamState {
     }
 }
 
+/// Accepting side: a connection's place among those its endpoint keeps
+/// (`Config::max_connections`), given back when the connection's state goes.
+pub(crate) struct Admission(Arc<std::sync::atomic::AtomicUsize>);
+
+impl Admission {
+    /// A place among the `max` that `kept` counts, or `None` when all are taken.
+    pub(crate) fn take(
+        kept: &Arc<std::sync::atomic::AtomicUsize>,
+        max: usize,
+    ) -> Option<Admission> {
+        kept.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+            (n < max).then_some(n + 1)
+        })
+        .ok()?;
+        Some(Admission(Arc::clone(kept)))
+    }
+}
+
+impl Drop for Admission {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
 /// One connection: a QP, its channel core and the streams it carries.
 struct ConnState {
     driver: ChannelDriver,
@@ -304,6 +330,8 @@ struct ConnState {
     stream_window: u32,
     /// Accepting side: streams the peer may have open at once; more are refused.
     max_streams: u32,
+    /// Accepting side: held while this state lives.
+    _admission: Option<Admission>,
     timer_at: Option<Instant>,
     failed: Option<Failure>,
     /// The connecting side's last user let go (or the endpoint went) while messages or
@@ -1409,6 +1437,7 @@ impl Worker {
             eager_max,
             stream_window,
             max_streams,
+            admission,
             first_stream,
             ready_within,
         } = a;
@@ -1459,6 +1488,7 @@ impl Worker {
                 eager_max,
                 stream_window,
                 max_streams,
+                _admission: admission,
                 timer_at: None,
                 failed: None,
                 closing: None,

@@ -39,9 +39,10 @@
 //!                            # first go over a Unix socket (cheaper than loopback TCP)
 //! share_connections = true   # channels to one peer share one connection per worker (false: a
 //!                            # connection per channel, e.g. to give a flow its own credits)
-//! stream_window = 64         # data messages of one channel the peer may hold unconsumed before
-//!                            # its sender waits, and RPC calls of one channel out at once
-//!                            # (4..=65536; a connection uses the smaller side's)
+//! stream_window = 64         # data of one channel the peer may hold unconsumed before its
+//!                            # sender waits, in units (a message counts one per MiB it started,
+//!                            # half the window at most), and RPC calls of one channel out at
+//!                            # once (4..=65536; a connection uses the smaller side's)
 //! max_streams = 4096         # channels a peer may have open at once on one connection it
 //!                            # made to this endpoint; more are refused (1..=1048576)
 //! max_connections = 4096     # connections peers made to this endpoint it keeps at once (each
@@ -217,9 +218,10 @@ pub struct Config {
     /// Channels to one peer share one connection per worker (the connection pool). `false`:
     /// every `connect` sets up a connection of its own (its own receive ring and credits).
     pub share_connections: bool,
-    /// Data messages of one channel (stream) the peer's sender may have here unconsumed by the
-    /// application before it waits (`FABRIQ_STREAM_WINDOW`, 4 ..= 65 536, default 64): a reader
-    /// that stops holds back only its own channel, by at most this many messages. Also the
+    /// Data of one channel (stream) the peer's sender may have here unconsumed by the
+    /// application before it waits, in units: a message counts one per MiB it started, half
+    /// the window at most (`FABRIQ_STREAM_WINDOW`, 4 ..= 65 536, default 64): a reader that
+    /// stops holds back only its own channel, by at most this many MiB or two messages. Also the
     /// RPC calls of one channel out at once (more wait for replies). Announced in the hello;
     /// a connection uses the smaller of the two sides'; a peer past it breaks the protocol.
     pub stream_window: u32,

@@ -23,8 +23,10 @@ pub const MAGIC: u32 = 0x4642_5251;
 /// control socket ([`Hello::local_control`]). Version 5: the server reaches RTR first and says
 /// so (`QpAttr::before_peer`), and its hello-ack carries its QP's endpoint as read after that
 /// RTR, which the client's RTR must be given. Version 6: a connecting side whose connection
-/// lingers in its close may write [`Message::Nudge`] on the live control stream.
-pub const VERSION: u16 = 6;
+/// lingers in its close may write [`Message::Nudge`] on the live control stream. Version 7:
+/// a stream's window (`stream_window`) and its reports count window units — one per started
+/// MiB of a data message — instead of messages.
+pub const VERSION: u16 = 7;
 /// Shortest frame a peer can send, bytes: the length prefix, then a body of at least the
 /// magic, the version and the kind (a `Ready`, a `Close`). A reader that does not know the
 /// length yet may ask for this many without reading past the end of the first frame.
@@ -630,11 +632,13 @@ mod tests {
 
     #[test]
     fn foreign_version_is_named_not_misparsed() {
-        let frame = encode_with_version(&Message::Hello(sample_hello()), 7);
-        assert_eq!(
-            decode_frame(&frame),
-            Err(DecodeError::UnsupportedVersion(7))
-        );
+        for other in [VERSION - 1, VERSION + 1] {
+            let frame = encode_with_version(&Message::Hello(sample_hello()), other);
+            assert_eq!(
+                decode_frame(&frame),
+                Err(DecodeError::UnsupportedVersion(other))
+            );
+        }
     }
 
     #[test]

@@ -1470,3 +1470,67 @@ fn connections_past_the_limit_are_rejected_and_the_rest_go_on() {
         );
     }
 }
+
+/// The stream window counts a unit per started MiB of a message (half the window at most), so
+/// a reader that stops holds at most a window of MiB or two messages of any size, not a window
+/// of messages of any size: on a window of 4, two unread 1.5 MiB messages fill it, and so
+/// would two of 10 MiB. Payloads arrive whole and in order.
+#[test]
+fn the_stream_window_bounds_unread_bytes_not_only_messages() {
+    use crate::ChannelError;
+    use std::time::Duration;
+    const WAIT: Duration = Duration::from_secs(10);
+    const MIB: usize = 1 << 20;
+    for device in ["shm0", "tcp0"] {
+        let (a, _b, listener) = client_server(crate::Config {
+            device: device.into(),
+            workers: 1,
+            stream_window: 4,
+            ..crate::Config::default()
+        });
+        let ca = a.connect(listener.local_addr()).expect("connect");
+        let cb = listener.accept_timeout(WAIT).expect("accept");
+        let msg = |tag: u8, len: usize| vec![tag; len];
+        ca.send_timeout(&msg(1, 3 * MIB / 2), WAIT).expect("first");
+        ca.send_timeout(&msg(2, 3 * MIB / 2), WAIT).expect("second");
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(
+            matches!(
+                ca.try_send(&msg(3, 3 * MIB / 2)),
+                Err(ChannelError::WouldBlock)
+            ),
+            "{device}: a third 1.5 MiB message past a window of 4 MiB"
+        );
+        // A small message takes a unit too: the two took all four.
+        assert!(
+            matches!(ca.try_send(b"x"), Err(ChannelError::WouldBlock)),
+            "{device}"
+        );
+        let big = std::thread::spawn(move || {
+            ca.send_timeout(&msg(3, 3 * MIB / 2), WAIT).expect("third");
+            ca.send_timeout(&msg(4, 10 * MIB), WAIT)
+                .expect("the large one");
+            ca.send_timeout(&msg(5, 10 * MIB), WAIT)
+                .expect("another large one");
+            ca
+        });
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(
+            !big.is_finished(),
+            "{device}: the third went into a full window"
+        );
+        for (tag, len) in [(1u8, 3 * MIB / 2), (2, 3 * MIB / 2), (3, 3 * MIB / 2)] {
+            let m = cb.recv_timeout(WAIT).expect("recv");
+            assert_eq!(m.len(), len, "{device}");
+            assert!(m.iter().all(|&b| b == tag), "{device}: message {tag}");
+        }
+        for tag in [4u8, 5] {
+            let m = cb.recv_timeout(WAIT).expect("recv a large one");
+            assert_eq!(m.len(), 10 * MIB, "{device}");
+            assert!(m.iter().all(|&b| b == tag), "{device}: message {tag}");
+        }
+        let ca = big.join().expect("sender");
+        ca.send_timeout(b"after", WAIT).expect("send after");
+        assert_eq!(&cb.recv_timeout(WAIT).expect("recv after")[..], b"after");
+    }
+}

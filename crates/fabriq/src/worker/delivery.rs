@@ -11,26 +11,48 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use parking_lot::Mutex;
 
+use super::shared::window_units;
 use crate::message::Message;
 
 /// Delivered messages waiting for the application.
-#[derive(Default)]
 pub(crate) struct DeliveryQueue {
+    /// The stream window, which caps a message's units.
+    stream_window: u64,
     /// The deque's length, published after every change made under the lock.
     len: AtomicUsize,
-    /// Messages popped so far (wrapping), published under the lock like `len`: the stream's
-    /// consumed count, which the worker reads instead of being told of every read.
+    /// Window units ([`window_units`]) of the messages popped so far (wrapping), published
+    /// under the lock like `len`: the stream's consumed count, which the worker reads instead
+    /// of being told of every read.
     taken: AtomicU64,
-    queue: Mutex<VecDeque<Message>>,
+    queue: Mutex<Waiting>,
+}
+
+#[derive(Default)]
+struct Waiting {
+    messages: VecDeque<Message>,
+    /// Their window units.
+    units: u64,
 }
 
 impl DeliveryQueue {
-    /// Append a delivered message; how many wait now.
-    pub(crate) fn push(&self, m: Message) -> u64 {
+    /// An empty queue of a stream of window `stream_window`.
+    pub(crate) fn new(stream_window: u64) -> DeliveryQueue {
+        DeliveryQueue {
+            stream_window,
+            len: AtomicUsize::new(0),
+            taken: AtomicU64::new(0),
+            queue: Mutex::default(),
+        }
+    }
+
+    /// Append a delivered message; how many wait now, and their window units.
+    pub(crate) fn push(&self, m: Message) -> (u64, u64) {
+        let units = window_units(m.len() as u64, self.stream_window);
         let mut q = self.queue.lock();
-        q.push_back(m);
-        self.len.store(q.len(), Ordering::Release);
-        q.len() as u64
+        q.messages.push_back(m);
+        q.units += units;
+        self.len.store(q.messages.len(), Ordering::Release);
+        (q.messages.len() as u64, q.units)
     }
 
     /// True when no message waits (one load: a message pushed meanwhile is seen next time).
@@ -46,7 +68,7 @@ impl DeliveryQueue {
         self.pop_locked()
     }
 
-    /// How many messages were popped so far (wrapping).
+    /// Window units of the messages popped so far (wrapping).
     pub(crate) fn taken(&self) -> u64 {
         self.taken.load(Ordering::Acquire)
     }
@@ -55,11 +77,14 @@ impl DeliveryQueue {
     /// there is none (see `ChannelShared::deliver`).
     pub(crate) fn pop_locked(&self) -> Option<Message> {
         let mut q = self.queue.lock();
-        let m = q.pop_front()?;
-        self.len.store(q.len(), Ordering::Release);
+        let m = q.messages.pop_front()?;
+        let units = window_units(m.len() as u64, self.stream_window);
+        q.units -= units;
+        self.len.store(q.messages.len(), Ordering::Release);
         // Only a holder of the lock writes it: a load and a store, no locked add.
         let taken = self.taken.load(Ordering::Relaxed);
-        self.taken.store(taken.wrapping_add(1), Ordering::Release);
+        self.taken
+            .store(taken.wrapping_add(units), Ordering::Release);
         Some(m)
     }
 
@@ -68,7 +93,7 @@ impl DeliveryQueue {
         let drained = {
             let mut q = self.queue.lock();
             self.len.store(0, Ordering::Release);
-            std::mem::take(&mut *q)
+            std::mem::take(&mut *q).messages
         };
         // Dropped outside the lock: a message may hand a buffer back to its pool.
         drained.len() as u64
@@ -93,7 +118,7 @@ mod tests {
 
     #[test]
     fn messages_come_out_in_order_and_clear_counts_them() {
-        let q = DeliveryQueue::default();
+        let q = DeliveryQueue::new(64);
         assert!(q.is_empty());
         assert!(q.pop().is_none());
         for s in 1..=5 {
@@ -107,9 +132,40 @@ mod tests {
         assert!(q.pop().is_none());
     }
 
+    /// What waits and what was read count in window units: one per started MiB of a message,
+    /// half the window (64 here) at most.
+    #[test]
+    fn waiting_and_taken_count_window_units() {
+        let q = DeliveryQueue::new(64);
+        let sized = |len: usize| Message {
+            payload: Payload::Eager(EagerBytes::from_slice(&vec![1u8; len])),
+            trace: TraceHeader::default(),
+            seq: 0,
+            recycle: None,
+        };
+        assert_eq!(q.push(sized(0)), (1, 1));
+        assert_eq!(q.push(sized(1 << 20)), (2, 2));
+        assert_eq!(q.push(sized((1 << 20) + 1)), (3, 4));
+        assert_eq!(q.push(sized(10 << 20)), (4, 14));
+        assert_eq!(q.push(sized(40 << 20)), (5, 46), "half the window at most");
+        assert_eq!(q.taken(), 0);
+        q.pop().expect("first");
+        q.pop().expect("second");
+        assert_eq!(q.taken(), 2);
+        q.pop().expect("third");
+        assert_eq!(q.taken(), 4);
+        assert_eq!(q.push(sized(8)), (3, 43));
+        assert_eq!(q.clear(), 3);
+        assert_eq!(
+            q.push(sized(8)),
+            (1, 1),
+            "cleared units start again from none"
+        );
+    }
+
     #[test]
     fn a_reader_on_another_thread_sees_every_message_once_in_order() {
-        let q = std::sync::Arc::new(DeliveryQueue::default());
+        let q = std::sync::Arc::new(DeliveryQueue::new(64));
         let n = 20_000u64;
         let reader = {
             let q = std::sync::Arc::clone(&q);

@@ -2265,19 +2265,22 @@ fn on_received(
             && handoff.message.is_none()
             && ss.shared.nothing_waiting()
         {
-            ss.shared.count_handed();
+            ss.shared
+                .count_handed(ss.shared.window_units(m.len() as u64));
             handoff.message = Some(m);
             handoff.done = true;
-        } else if ss.shared.deliver(m) > ss.shared.stream_window() {
-            // A sender keeps at most a window of messages unconsumed (`try_reserve`), and the
+        } else {
+            // A sender keeps at most a window of units unconsumed (`try_reserve`), and the
             // application here consumed at least what this end reported: more waiting than
             // that is a peer that ignores the window, which would grow this queue without
             // bound. The connection fails (`ChannelError::Protocol`); the messages delivered
             // can still be read.
-            return Err(format!(
-                "peer sent stream {stream} more than the {} unconsumed messages its window allows",
-                ss.shared.stream_window()
-            ));
+            if ss.shared.deliver(m) > ss.shared.stream_window() {
+                return Err(format!(
+                    "peer sent stream {stream} more than the {} unconsumed units its window allows",
+                    ss.shared.stream_window()
+                ));
+            }
         }
         return Ok(());
     }

@@ -57,8 +57,21 @@ const LINGER_POLL_MAX: Duration = Duration::from_millis(1);
 pub(crate) const WINDOW_BYTES: u64 = 16 << 20;
 /// One outstanding message in `ChannelShared::sends` (its low 32 bits).
 const OUTSTANDING: u64 = 1;
-/// One unconsumed message in `ChannelShared::sends` (its high 32 bits).
+/// One unconsumed unit in `ChannelShared::sends` (its high 32 bits).
 const UNCONSUMED: u64 = 1 << 32;
+/// Payload bytes one unit of the stream window stands for: a data message counts a unit per
+/// MiB it started (one at least, half the window at most), so a reader that stops holds at
+/// most a window of MiB — or two messages of any size — and not a window of messages of up to
+/// `max_message_len` each.
+pub(crate) const WINDOW_UNIT: u64 = 1 << 20;
+
+/// Units of the stream window `stream_window` that a data message of `len` payload bytes
+/// counts. At most half the window: a sender that waits then has more than half the window
+/// unconsumed — over the quarter after which the reader reports — so the report that lets it
+/// go comes once the reader consumed what it sent.
+pub(crate) fn window_units(len: u64, stream_window: u64) -> u64 {
+    (1 + len.saturating_sub(1) / WINDOW_UNIT).min(stream_window / 2)
+}
 /// Messages of at most this many payload bytes are not counted in
 /// `ChannelShared::outstanding_bytes` (the message window bounds what they hold).
 const UNCOUNTED_BYTES: u64 = 4096;
@@ -986,10 +999,10 @@ pub(crate) struct ChannelShared {
     pub(crate) rx_async_waiters: AtomicUsize,
     /// Two counts in one word, so that a reservation is one atomic step: in the low 32 bits
     /// the messages accepted from this handle (or by the worker for RPC) and not yet completed
-    /// (`OUTSTANDING`); in the high 32 bits the data messages sent on this stream that the
-    /// peer's application has not consumed, as far as its reports tell (`UNCONSUMED`): `send`
-    /// blocks at the stream window, so a peer that stops reading this stream stops only this
-    /// stream.
+    /// (`OUTSTANDING`); in the high 32 bits the window units ([`window_units`]) of the data
+    /// messages sent on this stream that the peer's application has not consumed, as far as
+    /// its reports tell (`UNCONSUMED`): `send` blocks at the stream window, so a peer that
+    /// stops reading this stream stops only this stream.
     sends: AtomicU64,
     /// Most outstanding (accepted, not yet acknowledged) messages before `send` blocks. Set to
     /// the channel's `max_queued` when the worker adopts it: messages the peer acknowledged
@@ -1006,24 +1019,24 @@ pub(crate) struct ChannelShared {
     /// unconsumed count of `sends` is at it, and the worker fails a connection whose peer
     /// leaves more than that waiting here. Set once (atomic for tests that ignore it).
     stream_window: AtomicU64,
-    /// Consumed messages after which the worker is told (a quarter of the window): a report
-    /// goes out then even if the stream sends nothing.
+    /// Consumed window units after which the worker is told (a quarter of the window): a
+    /// report goes out then even if the stream sends nothing.
     pub(crate) report_every: u64,
     pub(crate) tx_notify: tokio::sync::Notify,
     /// Async senders waiting on `tx_notify` (it is only notified when there are some).
     pub(crate) tx_async_waiters: AtomicUsize,
     failed: AtomicBool,
-    /// How many of the messages the application consumed (`DeliveryQueue::taken`) the worker
-    /// has counted into stream window reports: it takes the rest whenever it sends a message
+    /// How many of the window units the application consumed (`DeliveryQueue::taken`) the
+    /// worker has counted into stream window reports: it takes the rest whenever it sends a message
     /// of the stream (the count rides on it), and is told (`Released`) only when a report's
     /// worth (`report_every`) built up, so a stream of receives costs no worker call and no
     /// locked instruction per message. Written by the holder of the worker's lock only.
     reported: AtomicU64,
     /// The application asked the worker for a report (`Released`) that it has not taken yet.
     report_asked: AtomicBool,
-    /// Messages handed straight to a reading thread (`super::Handoff`), which never went
-    /// through `rx`: with `rx`'s count of reads, what the application consumed. Written by
-    /// the holder of the worker's lock only.
+    /// Window units of the messages handed straight to a reading thread (`super::Handoff`),
+    /// which never went through `rx`: with `rx`'s count of reads, what the application
+    /// consumed. Written by the holder of the worker's lock only.
     handed: AtomicU64,
     /// RPC replies of this stream's calls that ended the pass of the thread waiting for them
     /// (`super::Handoff`). Written by the holder of the worker's lock only.
@@ -1041,7 +1054,7 @@ impl ChannelShared {
         ChannelShared {
             id,
             worker,
-            rx: DeliveryQueue::default(),
+            rx: DeliveryQueue::new(stream_window),
             failure: Mutex::new(None),
             rx_notify: tokio::sync::Notify::new(),
             rx_async_waiters: AtomicUsize::new(0),
@@ -1061,9 +1074,9 @@ impl ChannelShared {
     }
 
     /// Worker: a message for the application (blocking waiters are woken by the progress pass
-    /// that delivered it). Returns how many now wait.
+    /// that delivered it). Returns the window units of the messages that now wait.
     pub(crate) fn deliver(&self, m: Message) -> u64 {
-        let waiting = self.rx.push(m);
+        let (_, waiting) = self.rx.push(m);
         // Pairs with `recv_async`'s count-then-look, whose look takes the queue's lock: either
         // its look comes after this push (it sees the message), or its count happened before
         // its look's unlock, which this push's lock came after (this sees it waiting). The
@@ -1074,9 +1087,15 @@ impl ChannelShared {
         waiting
     }
 
-    /// The connection's stream window: data messages either end may hold unconsumed.
+    /// The connection's stream window: window units ([`window_units`]) of data messages either
+    /// end may hold unconsumed.
     pub(crate) fn stream_window(&self) -> u64 {
         self.stream_window.load(Ordering::Relaxed)
+    }
+
+    /// The window units of a data message of `len` payload bytes on this stream.
+    pub(crate) fn window_units(&self, len: u64) -> u64 {
+        window_units(len, self.stream_window())
     }
 
     /// Let this end send past the stream window, as a peer that ignores it would.
@@ -1134,7 +1153,7 @@ impl ChannelShared {
         taken.wrapping_sub(reported)
     }
 
-    /// Messages the application consumed: read from the delivery queue or handed over.
+    /// Window units the application consumed: read from the delivery queue or handed over.
     fn consumed(&self) -> u64 {
         self.rx
             .taken()
@@ -1147,16 +1166,17 @@ impl ChannelShared {
         self.rx.is_empty()
     }
 
-    /// Messages handed straight to a reading thread so far.
+    /// Window units of the messages handed straight to a reading thread so far.
     #[cfg(test)]
     pub(crate) fn handed_count(&self) -> u64 {
         self.handed.load(Ordering::Acquire)
     }
 
-    /// Worker (holding its lock): a message was handed straight to a reading thread.
-    pub(crate) fn count_handed(&self) {
+    /// Worker (holding its lock): a message of `units` was handed straight to a reading
+    /// thread.
+    pub(crate) fn count_handed(&self, units: u64) {
         let n = self.handed.load(Ordering::Relaxed);
-        self.handed.store(n.wrapping_add(1), Ordering::Release);
+        self.handed.store(n.wrapping_add(units), Ordering::Release);
     }
 
     /// RPC replies that ended the pass of the thread waiting for them.
@@ -1224,7 +1244,7 @@ impl ChannelShared {
 
     /// A reserved message of `bytes` that never left: its reservation ends.
     pub(crate) fn cancel_reservation(&self, bytes: u64) {
-        self.peer_consumed(1);
+        self.peer_consumed(self.window_units(bytes));
         self.send_progress(1, bytes);
     }
 
@@ -1251,14 +1271,15 @@ impl ChannelShared {
         }
         let window = self.window.load(Ordering::Relaxed);
         let stream_window = self.stream_window();
+        let units = window_units(len as u64, stream_window);
         let mut cur = self.sends.load(Ordering::Acquire);
         loop {
-            if cur % UNCONSUMED >= window || cur / UNCONSUMED >= stream_window {
+            if cur % UNCONSUMED >= window || cur / UNCONSUMED + units > stream_window {
                 return Err(ChannelError::WouldBlock);
             }
             match self.sends.compare_exchange_weak(
                 cur,
-                cur + OUTSTANDING + UNCONSUMED,
+                cur + OUTSTANDING + units * UNCONSUMED,
                 Ordering::AcqRel,
                 Ordering::Acquire,
             ) {

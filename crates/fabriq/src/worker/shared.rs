@@ -69,8 +69,13 @@ pub(crate) const WINDOW_UNIT: u64 = 1 << 20;
 /// counts. At most half the window: a sender that waits then has more than half the window
 /// unconsumed — over the quarter after which the reader reports — so the report that lets it
 /// go comes once the reader consumed what it sent.
+#[inline]
 pub(crate) fn window_units(len: u64, stream_window: u64) -> u64 {
-    (1 + len.saturating_sub(1) / WINDOW_UNIT).min(stream_window / 2)
+    if len <= WINDOW_UNIT {
+        1
+    } else {
+        (1 + (len - 1) / WINDOW_UNIT).min(stream_window / 2)
+    }
 }
 /// Messages of at most this many payload bytes are not counted in
 /// `ChannelShared::outstanding_bytes` (the message window bounds what they hold).
@@ -1095,7 +1100,11 @@ impl ChannelShared {
 
     /// The window units of a data message of `len` payload bytes on this stream.
     pub(crate) fn window_units(&self, len: u64) -> u64 {
-        window_units(len, self.stream_window())
+        if len <= WINDOW_UNIT {
+            1
+        } else {
+            window_units(len, self.stream_window())
+        }
     }
 
     /// Let this end send past the stream window, as a peer that ignores it would.

@@ -558,6 +558,7 @@ impl Endpoint {
         let conn = driver.qp().qp_num().0;
         let peer = control.peer_addr();
         let failed = Arc::new(AtomicBool::new(false));
+        let refusing = Arc::new(AtomicBool::new(false));
         // The configuration the driver was made with (an early one's may be a little older).
         let (eager_max, max_queued) = {
             let cfg = driver.core().config();
@@ -594,6 +595,7 @@ impl Endpoint {
             lease: Some(lease),
             accept: accept.clone(),
             failed: Arc::clone(&failed),
+            refusing: Arc::clone(&refusing),
             peer,
             eager_max,
             stream_window,
@@ -618,6 +620,7 @@ impl Endpoint {
         Ok(Adopted {
             conn,
             failed,
+            refusing,
             hangup,
             eager_max,
             stream_window,
@@ -642,7 +645,8 @@ impl Endpoint {
             a.failed,
             a.first,
         )
-        .with_hangup_probe(a.hangup))
+        .with_hangup_probe(a.hangup)
+        .with_refusals(a.refusing))
     }
 
     /// The pooled connection to `addr` of worker `w`, connecting if there is none live.
@@ -659,9 +663,11 @@ impl Endpoint {
         // in the control stream, whether or not the worker has read it yet), is replaced: a
         // peer that left and a new endpoint on its address get a new connection, never the
         // dead one (whose channels would only fail, unseen by the new endpoint).
+        // So is one whose peer refused a stream (it keeps as many of the connection's streams
+        // as it allows): its channels go on, new ones get a connection of their own.
         w.pool.get_usable_or_connect(
             key,
-            |conn| !conn.is_failed(),
+            |conn| !conn.is_failed() && !conn.refuses_streams(),
             || self.new_connection(w, addr),
         )
     }
@@ -857,6 +863,8 @@ const FAILURES_KEPT: usize = 64;
 struct Adopted {
     conn: u32,
     failed: Arc<AtomicBool>,
+    /// Connecting side: set when the peer refused a stream (see `ConnHandle`).
+    refusing: Arc<AtomicBool>,
     /// Connecting side: tells whether the peer ended the connection (see `ConnHandle`).
     hangup: Option<crate::conn::HangupProbe>,
     eager_max: u32,

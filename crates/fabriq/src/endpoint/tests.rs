@@ -1311,8 +1311,10 @@ fn a_caller_past_its_call_window_fails_its_connection_alone() {
 
 /// Past `max_streams` open on one connection, the accepting side refuses a peer's new stream:
 /// nothing of it is kept or handed to the listener, and the opener's channel (and a call on it)
-/// fails with `StreamRefused`; once a stream closes, the next one is taken. (Without the
-/// bound, a peer could make the accepting side keep streams without end.)
+/// fails with `StreamRefused`; the connection's channels go on, the opener's pool sets up
+/// another connection for the next channel, and on a connection a stream that closed on both
+/// ends makes room for the next. (Without the bound, a peer could make the accepting side keep
+/// streams without end.)
 #[test]
 fn streams_past_the_limit_are_refused_and_the_rest_go_on() {
     use crate::{ChannelError, RpcError};
@@ -1326,12 +1328,12 @@ fn streams_past_the_limit_are_refused_and_the_rest_go_on() {
             ..crate::Config::default()
         });
         b.serve("echo", |req| Ok(req.to_vec()));
-        let mut pairs = Vec::new();
-        for _ in 0..3 {
+        let pair = || {
             let c = a.connect(listener.local_addr()).expect("connect");
             let s = listener.accept_timeout(WAIT).expect("accept");
-            pairs.push((c, s));
-        }
+            (c, s)
+        };
+        let first: Vec<_> = (0..3).map(|_| pair()).collect();
         assert_eq!(
             a.conn_stats().connects,
             1,
@@ -1353,8 +1355,10 @@ fn streams_past_the_limit_are_refused_and_the_rest_go_on() {
             listener.accept_timeout(Duration::from_millis(200)).is_err(),
             "{device}: a refused stream reached the listener"
         );
-        // The three go on.
-        for (i, (c, s)) in pairs.iter().enumerate() {
+        // The next channel gets a connection of its own; the first connection's go on.
+        let mut second = vec![pair()];
+        assert_eq!(a.conn_stats().connects, 2, "{device}: a second connection");
+        for (i, (c, s)) in first.iter().chain(&second).enumerate() {
             c.send_timeout(&[i as u8], WAIT).expect("send");
             assert_eq!(
                 s.recv_timeout(WAIT).expect("recv")[..],
@@ -1362,29 +1366,31 @@ fn streams_past_the_limit_are_refused_and_the_rest_go_on() {
                 "{device}"
             );
         }
-        // One closes on both ends: the next stream is taken.
-        let (c, s) = pairs.pop().expect("pair");
+        // On the second connection: three streams, one closes on both ends, a fourth is taken.
+        second.push(pair());
+        second.push(pair());
+        let (c, s) = second.pop().expect("pair");
         drop(c);
         assert!(
             matches!(s.recv_timeout(WAIT), Err(ChannelError::PeerGone)),
             "{device}"
         );
         drop(s);
-        let mut taken = None;
-        for _ in 0..100 {
-            // The server's close of its end may still be on its way.
-            let c = a.connect(listener.local_addr()).expect("connect again");
-            if let Ok(s) = listener.accept_timeout(Duration::from_millis(100)) {
-                taken = Some((c, s));
-                break;
-            }
-        }
+        // The server's worker takes the close of its end from its inbox within a pass.
+        std::thread::sleep(Duration::from_millis(100));
+        let c = a.connect(listener.local_addr()).expect("connect again");
+        let taken = listener.accept_timeout(WAIT).ok().map(|s| (c, s));
         let (c, s) = taken.expect("a stream after one closed");
         c.send_timeout(b"again", WAIT).expect("send");
         assert_eq!(
             &s.recv_timeout(WAIT).expect("recv")[..],
             b"again",
             "{device}"
+        );
+        assert_eq!(
+            a.conn_stats().connects,
+            2,
+            "{device}: on the second connection"
         );
     }
 }

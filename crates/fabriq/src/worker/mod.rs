@@ -157,6 +157,9 @@ pub(crate) struct Adopt {
     pub(crate) accept: Option<std::sync::mpsc::Sender<Accepted>>,
     /// Set when the connection fails (read by the connection pool).
     pub(crate) failed: Arc<AtomicBool>,
+    /// Connecting side: set when the peer refused a stream (`STREAM_REFUSED`): the pool hands
+    /// the connection out no more, and the next connect sets up another.
+    pub(crate) refusing: Arc<AtomicBool>,
     pub(crate) peer: SocketAddr,
     pub(crate) eager_max: u32,
     /// The stream window both sides agreed on.
@@ -324,6 +327,8 @@ struct ConnState {
     lease: Option<QpLease>,
     accept: Option<std::sync::mpsc::Sender<Accepted>>,
     failed_flag: Arc<AtomicBool>,
+    /// See [`Adopt::refusing`].
+    refusing: Arc<AtomicBool>,
     peer: SocketAddr,
     eager_max: u32,
     /// The stream window both sides agreed on (streams the peer opens get it).
@@ -1433,6 +1438,7 @@ impl Worker {
             lease,
             accept,
             failed,
+            refusing,
             peer,
             eager_max,
             stream_window,
@@ -1484,6 +1490,7 @@ impl Worker {
                 lease,
                 accept,
                 failed_flag: failed,
+                refusing,
                 peer,
                 eager_max,
                 stream_window,
@@ -2469,6 +2476,9 @@ fn on_stream_control(
         st.driver.core_mut().ack_now();
         let refused = flags.contains(TraceFlags::STREAM_REFUSED);
         let why = if refused {
+            // The peer keeps as many of this connection's streams as it allows: later
+            // channels to it go on another connection.
+            st.refusing.store(true, Ordering::Release);
             Failure::Refused
         } else {
             Failure::PeerGone

@@ -70,6 +70,9 @@ pub(crate) struct ConnHandle {
     first: Mutex<Option<Arc<ChannelShared>>>,
     /// Set by the worker when the connection failed: the pool must not hand it out again.
     pub(crate) failed: Arc<AtomicBool>,
+    /// Set by the worker when the peer refused a stream on the connection (it keeps as many
+    /// as it allows): the pool hands the connection out no more.
+    refusing: Arc<AtomicBool>,
     /// Whether the peer ended the connection, before the worker reads it off the control
     /// stream (the worker looks at control streams only when its epoll says so, which a busy
     /// worker asks every 1024th idle pass): `None` where no probe could be made.
@@ -96,8 +99,21 @@ impl ConnHandle {
             first_taken: AtomicBool::new(false),
             first: Mutex::new(first),
             failed,
+            refusing: Arc::new(AtomicBool::new(false)),
             hangup: None,
         }
+    }
+
+    /// The flag the worker sets when the peer refuses a stream of this connection.
+    pub(crate) fn with_refusals(mut self, refusing: Arc<AtomicBool>) -> ConnHandle {
+        self.refusing = refusing;
+        self
+    }
+
+    /// True once the peer refused a stream of this connection: the pool must not hand it out
+    /// for new channels (those it has go on).
+    pub(crate) fn refuses_streams(&self) -> bool {
+        self.refusing.load(Ordering::Acquire)
     }
 
     /// The probe [`ConnHandle::is_failed`] asks whether the peer ended the connection.

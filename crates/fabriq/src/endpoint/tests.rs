@@ -1309,6 +1309,28 @@ fn a_caller_past_its_call_window_fails_its_connection_alone() {
     }
 }
 
+/// Each pair (connecting end, accepted end) carries a message, in turn.
+fn each_carries<'a>(
+    pairs: impl IntoIterator<Item = &'a (crate::Channel, crate::Channel)>,
+    device: &str,
+) {
+    const WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+    for (i, (c, s)) in pairs.into_iter().enumerate() {
+        c.send_timeout(&[i as u8], WAIT).expect("send");
+        let m = s.recv_timeout(WAIT).expect("recv");
+        assert_eq!(m[..], [i as u8], "{device}: pair {i}");
+    }
+}
+
+/// Close a pair on both ends: the connecting end first, the accepted end once it saw the close.
+fn close_both((c, s): (crate::Channel, crate::Channel), device: &str) {
+    drop(c);
+    match s.recv_timeout(std::time::Duration::from_secs(10)) {
+        Err(crate::ChannelError::PeerGone) => {}
+        other => panic!("{device}: the accepted end got {other:?}"),
+    }
+}
+
 /// Past `max_streams` open on one connection, the accepting side refuses a peer's new stream:
 /// nothing of it is kept or handed to the listener, and the opener's channel (and a call on it)
 /// fails with `StreamRefused`; the connection's channels go on, the opener's pool sets up
@@ -1358,35 +1380,14 @@ fn streams_past_the_limit_are_refused_and_the_rest_go_on() {
         // The next channel gets a connection of its own; the first connection's go on.
         let mut second = vec![pair()];
         assert_eq!(a.conn_stats().connects, 2, "{device}: a second connection");
-        for (i, (c, s)) in first.iter().chain(&second).enumerate() {
-            c.send_timeout(&[i as u8], WAIT).expect("send");
-            assert_eq!(
-                s.recv_timeout(WAIT).expect("recv")[..],
-                [i as u8],
-                "{device}"
-            );
-        }
+        each_carries(first.iter().chain(&second), device);
         // On the second connection: three streams, one closes on both ends, a fourth is taken.
         second.push(pair());
         second.push(pair());
-        let (c, s) = second.pop().expect("pair");
-        drop(c);
-        assert!(
-            matches!(s.recv_timeout(WAIT), Err(ChannelError::PeerGone)),
-            "{device}"
-        );
-        drop(s);
+        close_both(second.pop().expect("pair"), device);
         // The server's worker takes the close of its end from its inbox within a pass.
         std::thread::sleep(Duration::from_millis(100));
-        let c = a.connect(listener.local_addr()).expect("connect again");
-        let taken = listener.accept_timeout(WAIT).ok().map(|s| (c, s));
-        let (c, s) = taken.expect("a stream after one closed");
-        c.send_timeout(b"again", WAIT).expect("send");
-        assert_eq!(
-            &s.recv_timeout(WAIT).expect("recv")[..],
-            b"again",
-            "{device}"
-        );
+        each_carries(&[pair()], device);
         assert_eq!(
             a.conn_stats().connects,
             2,
@@ -1438,21 +1439,8 @@ fn connections_past_the_limit_are_rejected_and_the_rest_go_on() {
             Some(ConnError::AtCapacity { max: 2, .. }) => {}
             other => panic!("{device}: the server recorded {other:?}"),
         }
-        for (i, (c, s)) in pairs.iter().enumerate() {
-            c.send_timeout(&[i as u8], WAIT).expect("send");
-            assert_eq!(
-                s.recv_timeout(WAIT).expect("recv")[..],
-                [i as u8],
-                "{device}"
-            );
-        }
-        let (c, s) = pairs.pop().expect("pair");
-        drop(c);
-        assert!(
-            matches!(s.recv_timeout(WAIT), Err(ChannelError::PeerGone)),
-            "{device}"
-        );
-        drop(s);
+        each_carries(&pairs, device);
+        close_both(pairs.pop().expect("pair"), device);
         let until = std::time::Instant::now() + WAIT;
         let c = loop {
             match a.connect(listener.local_addr()) {
@@ -1468,12 +1456,7 @@ fn connections_past_the_limit_are_rejected_and_the_rest_go_on() {
             }
         };
         let s = listener.accept_timeout(WAIT).expect("accept again");
-        c.send_timeout(b"again", WAIT).expect("send");
-        assert_eq!(
-            &s.recv_timeout(WAIT).expect("recv")[..],
-            b"again",
-            "{device}"
-        );
+        each_carries(&[(c, s)], device);
     }
 }
 

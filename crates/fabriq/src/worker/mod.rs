@@ -227,7 +227,7 @@ struct PendingCall {
     /// until the reply comes, holding the call's place in the stream's window.
     reply: Option<CallReply>,
     deadline: Instant,
-    /// The request waits here for room in the window (in `StreamState::waiting`).
+    /// The request waits here for room in the window (in `ConnState::waiting_calls`).
     waiting: bool,
 }
 
@@ -255,17 +255,17 @@ struct StreamState {
     /// The peer closed the stream: nothing more arrives, nothing more is sent, but the
     /// application may still read what was delivered.
     peer_closed: bool,
-    /// Messages of this stream the application consumed, not yet reported to the peer (a
-    /// window at most: the peer keeps no more unconsumed). 32 bits, like the counts above,
-    /// keep the state of a stream in 56 bytes.
+    /// Window units of this stream's messages the application consumed, not yet reported to
+    /// the peer (a window at most: the peer keeps no more unconsumed). 32 bits, like the
+    /// counts above, keep the state of a stream in 56 bytes.
     to_report: u32,
     /// A lone `STREAM_CREDIT` report is queued.
     report_queued: bool,
 }
 
 // With its key, a stream's entry in its connection's map fills one cache line: the message
-// path reads it on every send and delivery (an entry of 72 bytes measured 3–4% slower 8-byte
-// round trips, `docs/BENCHMARKS.md`).
+// path reads it on every send and delivery (entries of 72 and 112 bytes measured 1–8% slower
+// 8-byte round trips, `docs/BENCHMARKS.md`, 2026-12-05, fifth round).
 const _: () = assert!(std::mem::size_of::<StreamState>() <= 56);
 
 impl StreamState {
@@ -2168,7 +2168,6 @@ fn into_payload(
     }
 }
 
-/// `STREAM_OPEN`, `STREAM_CLOSE` or `STREAM_CREDIT`: the worker's own messages of a stream.
 /// Requests that waited for room in their stream's call window, as far as it opened now, to
 /// the connection's backlog, in order.
 fn release_calls(
@@ -2208,6 +2207,7 @@ fn request_trace(call_id: u64, stream: u32) -> TraceInfo {
     }
 }
 
+/// `STREAM_OPEN`, `STREAM_CLOSE` or `STREAM_CREDIT`: the worker's own messages of a stream.
 fn is_stream_control(flags: TraceFlags) -> bool {
     flags.0 & (TraceFlags::STREAM_OPEN | TraceFlags::STREAM_CLOSE | TraceFlags::STREAM_CREDIT) != 0
 }

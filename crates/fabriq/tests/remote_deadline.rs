@@ -34,6 +34,31 @@ impl Owner {
         let pid = Pid::from_raw(self.0.id() as i32).expect("pid");
         kill_process(pid, sig).expect("signal the owner");
     }
+
+    /// SIGSTOP, and wait until every thread of the owner is stopped: `kill` returns before
+    /// they are, and a thread still running could serve the next operation.
+    fn stop(&self) {
+        self.signal(Signal::STOP);
+        let tasks = format!("/proc/{}/task", self.0.id());
+        let until = Instant::now() + HANG;
+        loop {
+            let stopped = std::fs::read_dir(&tasks)
+                .expect("the owner's threads")
+                .filter_map(Result::ok)
+                .all(|t| {
+                    // `pid (comm) S ...`: the state follows the last ')'.
+                    std::fs::read_to_string(t.path().join("stat")).is_ok_and(|st| {
+                        st.rsplit_once(')')
+                            .is_some_and(|(_, rest)| rest.trim_start().starts_with(['T', 't']))
+                    })
+                });
+            if stopped {
+                return;
+            }
+            assert!(Instant::now() < until, "the owner did not stop");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
 }
 
 impl Drop for Owner {
@@ -91,7 +116,7 @@ fn one_sided_operations_on_a_stopped_owner_end_by_their_deadline() {
     region.write(0, b"before").expect("write");
     assert_eq!(region.read(0, 6).expect("read"), b"before");
 
-    owner.signal(Signal::STOP);
+    owner.stop();
     let r = region.clone();
     let (got, took) = timed("read", move || r.read(0, 6));
     is_timeout("read", &got);

@@ -28,6 +28,8 @@
 //! max_queued = 64            # messages queued for credit before send blocks
 //! max_message_len = 4294967296
 //! # eager_max = 4096         # override the profile's eager threshold
+//! # pool_max_bytes = 1073741824  # most bytes one thread's memory pool registers (unset: no
+//!                            # bound); a message or reply past it fails with a pool error
 //! # chunk_size = 65536       # override the profile's READ chunk
 //! reads_in_flight = 16       # RDMA READs of one rendezvous pull in flight
 //! rnr_retry = 7              # QP RNR retries (the credit scheme never needs one; 0 makes any
@@ -63,7 +65,7 @@
 //! Environment: `FABRIQ_DEVICE`, `FABRIQ_WORKERS`, `FABRIQ_PROGRESS`, `FABRIQ_PIN_WORKERS`, `FABRIQ_IDLE_SPIN_US`,
 //! `FABRIQ_RPC_TIMEOUT_MS`, `FABRIQ_HANDSHAKE_TIMEOUT_MS`, `FABRIQ_HANDSHAKE_SPIN_US`, `FABRIQ_LINK_SPEED_GBPS`,
 //! `FABRIQ_RX_SLOTS`, `FABRIQ_SQ_DEPTH`, `FABRIQ_SIGNAL_EVERY`, `FABRIQ_MAX_QUEUED`, `FABRIQ_MAX_MESSAGE_LEN`,
-//! `FABRIQ_EAGER_MAX`, `FABRIQ_CHUNK_SIZE`, `FABRIQ_READS_IN_FLIGHT`, `FABRIQ_RNR_RETRY`,
+//! `FABRIQ_EAGER_MAX`, `FABRIQ_POOL_MAX_BYTES`, `FABRIQ_CHUNK_SIZE`, `FABRIQ_READS_IN_FLIGHT`, `FABRIQ_RNR_RETRY`,
 //! `FABRIQ_AUTH_TOKEN`, `FABRIQ_QP_CACHE_SIZE`, `FABRIQ_REUSE_CONTROL_STREAMS`,
 //! `FABRIQ_SHARE_CONNECTIONS`, `FABRIQ_STREAM_WINDOW`, `FABRIQ_MAX_STREAMS`, `FABRIQ_MAX_CONNECTIONS`, `FABRIQ_ACK_DELAY_US`, `FABRIQ_CLOSE_LINGER_MS`, `FABRIQ_DEVICE_OPTIONS` (`key=value,key=value`); `FABRIQ_CONFIG` names a
 //! TOML file read by [`Config::from_env`].
@@ -195,6 +197,11 @@ pub struct Config {
     pub max_message_len: u64,
     /// Eager threshold override.
     pub eager_max: Option<u32>,
+    /// Most bytes each thread's memory pool registers, slabs and large buffers
+    /// (`FABRIQ_POOL_MAX_BYTES`, at least 2 MiB; unset: no bound). An allocation past it fails
+    /// with [`crate::mempool::PoolError`]: a send says so, an RPC reply that finds no room
+    /// answers its caller `RpcError::Handler("no memory")`.
+    pub pool_max_bytes: Option<u64>,
     /// READ chunk override.
     pub chunk_size: Option<u32>,
     /// READs in flight per channel.
@@ -270,6 +277,7 @@ impl Default for Config {
             max_queued: 64,
             max_message_len: 4 << 30,
             eager_max: None,
+            pool_max_bytes: None,
             chunk_size: None,
             reads_in_flight: 16,
             rnr_retry: 7,
@@ -401,6 +409,9 @@ impl Config {
         if let Some(v) = get("FABRIQ_EAGER_MAX") {
             self.eager_max = Some(parse("FABRIQ_EAGER_MAX", &v)?);
         }
+        if let Some(v) = get("FABRIQ_POOL_MAX_BYTES") {
+            self.pool_max_bytes = Some(parse("FABRIQ_POOL_MAX_BYTES", &v)?);
+        }
         if let Some(v) = get("FABRIQ_DEVICE_OPTIONS") {
             for pair in v.split(',').map(str::trim).filter(|p| !p.is_empty()) {
                 let Some((k, val)) = pair.split_once('=') else {
@@ -447,6 +458,9 @@ impl Config {
         }
         if !(1..=1 << 20).contains(&self.max_connections) {
             return bad("max_connections must be in 1..=1048576");
+        }
+        if self.pool_max_bytes.is_some_and(|b| b < 2 << 20) {
+            return bad("pool_max_bytes must be at least 2 MiB (one slab)");
         }
         if !(1..=10_000_000).contains(&self.ack_delay_us) {
             return bad("ack_delay_us must be in 1..=10000000");
@@ -602,6 +616,7 @@ mod tests {
                 "FABRIQ_STREAM_WINDOW" => Some("256".into()),
                 "FABRIQ_MAX_STREAMS" => Some("16".into()),
                 "FABRIQ_MAX_CONNECTIONS" => Some("8".into()),
+                "FABRIQ_POOL_MAX_BYTES" => Some("16777216".into()),
                 "FABRIQ_REMOTE_TIMEOUT_MS" => Some("250".into()),
                 _ => None,
             })
@@ -610,6 +625,12 @@ mod tests {
         assert_eq!(c.remote_timeout(), Duration::from_millis(250));
         assert_eq!(c.stream_window, 256);
         assert_eq!((c.max_streams, c.max_connections), (16, 8));
+        assert_eq!(c.pool_max_bytes, Some(16 << 20));
+        let small = Config {
+            pool_max_bytes: Some(1 << 20),
+            ..Config::default()
+        };
+        assert!(small.validate().is_err(), "a pool bound below one slab");
         for var in ["FABRIQ_MAX_STREAMS", "FABRIQ_MAX_CONNECTIONS"] {
             for m in ["0", "1048577"] {
                 let err = Config::default()

@@ -157,6 +157,55 @@ fn a_responder_dropped_without_a_reply_fails_the_call_at_once() {
     }
 }
 
+/// A reply the server has no pool memory for (`Config::pool_max_bytes`) answers its caller at
+/// once with `RpcError::Handler(NO_MEMORY)` — a reply held in place needs none — inline or
+/// deferred (whose responder also tells the handler), and the caller's next calls go on: its
+/// place in the call window came back. (Before, the caller waited for its deadline, and the
+/// place stayed taken.)
+#[test]
+fn a_reply_without_pool_memory_answers_its_caller_at_once() {
+    const HUGE: usize = 8 << 20;
+    for progress in [Progress::Thread, Progress::Caller] {
+        let server = Endpoint::new(Config {
+            pool_max_bytes: Some(4 << 20),
+            ..config("shm0", progress)
+        })
+        .expect("server");
+        let client = Endpoint::new(config("shm0", progress)).expect("client");
+        let listener = server.listen("127.0.0.1:0").expect("listen");
+        server.serve("huge", |_| Ok(vec![7u8; HUGE]));
+        let (told, handler_told) = mpsc::channel();
+        server.serve_deferred("huge_later", move |_, responder| {
+            let _ = told.send(responder.reply(&vec![7u8; HUGE]));
+        });
+        server.serve("echo", |req| Ok(req.to_vec()));
+        let rpc = Rpc::new(client.connect(listener.local_addr()).expect("connect"));
+        let _s = listener.accept_timeout(HANG).expect("accept");
+        for round in 0..3 {
+            for method in ["huge", "huge_later"] {
+                let started = std::time::Instant::now();
+                let got = rpc.call(method, b"x", HANG);
+                assert!(
+                    matches!(&got, Err(RpcError::Handler(m)) if m == fabriq::rpc::NO_MEMORY),
+                    "{method} ({progress:?}, round {round}): {got:?}"
+                );
+                assert!(
+                    started.elapsed() < HANG / 2,
+                    "{method}: answered at the deadline"
+                );
+            }
+            let told = handler_told
+                .recv_timeout(HANG)
+                .expect("the handler's result");
+            assert!(
+                matches!(told, Err(fabriq::ChannelError::Pool(_))),
+                "{progress:?}: the deferred handler was told {told:?}"
+            );
+            assert_eq!(rpc.call("echo", b"on", HANG).expect("echo"), b"on");
+        }
+    }
+}
+
 /// A reply used inside the handler itself (no hand-off) goes out too.
 #[test]
 fn a_deferred_handler_may_reply_before_it_returns() {

@@ -244,7 +244,10 @@ impl Endpoint {
             let wcfg = WorkerConfig {
                 idle_spin: config.idle_spin(),
                 pin_cpu: config.pin_workers.then_some(i),
-                pool: crate::mempool::PoolConfig::default().with_chunk_size(chunk),
+                pool: crate::mempool::PoolConfig {
+                    max_registered_bytes: config.pool_max_bytes.map(|b| b as usize),
+                    ..crate::mempool::PoolConfig::default().with_chunk_size(chunk)
+                },
                 progress: config.progress,
                 close_linger: Duration::from_millis(config.close_linger_ms),
                 handler_wait: config.rpc_timeout(),

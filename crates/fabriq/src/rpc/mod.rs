@@ -19,6 +19,7 @@ use std::time::Duration;
 
 use tokio::sync::oneshot;
 
+use crate::channel::outbuf::{OutBuf, SmallBuf};
 use crate::channel::proto::TraceInfo;
 use crate::channel::{ChannelError, TraceFlags};
 use crate::worker::shared::{holds_a_state, ChannelShared};
@@ -75,6 +76,18 @@ pub const DROPPED_WITHOUT_REPLY: &str = "the handler dropped the request without
 /// follows). The panic is caught on the worker, which goes on serving.
 pub const HANDLER_PANICKED: &str = "the handler panicked: ";
 
+/// What a caller is told ([`RpcError::Handler`]) when the server had no pool memory for its
+/// reply (`Config::pool_max_bytes`). With the response header it fits a reply held in place,
+/// which needs none, so the caller learns at once and its place in the call window frees.
+pub const NO_MEMORY: &str = "no memory";
+const _: () = assert!(wire::RPC_HEADER_LEN + NO_MEMORY.len() <= crate::channel::outbuf::SMALL_MAX);
+
+/// The reply to call `call_id` that says [`NO_MEMORY`], held in place (no pool memory).
+pub(crate) fn no_memory_reply(call_id: u64) -> Option<OutBuf> {
+    let head = wire::encode_response_header(call_id, wire::Status::HandlerError);
+    SmallBuf::from_parts(&[&head, NO_MEMORY.as_bytes()]).map(OutBuf::Small)
+}
+
 impl Responder {
     pub(crate) fn new(stream: Arc<ChannelShared>, call_id: u64, trace_id: u64) -> Responder {
         Responder {
@@ -104,7 +117,14 @@ impl Responder {
         let s = &self.stream;
         let head = wire::encode_response_header(self.call_id, status);
         let buffers = s.worker.buffers().ok_or(ChannelError::Closed)?;
-        let buf = alloc_filled(buffers, &[&head, body]).map_err(ChannelError::Pool)?;
+        let (buf, failed) = match alloc_filled(buffers, &[&head, body]) {
+            Ok(buf) => (buf, None),
+            // The caller is told, and the handler too.
+            Err(e) => match no_memory_reply(self.call_id) {
+                Some(buf) => (buf, Some(e)),
+                None => return Err(ChannelError::Pool(e)),
+            },
+        };
         s.count_in(buf.len() as u64);
         let trace = TraceInfo {
             trace_id: self.trace_id,
@@ -113,7 +133,7 @@ impl Responder {
             stream_credits: 0,
         };
         submit_on_stream(s, buf, trace);
-        Ok(())
+        failed.map_or(Ok(()), |e| Err(ChannelError::Pool(e)))
     }
 }
 

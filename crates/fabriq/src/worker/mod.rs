@@ -2379,8 +2379,16 @@ fn on_received(
             ),
         };
         let head = rpcwire::encode_response_header(call_id, status);
-        match alloc_filled(pool, &[&head, &reply]) {
-            Ok(buf) => {
+        // Without pool memory for it, the caller is told so by a reply held in place.
+        let buf = match alloc_filled(pool, &[&head, &reply]) {
+            Ok(buf) => Some(buf),
+            Err(e) => {
+                tracing::warn!(%e, "no memory for an RPC reply");
+                crate::rpc::no_memory_reply(call_id)
+            }
+        };
+        match buf {
+            Some(buf) => {
                 ss.shared.count_in(buf.len() as u64);
                 backlog.push_back((
                     buf,
@@ -2392,11 +2400,7 @@ fn on_received(
                     },
                 ));
             }
-            Err(e) => {
-                // The caller learns by its deadline; the request is done here.
-                tracing::warn!(%e, "no memory for an RPC reply");
-                ss.serving -= 1;
-            }
+            None => ss.serving -= 1,
         }
         if let (Payload::Pool(b), Some(_)) = (payload, recycle) {
             pool.recycle(b);

@@ -106,6 +106,15 @@ fn caller_mode_config() -> crate::Config {
     }
 }
 
+/// One worker on `device`, otherwise the defaults.
+fn one_worker(device: &str) -> crate::Config {
+    crate::Config {
+        device: device.into(),
+        workers: 1,
+        ..crate::Config::default()
+    }
+}
+
 /// Two endpoints of `cfg` (a client and a server) and a listener of the server.
 fn client_server(cfg: crate::Config) -> (super::Endpoint, super::Endpoint, super::Listener) {
     let a = super::Endpoint::new(cfg.clone()).expect("a");
@@ -1083,10 +1092,8 @@ fn a_peer_past_its_stream_window_fails_its_connection_alone() {
     const WAIT: Duration = Duration::from_secs(10);
     for device in ["shm0", "tcp0"] {
         let cfg = crate::Config {
-            device: device.into(),
-            workers: 1,
             stream_window: 4,
-            ..crate::Config::default()
+            ..one_worker(device)
         };
         let (a, b, listener) = client_server(cfg.clone());
         let ca = a.connect(listener.local_addr()).expect("connect");
@@ -1166,10 +1173,8 @@ fn a_stream_keeps_at_most_a_window_of_calls_out() {
     const WAIT: Duration = Duration::from_secs(10);
     for device in ["shm0", "tcp0"] {
         let (a, b, listener) = client_server(crate::Config {
-            device: device.into(),
-            workers: 1,
             stream_window: 4,
-            ..crate::Config::default()
+            ..one_worker(device)
         });
         let held = held_calls(&b);
         let rpc = std::sync::Arc::new(crate::Rpc::new(
@@ -1260,10 +1265,8 @@ fn a_caller_past_its_call_window_fails_its_connection_alone() {
     const WAIT: Duration = Duration::from_secs(10);
     for device in ["shm0", "tcp0"] {
         let cfg = crate::Config {
-            device: device.into(),
-            workers: 1,
             stream_window: 4,
-            ..crate::Config::default()
+            ..one_worker(device)
         };
         let (a, b, listener) = client_server(cfg.clone());
         let held = held_calls(&b);
@@ -1344,10 +1347,8 @@ fn streams_past_the_limit_are_refused_and_the_rest_go_on() {
     const WAIT: Duration = Duration::from_secs(10);
     for device in ["shm0", "tcp0"] {
         let (a, b, listener) = client_server(crate::Config {
-            device: device.into(),
-            workers: 1,
             max_streams: 3,
-            ..crate::Config::default()
+            ..one_worker(device)
         });
         b.serve("echo", |req| Ok(req.to_vec()));
         let pair = || {
@@ -1408,11 +1409,9 @@ fn connections_past_the_limit_are_rejected_and_the_rest_go_on() {
     const WAIT: Duration = Duration::from_secs(10);
     for device in ["shm0", "tcp0"] {
         let cfg = crate::Config {
-            device: device.into(),
-            workers: 1,
             share_connections: false,
             max_connections: 2,
-            ..crate::Config::default()
+            ..one_worker(device)
         };
         let (a, b, listener) = client_server(cfg);
         let mut pairs = Vec::new();
@@ -1472,10 +1471,8 @@ fn the_stream_window_bounds_unread_bytes_not_only_messages() {
     const MIB: usize = 1 << 20;
     for device in ["shm0", "tcp0"] {
         let (a, _b, listener) = client_server(crate::Config {
-            device: device.into(),
-            workers: 1,
             stream_window: 4,
-            ..crate::Config::default()
+            ..one_worker(device)
         });
         let ca = a.connect(listener.local_addr()).expect("connect");
         let cb = listener.accept_timeout(WAIT).expect("accept");

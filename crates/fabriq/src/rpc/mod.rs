@@ -22,10 +22,11 @@ use tokio::sync::oneshot;
 use crate::channel::outbuf::{OutBuf, SmallBuf};
 use crate::channel::proto::TraceInfo;
 use crate::channel::{ChannelError, TraceFlags};
+use crate::mempool::PoolError;
 use crate::worker::shared::{holds_a_state, ChannelShared};
 use crate::worker::{
-    alloc_filled, direct_or_submit_settled, now, submit_on_stream, wait_call, Call, Command,
-    Waited, Worker,
+    alloc_filled, direct_or_submit_settled, now, submit_on_stream, wait_call, Buffers, Call,
+    Command, Waited, Worker,
 };
 use crate::Channel;
 
@@ -82,10 +83,21 @@ pub const HANDLER_PANICKED: &str = "the handler panicked: ";
 pub const NO_MEMORY: &str = "no memory";
 const _: () = assert!(wire::RPC_HEADER_LEN + NO_MEMORY.len() <= crate::channel::outbuf::SMALL_MAX);
 
-/// The reply to call `call_id` that says [`NO_MEMORY`], held in place (no pool memory).
-pub(crate) fn no_memory_reply(call_id: u64) -> Option<OutBuf> {
-    let head = wire::encode_response_header(call_id, wire::Status::HandlerError);
-    SmallBuf::from_parts(&[&head, NO_MEMORY.as_bytes()]).map(OutBuf::Small)
+/// The reply to call `call_id` (`status`, `body`), or — without pool memory for it — the pool's
+/// error and the reply that says [`NO_MEMORY`], held in place (no pool memory).
+pub(crate) fn reply_buf(
+    buffers: &Buffers,
+    call_id: u64,
+    status: wire::Status,
+    body: &[u8],
+) -> Result<OutBuf, (PoolError, Option<OutBuf>)> {
+    let head = wire::encode_response_header(call_id, status);
+    alloc_filled(buffers, &[&head, body]).map_err(|e| {
+        tracing::warn!(%e, "no memory for an RPC reply");
+        let head = wire::encode_response_header(call_id, wire::Status::HandlerError);
+        let small = SmallBuf::from_parts(&[&head, NO_MEMORY.as_bytes()]).map(OutBuf::Small);
+        (e, small)
+    })
 }
 
 impl Responder {
@@ -115,15 +127,12 @@ impl Responder {
     /// stream's send window (the caller's request already holds its place).
     fn send(&self, status: wire::Status, body: &[u8]) -> Result<(), ChannelError> {
         let s = &self.stream;
-        let head = wire::encode_response_header(self.call_id, status);
         let buffers = s.worker.buffers().ok_or(ChannelError::Closed)?;
-        let (buf, failed) = match alloc_filled(buffers, &[&head, body]) {
+        let (buf, failed) = match reply_buf(buffers, self.call_id, status, body) {
             Ok(buf) => (buf, None),
             // The caller is told, and the handler too.
-            Err(e) => match no_memory_reply(self.call_id) {
-                Some(buf) => (buf, Some(e)),
-                None => return Err(ChannelError::Pool(e)),
-            },
+            Err((e, Some(buf))) => (buf, Some(e)),
+            Err((e, None)) => return Err(ChannelError::Pool(e)),
         };
         s.count_in(buf.len() as u64);
         let trace = TraceInfo {

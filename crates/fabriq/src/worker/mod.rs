@@ -2378,17 +2378,9 @@ fn on_received(
                 format!("method {method:#010x}").into_bytes(),
             ),
         };
-        let head = rpcwire::encode_response_header(call_id, status);
         // Without pool memory for it, the caller is told so by a reply held in place.
-        let buf = match alloc_filled(pool, &[&head, &reply]) {
-            Ok(buf) => Some(buf),
-            Err(e) => {
-                tracing::warn!(%e, "no memory for an RPC reply");
-                crate::rpc::no_memory_reply(call_id)
-            }
-        };
-        match buf {
-            Some(buf) => {
+        match crate::rpc::reply_buf(pool, call_id, status, &reply) {
+            Ok(buf) | Err((_, Some(buf))) => {
                 ss.shared.count_in(buf.len() as u64);
                 backlog.push_back((
                     buf,
@@ -2400,7 +2392,7 @@ fn on_received(
                     },
                 ));
             }
-            None => ss.serving -= 1,
+            Err((_, None)) => ss.serving -= 1,
         }
         if let (Payload::Pool(b), Some(_)) = (payload, recycle) {
             pool.recycle(b);

@@ -45,14 +45,14 @@ impl DeliveryQueue {
         }
     }
 
-    /// Append a delivered message; how many wait now, and their window units.
-    pub(crate) fn push(&self, m: Message) -> (u64, u64) {
+    /// Append a delivered message; the window units of the messages that wait now.
+    pub(crate) fn push(&self, m: Message) -> u64 {
         let units = window_units(m.len() as u64, self.stream_window);
         let mut q = self.queue.lock();
         q.messages.push_back(m);
         q.units += units;
         self.len.store(q.messages.len(), Ordering::Release);
-        (q.messages.len() as u64, q.units)
+        q.units
     }
 
     /// True when no message waits (one load: a message pushed meanwhile is seen next time).
@@ -143,24 +143,20 @@ mod tests {
             seq: 0,
             recycle: None,
         };
-        assert_eq!(q.push(sized(0)), (1, 1));
-        assert_eq!(q.push(sized(1 << 20)), (2, 2));
-        assert_eq!(q.push(sized((1 << 20) + 1)), (3, 4));
-        assert_eq!(q.push(sized(10 << 20)), (4, 14));
-        assert_eq!(q.push(sized(40 << 20)), (5, 46), "half the window at most");
+        assert_eq!(q.push(sized(0)), 1);
+        assert_eq!(q.push(sized(1 << 20)), 2);
+        assert_eq!(q.push(sized((1 << 20) + 1)), 4);
+        assert_eq!(q.push(sized(10 << 20)), 14);
+        assert_eq!(q.push(sized(40 << 20)), 46, "half the window at most");
         assert_eq!(q.taken(), 0);
         q.pop().expect("first");
         q.pop().expect("second");
         assert_eq!(q.taken(), 2);
         q.pop().expect("third");
         assert_eq!(q.taken(), 4);
-        assert_eq!(q.push(sized(8)), (3, 43));
+        assert_eq!(q.push(sized(8)), 43);
         assert_eq!(q.clear(), 3);
-        assert_eq!(
-            q.push(sized(8)),
-            (1, 1),
-            "cleared units start again from none"
-        );
+        assert_eq!(q.push(sized(8)), 1, "cleared units start again from none");
     }
 
     #[test]

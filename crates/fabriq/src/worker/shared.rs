@@ -1081,7 +1081,7 @@ impl ChannelShared {
     /// Worker: a message for the application (blocking waiters are woken by the progress pass
     /// that delivered it). Returns the window units of the messages that now wait.
     pub(crate) fn deliver(&self, m: Message) -> u64 {
-        let (_, waiting) = self.rx.push(m);
+        let waiting = self.rx.push(m);
         // Pairs with `recv_async`'s count-then-look, whose look takes the queue's lock: either
         // its look comes after this push (it sees the message), or its count happened before
         // its look's unlock, which this push's lock came after (this sees it waiting). The

@@ -42,3 +42,4 @@ pub use mempool::{MemPool, PoolBuf, PoolConfig, PoolError, PoolStats, RegCache};
 pub use message::{Message, SendBuf};
 pub use remote::{CasLock, ExposedRegion, RegionDescriptor, RemoteRegion};
 pub use rpc::{json_handler, Responder, Rpc, RpcError};
+pub use worker::guard::GuardStats;

@@ -202,7 +202,13 @@ fn a_reply_without_pool_memory_answers_its_caller_at_once() {
                 "{progress:?}: the deferred handler was told {told:?}"
             );
             assert_eq!(rpc.call("echo", b"on", HANG).expect("echo"), b"on");
+            assert_eq!(
+                server.guard_stats().replies_without_memory,
+                2 * (round + 1),
+                "{progress:?}: counted, one per reply"
+            );
         }
+        assert_eq!(client.guard_stats(), fabriq::GuardStats::default());
     }
 }
 

@@ -41,7 +41,7 @@
 //! listener; the next connect to that peer reuses both.
 
 use std::net::{SocketAddr, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -59,6 +59,7 @@ use crate::conn::{
 };
 use crate::handle::Channel;
 use crate::remote::ExposedRegion;
+use crate::worker::guard::GuardStats;
 use crate::worker::shared::{ChannelShared, WorkerShared};
 use crate::worker::streams::{stream_key, Accepted, ConnHandle, FIRST_STREAM};
 use crate::worker::{
@@ -102,6 +103,8 @@ struct Inner {
     this_host: Mutex<rustc_hash::FxHashMap<std::net::IpAddr, bool>>,
     /// Connections peers made to this endpoint that it keeps (`Config::max_connections`).
     accepted: Arc<AtomicUsize>,
+    /// Handshakes rejected past `Config::max_connections`.
+    rejected: AtomicU64,
 }
 
 impl Inner {
@@ -218,6 +221,7 @@ impl Endpoint {
                 next_worker: AtomicUsize::new(0),
                 this_host: Mutex::new(Default::default()),
                 accepted: Arc::new(AtomicUsize::new(0)),
+                rejected: AtomicU64::new(0),
             }),
         })
     }
@@ -768,6 +772,8 @@ impl Endpoint {
         let max = self.inner.config.max_connections;
         let Some(admission) = worker::Admission::take(&self.inner.accepted, max as usize) else {
             let peer = incoming.peer_addr();
+            self.inner.rejected.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(%peer, max, "handshake rejected: at capacity (max_connections)");
             incoming.reject(
                 RejectCode::Unavailable,
                 &format!("at capacity: {max} connections"),
@@ -798,6 +804,21 @@ impl Endpoint {
         let mut total = ConnStats::default();
         for w in self.inner.workers() {
             total += w.conn.stats();
+        }
+        total
+    }
+
+    /// What this endpoint refused or cut off to bound what its peers can make it hold:
+    /// handshakes rejected at `Config::max_connections`, streams refused past
+    /// `Config::max_streams`, connections failed for a protocol violation, RPC replies without
+    /// pool memory. Counted from the endpoint's start; each is also logged at `warn`.
+    pub fn guard_stats(&self) -> GuardStats {
+        let mut total = GuardStats {
+            connections_rejected: self.inner.rejected.load(Ordering::Relaxed),
+            ..GuardStats::default()
+        };
+        for w in self.inner.workers() {
+            total += w.shared.guard.stats();
         }
         total
     }

@@ -1126,6 +1126,8 @@ fn a_peer_past_its_stream_window_fails_its_connection_alone() {
             "{device}: {err:?} after {read} messages"
         );
         assert_eq!(read, 5, "{device}: the window's 4 and the one past it");
+        let counted = |ep: &super::Endpoint| ep.guard_stats().protocol_violations;
+        assert_eq!((counted(&b), counted(&a)), (1, 0), "{device}: violations");
         // Another peer of the same server is not affected.
         let c = super::Endpoint::new(cfg).expect("c");
         let cc = c.connect(listener.local_addr()).expect("connect c");
@@ -1136,6 +1138,8 @@ fn a_peer_past_its_stream_window_fails_its_connection_alone() {
             cs.send_timeout(&m, WAIT).expect("echo c");
             assert_eq!(cc.recv_timeout(WAIT).expect("reply c")[..], i.to_le_bytes());
         }
+        assert_eq!(counted(&b), 1, "{device}: a well-behaved peer counted");
+        assert_eq!(c.guard_stats(), crate::GuardStats::default(), "{device}");
         drop(b);
     }
 }
@@ -1299,6 +1303,7 @@ fn a_caller_past_its_call_window_fails_its_connection_alone() {
             "{device}: {} requests held",
             held.lock().len()
         );
+        assert_eq!(b.guard_stats().protocol_violations, 1, "{device}");
         held.lock().clear();
         let c = super::Endpoint::new(cfg).expect("c");
         let polite = crate::Rpc::new(c.connect(listener.local_addr()).expect("connect c"));
@@ -1378,6 +1383,8 @@ fn streams_past_the_limit_are_refused_and_the_rest_go_on() {
             listener.accept_timeout(Duration::from_millis(200)).is_err(),
             "{device}: a refused stream reached the listener"
         );
+        let refused = |ep: &super::Endpoint| ep.guard_stats().streams_refused;
+        assert_eq!((refused(&b), refused(&a)), (1, 0), "{device}: refusals");
         // The next channel gets a connection of its own; the first connection's go on.
         let mut second = vec![pair()];
         assert_eq!(a.conn_stats().connects, 2, "{device}: a second connection");
@@ -1393,6 +1400,11 @@ fn streams_past_the_limit_are_refused_and_the_rest_go_on() {
             a.conn_stats().connects,
             2,
             "{device}: on the second connection"
+        );
+        assert_eq!(
+            refused(&b),
+            1,
+            "{device}: a stream within the limit counted"
         );
     }
 }
@@ -1438,9 +1450,12 @@ fn connections_past_the_limit_are_rejected_and_the_rest_go_on() {
             Some(ConnError::AtCapacity { max: 2, .. }) => {}
             other => panic!("{device}: the server recorded {other:?}"),
         }
+        let rejected = |ep: &super::Endpoint| ep.guard_stats().connections_rejected;
+        assert_eq!((rejected(&b), rejected(&a)), (1, 0), "{device}: rejections");
         each_carries(&pairs, device);
         close_both(pairs.pop().expect("pair"), device);
         let until = std::time::Instant::now() + WAIT;
+        let mut retries = 0;
         let c = loop {
             match a.connect(listener.local_addr()) {
                 Ok(c) => break c,
@@ -1449,6 +1464,7 @@ fn connections_past_the_limit_are_rejected_and_the_rest_go_on() {
                         matches!(e, ChannelError::Connect(ConnError::Rejected { .. })),
                         "{e}"
                     );
+                    retries += 1;
                     std::thread::sleep(Duration::from_millis(20));
                 }
                 Err(e) => panic!("{device}: no connection after one closed: {e}"),
@@ -1456,6 +1472,11 @@ fn connections_past_the_limit_are_rejected_and_the_rest_go_on() {
         };
         let s = listener.accept_timeout(WAIT).expect("accept again");
         each_carries(&[(c, s)], device);
+        assert_eq!(
+            b.guard_stats().connections_rejected,
+            retries + 1,
+            "{device}: one per rejected handshake"
+        );
     }
 }
 

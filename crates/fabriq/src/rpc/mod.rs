@@ -128,7 +128,11 @@ impl Responder {
     fn send(&self, status: wire::Status, body: &[u8]) -> Result<(), ChannelError> {
         let s = &self.stream;
         let buffers = s.worker.buffers().ok_or(ChannelError::Closed)?;
-        let (buf, failed) = match reply_buf(buffers, self.call_id, status, body) {
+        let made = reply_buf(buffers, self.call_id, status, body);
+        if made.is_err() {
+            s.worker.guard.reply_without_memory();
+        }
+        let (buf, failed) = match made {
             Ok(buf) => (buf, None),
             // The caller is told, and the handler too.
             Err((e, Some(buf))) => (buf, Some(e)),

@@ -29,6 +29,7 @@ mod barrier;
 mod buffers;
 mod clock;
 mod delivery;
+pub(crate) mod guard;
 pub(crate) mod shared;
 pub(crate) mod streams;
 mod wheel;
@@ -1749,6 +1750,10 @@ impl Worker {
         }
         st.failed = Some(why.clone());
         st.failed_flag.store(true, Ordering::Release);
+        if let (Failure::Protocol(what), Some(me)) = (&why, self.me.upgrade()) {
+            tracing::warn!(conn = id, peer = %st.peer, %what, "the peer broke the protocol");
+            me.guard.protocol_violation();
+        }
         let call_err = || match &why {
             Failure::Error(s) => RpcError::Channel(ChannelError::Failed(s.clone())),
             Failure::Protocol(s) => RpcError::Channel(ChannelError::Protocol(s.clone())),
@@ -2379,7 +2384,11 @@ fn on_received(
             ),
         };
         // Without pool memory for it, the caller is told so by a reply held in place.
-        match crate::rpc::reply_buf(pool, call_id, status, &reply) {
+        let made = crate::rpc::reply_buf(pool, call_id, status, &reply);
+        if made.is_err() {
+            ss.shared.worker.guard.reply_without_memory();
+        }
+        match made {
             Ok(buf) | Err((_, Some(buf))) => {
                 ss.shared.count_in(buf.len() as u64);
                 backlog.push_back((
@@ -2512,6 +2521,9 @@ fn on_stream_control(
             max_streams = st.max_streams,
             "stream refused: the peer has as many open on the connection as allowed"
         );
+        if let Some(me) = me.upgrade() {
+            me.guard.stream_refused();
+        }
         st.queue_stream_control(
             pool,
             stream,

@@ -41,7 +41,7 @@
 //! listener; the next connect to that peer reuses both.
 
 use std::net::{SocketAddr, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -63,7 +63,7 @@ use crate::worker::guard::GuardStats;
 use crate::worker::shared::{ChannelShared, WorkerShared};
 use crate::worker::streams::{stream_key, Accepted, ConnHandle, FIRST_STREAM};
 use crate::worker::{
-    self, direct_or_submit, Adopt, Command, Handlers, WorkerConfig, ONE_SIDED_DEPTH,
+    self, direct_or_submit, Adopt, Command, EndpointShared, WorkerConfig, ONE_SIDED_DEPTH,
 };
 
 const ACCESS: AccessFlags = AccessFlags::all();
@@ -96,15 +96,14 @@ struct Inner {
     /// allocation.
     fabrics: Vec<Fabric>,
     threads: Mutex<Vec<JoinHandle<()>>>,
-    handlers: Arc<Handlers>,
+    /// The RPC handlers and the refusal counters, shared with the workers.
+    common: Arc<EndpointShared>,
     next_worker: AtomicUsize,
     /// Peer addresses already classified as this host's or not (`is_this_host` costs a socket),
     /// so a connect that finds a pooled connection pays no system call.
     this_host: Mutex<rustc_hash::FxHashMap<std::net::IpAddr, bool>>,
     /// Connections peers made to this endpoint that it keeps (`Config::max_connections`).
     accepted: Arc<AtomicUsize>,
-    /// Handshakes rejected past `Config::max_connections`.
-    rejected: AtomicU64,
 }
 
 impl Inner {
@@ -200,11 +199,11 @@ impl Endpoint {
         config
             .validate()
             .map_err(|e| ChannelError::InvalidConfig(e.to_string()))?;
-        let handlers: Arc<Handlers> = Arc::default();
+        let common: Arc<EndpointShared> = Arc::default();
         let mut fabrics = Vec::new();
         let mut threads = Vec::new();
         for ctx in open_devices(&config.device, &config)? {
-            let workers = Self::start_workers(&config, &ctx, &handlers, &mut threads)?;
+            let workers = Self::start_workers(&config, &ctx, &common, &mut threads)?;
             let provider = ctx.device().provider.clone();
             fabrics.push(Fabric {
                 ctx,
@@ -217,11 +216,10 @@ impl Endpoint {
                 config,
                 fabrics,
                 threads: Mutex::new(threads),
-                handlers,
+                common,
                 next_worker: AtomicUsize::new(0),
                 this_host: Mutex::new(Default::default()),
                 accepted: Arc::new(AtomicUsize::new(0)),
-                rejected: AtomicU64::new(0),
             }),
         })
     }
@@ -230,7 +228,7 @@ impl Endpoint {
     fn start_workers(
         config: &Config,
         ctx: &Context,
-        handlers: &Arc<Handlers>,
+        common: &Arc<EndpointShared>,
         threads: &mut Vec<JoinHandle<()>>,
     ) -> Result<Vec<WorkerRef>, ChannelError> {
         let pd = ctx.alloc_pd()?;
@@ -260,7 +258,7 @@ impl Endpoint {
                 Arc::clone(&shared),
                 cq.clone(),
                 pd.clone(),
-                Arc::clone(handlers),
+                Arc::clone(common),
                 wcfg,
             )?;
             threads.push(t);
@@ -318,7 +316,7 @@ impl Endpoint {
 
     /// `handler` serves `method` from now on (in place of the one before, if any).
     fn register(&self, method: &str, handler: crate::rpc::Served) {
-        self.inner.handlers.write().insert(
+        self.inner.common.handlers.write().insert(
             crate::rpc::wire::method_id(method),
             (method.to_string(), handler),
         );
@@ -772,7 +770,7 @@ impl Endpoint {
         let max = self.inner.config.max_connections;
         let Some(admission) = worker::Admission::take(&self.inner.accepted, max as usize) else {
             let peer = incoming.peer_addr();
-            self.inner.rejected.fetch_add(1, Ordering::Relaxed);
+            self.inner.common.guard.connection_rejected();
             tracing::warn!(%peer, max, "handshake rejected: at capacity (max_connections)");
             incoming.reject(
                 RejectCode::Unavailable,
@@ -813,14 +811,7 @@ impl Endpoint {
     /// `Config::max_streams`, connections failed for a protocol violation, RPC replies without
     /// pool memory. Counted from the endpoint's start; each is also logged at `warn`.
     pub fn guard_stats(&self) -> GuardStats {
-        let mut total = GuardStats {
-            connections_rejected: self.inner.rejected.load(Ordering::Relaxed),
-            ..GuardStats::default()
-        };
-        for w in self.inner.workers() {
-            total += w.shared.guard.stats();
-        }
-        total
+        self.inner.common.guard.stats()
     }
 
     /// Listen for channels on `addr` (port 0: any free port). Handshakes run on an acceptor

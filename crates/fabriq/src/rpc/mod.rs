@@ -26,7 +26,7 @@ use crate::mempool::PoolError;
 use crate::worker::shared::{holds_a_state, ChannelShared};
 use crate::worker::{
     alloc_filled, direct_or_submit_settled, now, submit_on_stream, wait_call, Buffers, Call,
-    Command, Waited, Worker,
+    Command, EndpointShared, Waited, Worker,
 };
 use crate::Channel;
 
@@ -56,6 +56,7 @@ pub(crate) enum Served {
 /// is dropped.
 pub struct Responder {
     stream: Arc<ChannelShared>,
+    common: Arc<EndpointShared>,
     call_id: u64,
     trace_id: u64,
     answered: bool,
@@ -101,9 +102,15 @@ pub(crate) fn reply_buf(
 }
 
 impl Responder {
-    pub(crate) fn new(stream: Arc<ChannelShared>, call_id: u64, trace_id: u64) -> Responder {
+    pub(crate) fn new(
+        stream: Arc<ChannelShared>,
+        common: Arc<EndpointShared>,
+        call_id: u64,
+        trace_id: u64,
+    ) -> Responder {
         Responder {
             stream,
+            common,
             call_id,
             trace_id,
             answered: false,
@@ -130,7 +137,7 @@ impl Responder {
         let buffers = s.worker.buffers().ok_or(ChannelError::Closed)?;
         let made = reply_buf(buffers, self.call_id, status, body);
         if made.is_err() {
-            s.worker.guard.reply_without_memory();
+            self.common.guard.reply_without_memory();
         }
         let (buf, failed) = match made {
             Ok(buf) => (buf, None),

@@ -68,6 +68,14 @@ use streams::{key_conn, key_stream, stream_key, Accepted, StreamKey};
 /// RPC handlers shared by every worker of an endpoint, by method id.
 pub(crate) type Handlers = RwLock<HashMap<u32, (String, Served)>>;
 
+/// What the workers of one endpoint share: its RPC handlers and the counters of what it
+/// refused its peers.
+#[derive(Default)]
+pub(crate) struct EndpointShared {
+    pub(crate) handlers: Handlers,
+    pub(crate) guard: guard::GuardCounters,
+}
+
 /// One-sided operations a worker posts for a [`crate::RemoteRegion`].
 #[derive(Debug)]
 pub(crate) enum OneSidedOp {
@@ -630,7 +638,7 @@ pub(crate) struct Worker {
     timers: wheel::TimerWheel<(Instant, Timer)>,
     /// Timers that fired in this pass (kept to reuse its allocation).
     fired: Vec<(Instant, Timer)>,
-    handlers: Arc<Handlers>,
+    common: Arc<EndpointShared>,
     orphans: FxHashMap<u32, Vec<WorkCompletion>>,
     next_one_sided: u64,
     has_cq_events: bool,
@@ -692,7 +700,7 @@ pub(crate) fn spawn(
     shared: Arc<WorkerShared>,
     cq: CompletionQueue,
     pd: fabriq_verbs::ProtectionDomain,
-    handlers: Arc<Handlers>,
+    common: Arc<EndpointShared>,
     cfg: WorkerConfig,
 ) -> Result<std::thread::JoinHandle<()>, ChannelError> {
     let buffers = Arc::new(
@@ -726,7 +734,7 @@ pub(crate) fn spawn(
         dirty: Vec::new(),
         timers: wheel::TimerWheel::new(now()),
         fired: Vec::new(),
-        handlers,
+        common,
         orphans: FxHashMap::default(),
         awaiting: Vec::new(),
         deferred_now: Vec::new(),
@@ -1750,9 +1758,9 @@ impl Worker {
         }
         st.failed = Some(why.clone());
         st.failed_flag.store(true, Ordering::Release);
-        if let (Failure::Protocol(what), Some(me)) = (&why, self.me.upgrade()) {
+        if let Failure::Protocol(what) = &why {
             tracing::warn!(conn = id, peer = %st.peer, %what, "the peer broke the protocol");
-            me.guard.protocol_violation();
+            self.common.guard.protocol_violation();
         }
         let call_err = || match &why {
             Failure::Error(s) => RpcError::Channel(ChannelError::Failed(s.clone())),
@@ -1869,7 +1877,7 @@ impl Worker {
             me,
             conns,
             buffers,
-            handlers,
+            common,
             timers,
             next_one_sided,
             handoff,
@@ -1904,7 +1912,7 @@ impl Worker {
                             stream_credits,
                             payload,
                         };
-                        if let Err(e) = on_received(st, me, buffers, handlers, handoff, msg) {
+                        if let Err(e) = on_received(st, me, buffers, common, handoff, msg) {
                             // Nothing more of this peer is delivered; the core's `Error`
                             // follows.
                             st.driver.core_mut().handle_violation(e);
@@ -2233,7 +2241,7 @@ fn on_received(
     st: &mut ConnState,
     me: &Weak<WorkerShared>,
     pool: &Buffers,
-    handlers: &Handlers,
+    common: &Arc<EndpointShared>,
     handoff: &mut Handoff,
     msg: Arrival,
 ) -> Result<(), String> {
@@ -2304,7 +2312,7 @@ fn on_received(
     }
     if is_stream_control(flags) {
         st.driver.core_mut().handle_released(1);
-        return on_stream_control(st, me, pool, stream, flags);
+        return on_stream_control(st, me, pool, &common.guard, stream, flags);
     }
     // One look-up of the stream for the rest (the core, the backlog and the stream are
     // separate parts of the connection's state).
@@ -2347,7 +2355,7 @@ fn on_received(
                 ss.shared.stream_window()
             ));
         }
-        let handler = handlers.read().get(&method).map(|(_, h)| h.clone());
+        let handler = common.handlers.read().get(&method).map(|(_, h)| h.clone());
         // A handler that panics fails its call, not the worker: the panic is caught here, and
         // the worker's other channels, and this one, go on. `AssertUnwindSafe`: nothing of the
         // worker is half-changed while a handler runs (the request is decoded and its slot
@@ -2367,7 +2375,12 @@ fn on_received(
                 // The reply goes out when the responder is used (its send takes this state
                 // when it is free, or leaves a command for the next pass); a handler that
                 // panics drops it, which answers the caller.
-                let responder = Responder::new(Arc::clone(&ss.shared), call_id, trace.trace_id);
+                let responder = Responder::new(
+                    Arc::clone(&ss.shared),
+                    Arc::clone(common),
+                    call_id,
+                    trace.trace_id,
+                );
                 if let Err(panic) =
                     std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| h(body, responder)))
                 {
@@ -2386,7 +2399,7 @@ fn on_received(
         // Without pool memory for it, the caller is told so by a reply held in place.
         let made = crate::rpc::reply_buf(pool, call_id, status, &reply);
         if made.is_err() {
-            ss.shared.worker.guard.reply_without_memory();
+            common.guard.reply_without_memory();
         }
         match made {
             Ok(buf) | Err((_, Some(buf))) => {
@@ -2468,6 +2481,7 @@ fn on_stream_control(
     st: &mut ConnState,
     me: &Weak<WorkerShared>,
     pool: &Buffers,
+    guard: &guard::GuardCounters,
     stream: u32,
     flags: TraceFlags,
 ) -> Result<(), String> {
@@ -2521,9 +2535,7 @@ fn on_stream_control(
             max_streams = st.max_streams,
             "stream refused: the peer has as many open on the connection as allowed"
         );
-        if let Some(me) = me.upgrade() {
-            me.guard.stream_refused();
-        }
+        guard.stream_refused();
         st.queue_stream_control(
             pool,
             stream,

@@ -213,8 +213,6 @@ pub(crate) struct WorkerShared {
     wake_fd: OwnedFd,
     /// Wake-ups written (for tests and stats).
     pub(crate) wakeups: AtomicU64,
-    /// What the worker refused or cut off to protect itself from its peers.
-    pub(crate) guard: super::guard::GuardCounters,
     /// The worker's epoll set: its CQ event fd, `wake_fd`, the channels' control streams.
     pub(crate) epoll: OwnedFd,
     /// The control streams alone, for the caller-mode back-stop while application threads call
@@ -275,7 +273,6 @@ impl WorkerShared {
             sleep_until_ns: AtomicU64::new(0),
             wake_fd,
             wakeups: AtomicU64::new(0),
-            guard: super::guard::GuardCounters::default(),
             epoll: ep,
             control_epoll,
             backstop_fd,

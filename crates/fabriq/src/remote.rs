@@ -13,13 +13,18 @@
 //! whose retries run out says as much). The channel goes on; a late completion is dropped.
 
 use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
 use std::time::Duration;
 
 use fabriq_verbs::{MemoryRegion, RemoteAddr, Rkey};
 use tokio::sync::oneshot;
 
 use crate::channel::ChannelError;
-use crate::worker::{direct_or_submit, now, wait_reply, Command, OneSidedOp, Waited};
+use crate::mempool::PoolBuf;
+use crate::message::SendBuf;
+use crate::worker::{
+    direct_or_submit, now, wait_reply, Buffers, Command, OneSidedDone, OneSidedOp, Waited,
+};
 use crate::Channel;
 
 /// What a peer needs to reach an exposed region: 24 bytes on the wire.
@@ -215,7 +220,7 @@ impl RemoteRegion {
         })
     }
 
-    fn submit(&self, op: OneSidedOp) -> oneshot::Receiver<Result<Vec<u8>, ChannelError>> {
+    fn submit(&self, op: OneSidedOp) -> oneshot::Receiver<Result<OneSidedDone, ChannelError>> {
         let (tx, rx) = oneshot::channel();
         let s = self.channel.shared();
         let chan = s.id;
@@ -235,7 +240,7 @@ impl RemoteRegion {
     }
 
     /// Submit `op` and wait for its result.
-    fn run(&self, op: OneSidedOp) -> Result<Vec<u8>, ChannelError> {
+    fn run(&self, op: OneSidedOp) -> Result<OneSidedDone, ChannelError> {
         let w = &self.channel.shared().worker;
         if w.held_here() {
             // A handler of this worker: the operation would be posted, and its completion
@@ -257,36 +262,158 @@ impl RemoteRegion {
         }
     }
 
-    fn word(v: Vec<u8>) -> Result<u64, ChannelError> {
-        let b: [u8; 8] = v
-            .get(..8)
-            .and_then(|s| s.try_into().ok())
-            .ok_or_else(|| ChannelError::Failed("atomic returned no word".into()))?;
-        Ok(u64::from_ne_bytes(b))
-    }
-
-    fn write_op(&self, offset: u64, data: &[u8]) -> Result<OneSidedOp, ChannelError> {
-        let remote = self.remote(offset, data.len() as u64, 1)?;
-        u32::try_from(data.len()).map_err(|_| ChannelError::MessageTooLarge {
-            len: data.len() as u64,
+    /// [`RegionDescriptor`]'s bounds and the `u32` length of one work request.
+    fn remote_span(&self, offset: u64, len: usize) -> Result<RemoteAddr, ChannelError> {
+        let remote = self.remote(offset, len as u64, 1)?;
+        u32::try_from(len).map_err(|_| ChannelError::MessageTooLarge {
+            len: len as u64,
             max: u64::from(u32::MAX),
         })?;
-        Ok(OneSidedOp::Write {
-            remote,
-            data: data.to_vec(),
+        Ok(remote)
+    }
+
+    /// The worker's buffers, which the local side of an operation must be registered with.
+    fn buffers(&self) -> Result<&Arc<Buffers>, ChannelError> {
+        self.channel
+            .shared()
+            .worker
+            .buffers()
+            .ok_or(ChannelError::Closed)
+    }
+
+    /// A buffer the worker handed back, once read: a large one is kept for the worker's next
+    /// (its registration reused), a pool one goes back to its pool.
+    fn give_back(&self, buf: PoolBuf) {
+        if buf.is_large() {
+            if let Ok(b) = self.buffers() {
+                b.returned().push(buf);
+            }
+        }
+    }
+
+    /// The bytes a read returned.
+    fn bytes(&self, done: OneSidedDone) -> Vec<u8> {
+        match done {
+            OneSidedDone::Bytes(v) => v,
+            OneSidedDone::Buf(b) => {
+                let v = b.to_vec();
+                self.give_back(b);
+                v
+            }
+        }
+    }
+
+    /// The original word an atomic returned.
+    fn word(&self, done: OneSidedDone) -> Result<u64, ChannelError> {
+        let word = |s: &[u8]| {
+            s.get(..8)
+                .and_then(|s| <[u8; 8]>::try_from(s).ok())
+                .map(u64::from_ne_bytes)
+        };
+        let w = match done {
+            OneSidedDone::Buf(b) => {
+                let w = word(&b);
+                self.give_back(b);
+                w
+            }
+            OneSidedDone::Bytes(v) => word(&v),
+        };
+        w.ok_or_else(|| ChannelError::Failed("atomic returned no word".into()))
+    }
+
+    /// The caller's buffer, back from a `write_buf` or `read_buf`.
+    fn returned(&self, done: OneSidedDone) -> Result<SendBuf, ChannelError> {
+        match done {
+            OneSidedDone::Buf(b) => self.send_buf(b),
+            OneSidedDone::Bytes(_) => Err(ChannelError::Failed(
+                "a one-sided operation returned bytes, not the buffer it was given".into(),
+            )),
+        }
+    }
+
+    /// A write's buffer, done with.
+    fn written(&self, done: OneSidedDone) {
+        if let OneSidedDone::Buf(b) = done {
+            self.give_back(b);
+        }
+    }
+
+    /// `data` copied once, into a registered buffer of the calling thread's pool.
+    fn write_op(&self, offset: u64, data: &[u8]) -> Result<OneSidedOp, ChannelError> {
+        let remote = self.remote_span(offset, data.len())?;
+        let mut buf = self.buffers()?.alloc(data.len().max(1))?;
+        buf.set_len(data.len());
+        buf.copy_from_slice(data);
+        Ok(OneSidedOp::Write { remote, buf })
+    }
+
+    /// A buffer of [`Channel::alloc`] as the local side of an operation on `offset`.
+    fn own_buf(&self, offset: u64, buf: SendBuf) -> Result<(RemoteAddr, PoolBuf), ChannelError> {
+        if self.buffers()?.domain() != buf.domain {
+            return Err(ChannelError::NotRegistered);
+        }
+        let remote = self.remote_span(offset, buf.len())?;
+        Ok((remote, buf.buf))
+    }
+
+    fn send_buf(&self, buf: PoolBuf) -> Result<SendBuf, ChannelError> {
+        Ok(SendBuf {
+            buf,
+            domain: self.buffers()?.domain(),
         })
     }
 
-    /// RDMA WRITE `data` at `offset`.
+    fn read_op(&self, offset: u64, len: u32) -> Result<OneSidedOp, ChannelError> {
+        let remote = self.remote(offset, u64::from(len), 1)?;
+        Ok(OneSidedOp::Read {
+            remote,
+            len,
+            into: None,
+        })
+    }
+
+    fn read_buf_op(&self, offset: u64, buf: SendBuf) -> Result<OneSidedOp, ChannelError> {
+        let (remote, buf) = self.own_buf(offset, buf)?;
+        Ok(OneSidedOp::Read {
+            remote,
+            len: buf.len() as u32,
+            into: Some(buf),
+        })
+    }
+
+    fn write_buf_op(&self, offset: u64, buf: SendBuf) -> Result<OneSidedOp, ChannelError> {
+        let (remote, buf) = self.own_buf(offset, buf)?;
+        Ok(OneSidedOp::Write { remote, buf })
+    }
+
+    /// RDMA WRITE `data` at `offset` (copied once, into registered memory; see
+    /// [`RemoteRegion::write_buf`] for none).
     pub fn write(&self, offset: u64, data: &[u8]) -> Result<(), ChannelError> {
         let op = self.write_op(offset, data)?;
-        self.run(op).map(|_| ())
+        self.run(op).map(|d| self.written(d))
+    }
+
+    /// RDMA WRITE the bytes of `buf` (from [`Channel::alloc`] on any channel of this
+    /// endpoint's device) at `offset`, without a copy; `buf` comes back for the next
+    /// operation. [`ChannelError::NotRegistered`] for a buffer of another endpoint or device.
+    /// Should the operation fail (or time out), the buffer is not returned: the device may
+    /// still be reading it, and it goes back to its pool once the operation is over.
+    pub fn write_buf(&self, offset: u64, buf: SendBuf) -> Result<SendBuf, ChannelError> {
+        let op = self.write_buf_op(offset, buf)?;
+        self.returned(self.run(op)?)
     }
 
     /// RDMA READ `len` bytes at `offset`.
     pub fn read(&self, offset: u64, len: u32) -> Result<Vec<u8>, ChannelError> {
-        let remote = self.remote(offset, u64::from(len), 1)?;
-        self.run(OneSidedOp::Read { remote, len })
+        let op = self.read_op(offset, len)?;
+        Ok(self.bytes(self.run(op)?))
+    }
+
+    /// RDMA READ `buf.len()` bytes at `offset` straight into `buf` (from [`Channel::alloc`],
+    /// as for [`RemoteRegion::write_buf`]), and hand it back filled: no copy, no allocation.
+    pub fn read_buf(&self, offset: u64, buf: SendBuf) -> Result<SendBuf, ChannelError> {
+        let op = self.read_buf_op(offset, buf)?;
+        self.returned(self.run(op)?)
     }
 
     /// Atomic compare-and-swap of the aligned word at `offset`; returns the value found (the
@@ -298,7 +425,7 @@ impl RemoteRegion {
         swap: u64,
     ) -> Result<u64, ChannelError> {
         let remote = self.remote(offset, 8, 8)?;
-        Self::word(self.run(OneSidedOp::CompareSwap {
+        self.word(self.run(OneSidedOp::CompareSwap {
             remote,
             compare,
             swap,
@@ -308,24 +435,40 @@ impl RemoteRegion {
     /// Atomic fetch-and-add on the aligned word at `offset`; returns the value before.
     pub fn fetch_and_add(&self, offset: u64, add: u64) -> Result<u64, ChannelError> {
         let remote = self.remote(offset, 8, 8)?;
-        Self::word(self.run(OneSidedOp::FetchAdd { remote, add })?)
+        self.word(self.run(OneSidedOp::FetchAdd { remote, add })?)
+    }
+
+    /// Wait for an operation submitted from async code.
+    async fn done(&self, op: OneSidedOp) -> Result<OneSidedDone, ChannelError> {
+        self.submit(op).await.unwrap_or(Err(ChannelError::Closed))
     }
 
     /// [`RemoteRegion::write`] from async code.
     pub async fn write_async(&self, offset: u64, data: &[u8]) -> Result<(), ChannelError> {
         let op = self.write_op(offset, data)?;
-        self.submit(op)
-            .await
-            .unwrap_or(Err(ChannelError::Closed))
-            .map(|_| ())
+        self.done(op).await.map(|d| self.written(d))
+    }
+
+    /// [`RemoteRegion::write_buf`] from async code.
+    pub async fn write_buf_async(
+        &self,
+        offset: u64,
+        buf: SendBuf,
+    ) -> Result<SendBuf, ChannelError> {
+        let op = self.write_buf_op(offset, buf)?;
+        self.returned(self.done(op).await?)
     }
 
     /// [`RemoteRegion::read`] from async code.
     pub async fn read_async(&self, offset: u64, len: u32) -> Result<Vec<u8>, ChannelError> {
-        let remote = self.remote(offset, u64::from(len), 1)?;
-        self.submit(OneSidedOp::Read { remote, len })
-            .await
-            .unwrap_or(Err(ChannelError::Closed))
+        let op = self.read_op(offset, len)?;
+        Ok(self.bytes(self.done(op).await?))
+    }
+
+    /// [`RemoteRegion::read_buf`] from async code.
+    pub async fn read_buf_async(&self, offset: u64, buf: SendBuf) -> Result<SendBuf, ChannelError> {
+        let op = self.read_buf_op(offset, buf)?;
+        self.returned(self.done(op).await?)
     }
 
     /// [`RemoteRegion::compare_and_swap`] from async code.
@@ -336,15 +479,12 @@ impl RemoteRegion {
         swap: u64,
     ) -> Result<u64, ChannelError> {
         let remote = self.remote(offset, 8, 8)?;
-        Self::word(
-            self.submit(OneSidedOp::CompareSwap {
-                remote,
-                compare,
-                swap,
-            })
-            .await
-            .unwrap_or(Err(ChannelError::Closed))?,
-        )
+        let op = OneSidedOp::CompareSwap {
+            remote,
+            compare,
+            swap,
+        };
+        self.word(self.done(op).await?)
     }
 }
 

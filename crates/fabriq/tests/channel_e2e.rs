@@ -473,6 +473,90 @@ fn one_sided_without_owner_code(device: &str) {
     ));
 }
 
+/// One-sided WRITE out of and READ into buffers the application took from `Channel::alloc`:
+/// sizes from 0 B to beyond a pool class (64 KiB) and a MiB, on shm and tcp, sync and async;
+/// the bytes land and arrive whole, the same buffer (the same registered memory) comes back
+/// each time, and a buffer of another endpoint or a span past the region is refused before
+/// anything is posted.
+#[test]
+fn one_sided_from_and_into_registered_buffers() {
+    for device in ["shm0", "tcp0"] {
+        let (se, _ce, s, c) = pair(device);
+        const LEN: usize = 3 << 20;
+        let region = se.expose(LEN).expect("expose");
+        let remote = c.remote_region(region.descriptor_for(&s));
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        for (i, len) in [0usize, 8, 4096, 65536, 65537, 1 << 20, (2 << 20) + 3]
+            .into_iter()
+            .enumerate()
+        {
+            let at = 4096 * i as u64 + 1;
+            let mut buf = c.alloc(len).expect("alloc");
+            let addr = buf.as_ptr();
+            buf.copy_from_slice(&pattern(len, i as u8));
+            let buf = if i % 2 == 0 {
+                remote.write_buf(at, buf).expect("write_buf")
+            } else {
+                rt.block_on(remote.write_buf_async(at, buf))
+                    .expect("write_buf_async")
+            };
+            assert_eq!(
+                buf.as_ptr(),
+                addr,
+                "{device}: {len} B: the same buffer back"
+            );
+            let mut landed = vec![0u8; len];
+            region.read_at(at as usize, &mut landed).expect("read_at");
+            assert_eq!(landed, pattern(len, i as u8), "{device}: {len} B written");
+            region
+                .write_at(at as usize, &pattern(len, 100 + i as u8))
+                .expect("write_at");
+            let buf = if i % 2 == 0 {
+                remote.read_buf(at, buf).expect("read_buf")
+            } else {
+                rt.block_on(remote.read_buf_async(at, buf))
+                    .expect("read_buf_async")
+            };
+            assert_eq!(buf.as_ptr(), addr, "{device}: {len} B: read in place");
+            assert_eq!(
+                buf[..],
+                pattern(len, 100 + i as u8)[..],
+                "{device}: {len} B read"
+            );
+            // The copying forms agree.
+            assert_eq!(remote.read(at, len as u32).expect("read"), buf[..]);
+            remote.write(at, &pattern(len, 200)).expect("write");
+            assert_eq!(
+                rt.block_on(remote.read_async(at, len as u32))
+                    .expect("read_async"),
+                pattern(len, 200)
+            );
+        }
+        let foreign = s.alloc(8).expect("a buffer of the other endpoint");
+        assert!(
+            matches!(
+                remote.write_buf(0, foreign),
+                Err(fabriq::ChannelError::NotRegistered)
+            ),
+            "{device}"
+        );
+        let past = c.alloc(4096).expect("alloc");
+        assert!(
+            matches!(
+                remote.read_buf((LEN - 4095) as u64, past),
+                Err(fabriq::ChannelError::OutOfBounds { .. })
+            ),
+            "{device}"
+        );
+        // The channel is intact.
+        c.send(b"still").expect("send");
+        assert_eq!(&s.recv_timeout(HANG).expect("recv")[..], b"still");
+    }
+}
+
 #[test]
 fn thresholds_change_on_a_live_channel() {
     thresholds_change("tcp0");

@@ -1541,3 +1541,30 @@ fn the_stream_window_bounds_unread_bytes_not_only_messages() {
         assert_eq!(&cb.recv_timeout(WAIT).expect("recv after")[..], b"after");
     }
 }
+
+/// One-sided operations past the pool's largest class (64 KiB) reuse one large buffer and its
+/// registration: after ten READs and ten WRITEs of 1 MiB by the copying forms (`read`,
+/// `write`), the worker keeps the one MiB buffer they went through. (Before, each operation
+/// registered a MiB and deregistered it when done, and nothing was kept.)
+#[test]
+fn large_one_sided_buffers_are_kept_for_reuse() {
+    const WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+    const MIB: usize = 1 << 20;
+    for device in ["shm0", "tcp0"] {
+        let (a, b, listener) = client_server(one_worker(device));
+        let ca = a.connect(listener.local_addr()).expect("connect");
+        let cb = listener.accept_timeout(WAIT).expect("accept");
+        let region = b.expose(2 * MIB).expect("expose");
+        let remote = ca.remote_region(region.descriptor_for(&cb));
+        let data = vec![5u8; MIB];
+        for _ in 0..10 {
+            assert_eq!(remote.read(0, MIB as u32).expect("read").len(), MIB);
+            remote.write(MIB as u64, &data).expect("write");
+        }
+        let buffers = a.inner.fabrics[0].workers[0]
+            .shared
+            .buffers()
+            .expect("buffers");
+        assert_eq!(buffers.kept_bytes(), MIB, "{device}");
+    }
+}

@@ -144,12 +144,7 @@ impl Buffers {
         let cap = len.checked_next_power_of_two().unwrap_or(len);
         {
             let mut c = self.cache.lock();
-            while let Some(b) = self.returned.pop() {
-                if c.bytes + b.capacity() <= MAX_CACHED_BYTES {
-                    c.bytes += b.capacity();
-                    c.by_cap.entry(b.capacity()).or_default().push(b);
-                }
-            }
+            self.take_returned(&mut c);
             if let Some(mut b) = c.by_cap.get_mut(&cap).and_then(Vec::pop) {
                 c.bytes -= b.capacity();
                 b.set_len(len);
@@ -159,6 +154,26 @@ impl Buffers {
         let mut b = self.with_pool(|p| p.alloc_large(cap))?;
         b.set_len(len);
         Ok(b)
+    }
+}
+
+impl Buffers {
+    /// Large buffers other threads gave back, into the cache (within its bound).
+    fn take_returned(&self, c: &mut Cache) {
+        while let Some(b) = self.returned.pop() {
+            if c.bytes + b.capacity() <= MAX_CACHED_BYTES {
+                c.bytes += b.capacity();
+                c.by_cap.entry(b.capacity()).or_default().push(b);
+            }
+        }
+    }
+
+    /// Bytes of large buffers kept for reuse (those given back included).
+    #[cfg(test)]
+    pub(crate) fn kept_bytes(&self) -> usize {
+        let mut c = self.cache.lock();
+        self.take_returned(&mut c);
+        c.bytes
     }
 }
 

@@ -76,16 +76,22 @@ pub(crate) struct EndpointShared {
     pub(crate) guard: guard::GuardCounters,
 }
 
-/// One-sided operations a worker posts for a [`crate::RemoteRegion`].
+/// One-sided operations a worker posts for a [`crate::RemoteRegion`]. The local side of a
+/// write or a read is a registered buffer the application thread brought (filled, for a
+/// write: the worker copies nothing); an atomic's, and a read's the caller brought none for,
+/// the worker takes from its pool.
 #[derive(Debug)]
 pub(crate) enum OneSidedOp {
+    /// `buf`'s bytes to `remote`.
     Write {
         remote: RemoteAddr,
-        data: Vec<u8>,
+        buf: PoolBuf,
     },
+    /// `len` bytes of `remote` into `into` (its length set to `len`) or a pool buffer.
     Read {
         remote: RemoteAddr,
         len: u32,
+        into: Option<PoolBuf>,
     },
     CompareSwap {
         remote: RemoteAddr,
@@ -98,8 +104,18 @@ pub(crate) enum OneSidedOp {
     },
 }
 
-/// Reply of a one-sided operation: the bytes read, or the original 8-byte word of an atomic.
-pub(crate) type OneSidedReply = oneshot::Sender<Result<Vec<u8>, ChannelError>>;
+/// What a completed one-sided operation hands back.
+#[derive(Debug)]
+pub(crate) enum OneSidedDone {
+    /// Its local buffer: the one the caller brought (written, or read into), an atomic's
+    /// original 8-byte word.
+    Buf(PoolBuf),
+    /// The bytes of a read into a buffer of the worker's, copied out (the buffer stays).
+    Bytes(Vec<u8>),
+}
+
+/// Reply of a one-sided operation.
+pub(crate) type OneSidedReply = oneshot::Sender<Result<OneSidedDone, ChannelError>>;
 /// Reply of an RPC call.
 pub(crate) type CallReply = oneshot::Sender<Result<Vec<u8>, RpcError>>;
 
@@ -215,10 +231,12 @@ enum Timer {
 }
 
 /// A one-sided operation posted to the QP. Its buffer stays until the completion comes, even
-/// after its deadline passed (`reply` taken: the caller was told `Timeout`).
+/// after its deadline passed (`reply` taken: the caller was told `Timeout`): the device may
+/// still read or write it until then.
 struct OneSidedPending {
     buf: PoolBuf,
-    op_len: usize,
+    /// A read into the worker's buffer: its bytes go back, not the buffer.
+    copy_out: bool,
     reply: Option<OneSidedReply>,
     deadline: Instant,
 }
@@ -1381,18 +1399,38 @@ impl Worker {
             return;
         };
         if wc.wr_id >> 56 == WR_ONE_SIDED {
-            let pending = st.one_sided.remove(&(wc.wr_id & ((1 << 56) - 1)));
-            // No reply: its deadline passed (the caller was told); the buffer goes back now.
-            if let Some((p, reply)) = pending.and_then(|mut p| p.reply.take().map(|r| (p, r))) {
-                let result = if wc.status.is_success() {
-                    Ok(p.buf.get(..p.op_len).unwrap_or(&[]).to_vec())
-                } else {
-                    Err(ChannelError::Completion {
-                        opcode: wc.opcode,
-                        status: wc.status,
-                    })
-                };
-                let _ = reply.send(result);
+            if let Some(p) = st.one_sided.remove(&(wc.wr_id & ((1 << 56) - 1))) {
+                // No reply: its deadline passed (the caller was told); the buffer goes back now.
+                match p.reply {
+                    Some(reply) if wc.status.is_success() && p.copy_out => {
+                        let bytes = p.buf.to_vec();
+                        // A large buffer is in the cache before the caller, woken, asks for
+                        // another; a pool buffer goes back after the reply.
+                        let pooled = if p.buf.is_large() {
+                            self.buffers.recycle(p.buf);
+                            None
+                        } else {
+                            Some(p.buf)
+                        };
+                        let _ = reply.send(Ok(OneSidedDone::Bytes(bytes)));
+                        drop(pooled);
+                    }
+                    Some(reply) if wc.status.is_success() => {
+                        if let Err(Ok(OneSidedDone::Buf(buf))) =
+                            reply.send(Ok(OneSidedDone::Buf(p.buf)))
+                        {
+                            self.buffers.recycle(buf);
+                        }
+                    }
+                    Some(reply) => {
+                        let _ = reply.send(Err(ChannelError::Completion {
+                            opcode: wc.opcode,
+                            status: wc.status,
+                        }));
+                        self.buffers.recycle(p.buf);
+                    }
+                    None => self.buffers.recycle(p.buf),
+                }
             }
         } else {
             st.driver.handle_completion(now, wc);
@@ -2572,45 +2610,48 @@ fn post_one_sided(st: &mut ConnState, pool: &Buffers, next: &mut u64) -> usize {
         else {
             break;
         };
-        let (len, op_len) = match &op {
-            OneSidedOp::Write { data, .. } => (data.len(), 0),
-            OneSidedOp::Read { len, .. } => (*len as usize, *len as usize),
-            OneSidedOp::CompareSwap { .. } | OneSidedOp::FetchAdd { .. } => (8, 8),
+        // The local buffer: the caller's, or one from the pool for the result.
+        let local = |brought: Option<PoolBuf>, len: usize| match brought {
+            Some(b) => Ok(b),
+            None => pool.alloc(len.max(8)).map(|mut b| {
+                b.set_len(len);
+                b
+            }),
         };
-        let mut buf = match pool.alloc(len.max(8)) {
+        let copy_out = matches!(op, OneSidedOp::Read { into: None, .. });
+        let (buf, opcode) = match op {
+            OneSidedOp::Write { remote, buf } => (Ok(buf), WrOpcode::Write { remote }),
+            OneSidedOp::Read { remote, len, into } => {
+                (local(into, len as usize), WrOpcode::Read { remote })
+            }
+            OneSidedOp::CompareSwap {
+                remote,
+                compare,
+                swap,
+            } => (
+                local(None, 8),
+                WrOpcode::AtomicCmpSwp {
+                    remote,
+                    compare,
+                    swap,
+                },
+            ),
+            OneSidedOp::FetchAdd { remote, add } => {
+                (local(None, 8), WrOpcode::AtomicFetchAdd { remote, add })
+            }
+        };
+        let buf = match buf {
             Ok(b) => b,
             Err(e) => {
                 let _ = reply.send(Err(ChannelError::Failed(format!("no memory: {e}"))));
                 continue;
             }
         };
-        buf.set_len(len);
-        let opcode = match &op {
-            OneSidedOp::Write { remote, data } => {
-                buf.copy_from_slice(data);
-                WrOpcode::Write { remote: *remote }
-            }
-            OneSidedOp::Read { remote, .. } => WrOpcode::Read { remote: *remote },
-            OneSidedOp::CompareSwap {
-                remote,
-                compare,
-                swap,
-            } => WrOpcode::AtomicCmpSwp {
-                remote: *remote,
-                compare: *compare,
-                swap: *swap,
-            },
-            OneSidedOp::FetchAdd { remote, add } => WrOpcode::AtomicFetchAdd {
-                remote: *remote,
-                add: *add,
-            },
-        };
         let token = *next;
         *next += 1;
         let wr_id = (WR_ONE_SIDED << 56) | token;
-        let sge = buf.sge();
-        let sges = [sge];
-        let list: &[fabriq_verbs::Sge] = if len == 0 { &[] } else { &sges };
+        let sges = [buf.sge()];
+        let list: &[fabriq_verbs::Sge] = if buf.is_empty() { &[] } else { &sges };
         match st
             .driver
             .qp()
@@ -2621,7 +2662,7 @@ fn post_one_sided(st: &mut ConnState, pool: &Buffers, next: &mut u64) -> usize {
                     token,
                     OneSidedPending {
                         buf,
-                        op_len,
+                        copy_out,
                         reply: Some(reply),
                         deadline,
                     },
@@ -2630,6 +2671,7 @@ fn post_one_sided(st: &mut ConnState, pool: &Buffers, next: &mut u64) -> usize {
             }
             Err(e) => {
                 let _ = reply.send(Err(ChannelError::Verbs(e.source)));
+                pool.recycle(buf);
             }
         }
     }

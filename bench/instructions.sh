@@ -2,7 +2,8 @@
 # bench/instructions.sh — instructions per 8-byte exchange on shm0, counted by valgrind's
 # callgrind: the channel's one-thread exchange (A sends 8 bytes, B receives and echoes them,
 # A receives: four channel operations, two messages) and the same exchange at the verbs level
-# (two SENDs into pre-posted receives). An instruction count is the same run after run, whatever
+# (two SENDs into pre-posted receives); then an 8-byte one-sided READ through
+# `RemoteRegion::read` and at the verbs level. An instruction count is the same run after run, whatever
 # else the host does, so it tells the software cost of a change on a noisy machine where a
 # timed A/B cannot (bench/ab.sh times the cross-core ping-pong beside it).
 #
@@ -61,6 +62,13 @@ echo "|---|---|"
 echo "| channel (caller progress) | $channel |"
 echo "| verbs (SEND into pre-posted receives) | $verbs |"
 echo "| channel − verbs, per message | $(((channel - verbs) / 2)) |"
+read=$(per_exchange read read)
+verbs_read=$(per_exchange verbs-read verbs-read)
+echo
+echo "| one-sided READ (8 B, one thread, shm0) | instructions |"
+echo "|---|---|"
+echo "| RemoteRegion::read (caller progress) | $read |"
+echo "| verbs READ | $verbs_read |"
 echo "(fabriq $(git rev-parse --short HEAD 2>/dev/null || echo '?'), $ITERS exchanges, valgrind $(valgrind --version | sed 's/valgrind-//'))"
 if [ -n "$KEEP" ]; then
     mkdir -p "$KEEP"

@@ -2,7 +2,11 @@
 //! instruction counter: `valgrind --tool=callgrind` counts what the channel path executes per
 //! message, the same count run after run whatever else the host does (`bench/instructions.sh`).
 //!
-//! `cargo run --release -p fabriq --example exchange_count -- [ITERS] [DEVICE]`
+//! With `read` (third argument), one-sided 8-byte READs through `RemoteRegion::read` instead
+//! (caller progress, one thread; the shm provider carries a READ out when it is posted), and with
+//! `verbs-read` the same READ at the verbs level.
+//!
+//! `cargo run --release -p fabriq --example exchange_count -- [ITERS] [DEVICE] [verbs|read|verbs-read]`
 
 use std::time::Duration;
 
@@ -14,8 +18,11 @@ fn main() {
     let mut args = std::env::args().skip(1);
     let iters: u64 = args.next().and_then(|s| s.parse().ok()).unwrap_or(10_000);
     let device = args.next().unwrap_or_else(|| "shm0".into());
-    if args.next().as_deref() == Some("verbs") {
-        return verbs(iters, &device);
+    let mode = args.next();
+    match mode.as_deref() {
+        Some("verbs") => return verbs(iters, &device),
+        Some("verbs-read") => return verbs_read(iters, &device),
+        _ => {}
     }
     // Under an instruction counter the program runs tens of times slower: an ack timer of
     // the default 50 µs would fire on every exchange, which it never does at full speed.
@@ -31,6 +38,21 @@ fn main() {
     let listener = b.listen("127.0.0.1:0").expect("listen");
     let ca = a.connect(listener.local_addr()).expect("connect");
     let cb = listener.accept_timeout(TIMEOUT).expect("accept");
+    if mode.as_deref() == Some("read") {
+        let region = b.expose(4096).expect("expose");
+        let remote = ca.remote_region(region.descriptor_for(&cb));
+        let read = || assert_eq!(remote.read(64, 8).expect("read").len(), 8);
+        for _ in 0..1000 {
+            read();
+        }
+        marker_start();
+        for _ in 0..iters {
+            read();
+        }
+        marker_end();
+        println!("{iters} reads on {device}");
+        return;
+    }
     let msg = [7u8; 8];
     let exchange = || {
         ca.send_timeout(&msg, TIMEOUT).expect("send");
@@ -93,6 +115,45 @@ fn verbs(iters: u64, device: &str) {
     }
     marker_end();
     println!("{iters} verbs exchanges on {device}");
+}
+
+/// An 8-byte RDMA READ at the verbs level: two QPs of one context, a signaled READ of the
+/// other's buffer, its completion polled.
+fn verbs_read(iters: u64, device: &str) {
+    use fabriq_verbs::{
+        AccessFlags, Context, QpAttr, QpInitAttr, SendFlags, SendWr, WorkCompletion, WrOpcode,
+    };
+    let ctx = Context::open(device).expect("device");
+    let pd = ctx.alloc_pd().expect("pd");
+    let cq = ctx.create_cq(64).expect("cq");
+    let access = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ;
+    let qps = [0, 1].map(|_| pd.create_qp(&QpInitAttr::new(&cq)).expect("qp"));
+    let mrs = [0, 1].map(|_| pd.alloc_mr(4096, access).expect("mr"));
+    for (i, q) in qps.iter().enumerate() {
+        q.modify(&QpAttr::init(access)).expect("init");
+        q.modify(&QpAttr::rtr(qps[1 - i].endpoint())).expect("rtr");
+        q.modify(&QpAttr::rts()).expect("rts");
+    }
+    let remote = mrs[1].remote(64);
+    let mut wcs = [WorkCompletion::default(); 4];
+    let mut read = || {
+        let sge = [mrs[0].sge(0, 8).expect("sge")];
+        let wr = SendWr::new(1, &sge, WrOpcode::Read { remote }).with_flags(SendFlags::SIGNALED);
+        qps[0].post_send(&[wr]).expect("read");
+        let mut done = 0;
+        while done < 1 {
+            done += cq.poll(&mut wcs).expect("poll");
+        }
+    };
+    for _ in 0..1000 {
+        read();
+    }
+    marker_start();
+    for _ in 0..iters {
+        read();
+    }
+    marker_end();
+    println!("{iters} verbs reads on {device}");
 }
 
 #[inline(never)]

@@ -1016,6 +1016,10 @@ fn wait_awaiting<T>(
         Err(TryRecvError::Empty) => None,
         Err(TryRecvError::Closed) => Some(Waited::Closed),
     };
+    // Already there (a one-sided operation on shm completes in the pass that posted it).
+    if let Some(v) = ready() {
+        return v;
+    }
     if w.is_caller_mode() {
         return w
             .wait_reading(deadline, awaited, ready)
@@ -1024,9 +1028,6 @@ fn wait_awaiting<T>(
     // Thread mode: spin for the idle budget if no other thread spins on this worker, then block
     // on the reply itself (the worker wakes exactly this thread) — except with a deadline of
     // its own (a handler's call: see `wait_call`), which the wait keeps.
-    if let Some(v) = ready() {
-        return v;
-    }
     if deadline.is_some() {
         return w
             .wait_reading(deadline, awaited, ready)
@@ -1399,38 +1400,8 @@ impl Worker {
             return;
         };
         if wc.wr_id >> 56 == WR_ONE_SIDED {
-            if let Some(p) = st.one_sided.remove(&(wc.wr_id & ((1 << 56) - 1))) {
-                // No reply: its deadline passed (the caller was told); the buffer goes back now.
-                match p.reply {
-                    Some(reply) if wc.status.is_success() && p.copy_out => {
-                        let bytes = p.buf.to_vec();
-                        // A large buffer is in the cache before the caller, woken, asks for
-                        // another; a pool buffer goes back after the reply.
-                        let pooled = if p.buf.is_large() {
-                            self.buffers.recycle(p.buf);
-                            None
-                        } else {
-                            Some(p.buf)
-                        };
-                        let _ = reply.send(Ok(OneSidedDone::Bytes(bytes)));
-                        drop(pooled);
-                    }
-                    Some(reply) if wc.status.is_success() => {
-                        if let Err(Ok(OneSidedDone::Buf(buf))) =
-                            reply.send(Ok(OneSidedDone::Buf(p.buf)))
-                        {
-                            self.buffers.recycle(buf);
-                        }
-                    }
-                    Some(reply) => {
-                        let _ = reply.send(Err(ChannelError::Completion {
-                            opcode: wc.opcode,
-                            status: wc.status,
-                        }));
-                        self.buffers.recycle(p.buf);
-                    }
-                    None => self.buffers.recycle(p.buf),
-                }
+            if !one_sided_done(st, &self.buffers, wc) {
+                return;
             }
         } else {
             st.driver.handle_completion(now, wc);
@@ -1732,6 +1703,8 @@ impl Worker {
         out
     }
 
+    // Not inlined into the command dispatch every pass's inbox drain runs.
+    #[inline(never)]
     fn command_one_sided(
         &mut self,
         chan: StreamKey,
@@ -1741,12 +1714,19 @@ impl Worker {
     ) {
         match self.conns.get_mut(&key_conn(chan)) {
             Some(st) if st.failed.is_none() => {
-                st.one_sided_queue.push_back(OneSidedQueued {
+                st.arm_deadline(key_conn(chan), deadline, &mut self.timers);
+                let q = OneSidedQueued {
                     op,
                     reply,
                     deadline,
-                });
-                st.arm_deadline(key_conn(chan), deadline, &mut self.timers);
+                };
+                if st.one_sided_queue.is_empty() && (st.one_sided.len() as u32) < ONE_SIDED_DEPTH {
+                    // Nothing waits before it and the send queue has room: posted now, without
+                    // a pump of the connection; the pass's poll of the CQ reaps it.
+                    post_one(st, &self.buffers, &mut self.next_one_sided, q);
+                    return;
+                }
+                st.one_sided_queue.push_back(q);
             }
             Some(st) => {
                 let err = st
@@ -2599,83 +2579,134 @@ fn on_stream_control(
     Ok(())
 }
 
+/// The completion of a one-sided operation: its result to the caller, its buffer back. True
+/// when the connection wants a pump for it: a queued operation (room in the send queue now), a
+/// close waiting for the last one. Kept out of `Worker::completion`, which every message's
+/// completion runs through.
+#[inline(never)]
+fn one_sided_done(st: &mut ConnState, buffers: &Buffers, wc: &WorkCompletion) -> bool {
+    if let Some(p) = st.one_sided.remove(&(wc.wr_id & ((1 << 56) - 1))) {
+        // No reply: its deadline passed (the caller was told); the buffer goes back now.
+        match p.reply {
+            Some(reply) if wc.status.is_success() && p.copy_out => {
+                let bytes = p.buf.to_vec();
+                // A large buffer is in the cache before the caller, woken, asks for another;
+                // a pool buffer goes back after the reply.
+                let pooled = if p.buf.is_large() {
+                    buffers.recycle(p.buf);
+                    None
+                } else {
+                    Some(p.buf)
+                };
+                let _ = reply.send(Ok(OneSidedDone::Bytes(bytes)));
+                drop(pooled);
+            }
+            Some(reply) if wc.status.is_success() => {
+                if let Err(Ok(OneSidedDone::Buf(buf))) = reply.send(Ok(OneSidedDone::Buf(p.buf))) {
+                    buffers.recycle(buf);
+                }
+            }
+            Some(reply) => {
+                let _ = reply.send(Err(ChannelError::Completion {
+                    opcode: wc.opcode,
+                    status: wc.status,
+                }));
+                buffers.recycle(p.buf);
+            }
+            None => buffers.recycle(p.buf),
+        }
+    }
+    !st.one_sided_queue.is_empty() || st.closing.is_some() || st.is_failed()
+}
+
 fn post_one_sided(st: &mut ConnState, pool: &Buffers, next: &mut u64) -> usize {
     let mut posted = 0;
     while (st.one_sided.len() as u32) < ONE_SIDED_DEPTH {
-        let Some(OneSidedQueued {
-            op,
-            reply,
-            deadline,
-        }) = st.one_sided_queue.pop_front()
-        else {
+        let Some(q) = st.one_sided_queue.pop_front() else {
             break;
         };
-        // The local buffer: the caller's, or one from the pool for the result.
-        let local = |brought: Option<PoolBuf>, len: usize| match brought {
-            Some(b) => Ok(b),
-            None => pool.alloc(len.max(8)).map(|mut b| {
-                b.set_len(len);
-                b
-            }),
-        };
-        let copy_out = matches!(op, OneSidedOp::Read { into: None, .. });
-        let (buf, opcode) = match op {
-            OneSidedOp::Write { remote, buf } => (Ok(buf), WrOpcode::Write { remote }),
-            OneSidedOp::Read { remote, len, into } => {
-                (local(into, len as usize), WrOpcode::Read { remote })
-            }
-            OneSidedOp::CompareSwap {
-                remote,
-                compare,
-                swap,
-            } => (
-                local(None, 8),
-                WrOpcode::AtomicCmpSwp {
-                    remote,
-                    compare,
-                    swap,
-                },
-            ),
-            OneSidedOp::FetchAdd { remote, add } => {
-                (local(None, 8), WrOpcode::AtomicFetchAdd { remote, add })
-            }
-        };
-        let buf = match buf {
-            Ok(b) => b,
-            Err(e) => {
-                let _ = reply.send(Err(ChannelError::Failed(format!("no memory: {e}"))));
-                continue;
-            }
-        };
-        let token = *next;
-        *next += 1;
-        let wr_id = (WR_ONE_SIDED << 56) | token;
-        let sges = [buf.sge()];
-        let list: &[fabriq_verbs::Sge] = if buf.is_empty() { &[] } else { &sges };
-        match st
-            .driver
-            .qp()
-            .post_send(&[SendWr::new(wr_id, list, opcode).with_flags(SendFlags::SIGNALED)])
-        {
-            Ok(()) => {
-                st.one_sided.insert(
-                    token,
-                    OneSidedPending {
-                        buf,
-                        copy_out,
-                        reply: Some(reply),
-                        deadline,
-                    },
-                );
-                posted += 1;
-            }
-            Err(e) => {
-                let _ = reply.send(Err(ChannelError::Verbs(e.source)));
-                pool.recycle(buf);
-            }
+        if post_one(st, pool, next, q) {
+            posted += 1;
         }
     }
     posted
+}
+
+/// Post one one-sided operation (the send queue has room); false when it failed at once (no
+/// memory for its buffer, the post refused), its caller told. Not inlined into the command
+/// handling every pass runs.
+#[inline(never)]
+fn post_one(st: &mut ConnState, pool: &Buffers, next: &mut u64, q: OneSidedQueued) -> bool {
+    let OneSidedQueued {
+        op,
+        reply,
+        deadline,
+    } = q;
+    // The local buffer: the caller's, or one from the pool for the result.
+    let local = |brought: Option<PoolBuf>, len: usize| match brought {
+        Some(b) => Ok(b),
+        None => pool.alloc(len.max(8)).map(|mut b| {
+            b.set_len(len);
+            b
+        }),
+    };
+    let copy_out = matches!(op, OneSidedOp::Read { into: None, .. });
+    let (buf, opcode) = match op {
+        OneSidedOp::Write { remote, buf } => (Ok(buf), WrOpcode::Write { remote }),
+        OneSidedOp::Read { remote, len, into } => {
+            (local(into, len as usize), WrOpcode::Read { remote })
+        }
+        OneSidedOp::CompareSwap {
+            remote,
+            compare,
+            swap,
+        } => (
+            local(None, 8),
+            WrOpcode::AtomicCmpSwp {
+                remote,
+                compare,
+                swap,
+            },
+        ),
+        OneSidedOp::FetchAdd { remote, add } => {
+            (local(None, 8), WrOpcode::AtomicFetchAdd { remote, add })
+        }
+    };
+    let buf = match buf {
+        Ok(b) => b,
+        Err(e) => {
+            let _ = reply.send(Err(ChannelError::Failed(format!("no memory: {e}"))));
+            return false;
+        }
+    };
+    let token = *next;
+    *next += 1;
+    let wr_id = (WR_ONE_SIDED << 56) | token;
+    let sges = [buf.sge()];
+    let list: &[fabriq_verbs::Sge] = if buf.is_empty() { &[] } else { &sges };
+    match st
+        .driver
+        .qp()
+        .post_send(&[SendWr::new(wr_id, list, opcode).with_flags(SendFlags::SIGNALED)])
+    {
+        Ok(()) => {
+            st.one_sided.insert(
+                token,
+                OneSidedPending {
+                    buf,
+                    copy_out,
+                    reply: Some(reply),
+                    deadline,
+                },
+            );
+            true
+        }
+        Err(e) => {
+            let _ = reply.send(Err(ChannelError::Verbs(e.source)));
+            pool.recycle(buf);
+            false
+        }
+    }
 }
 
 /// Opcode check used by tests of completions.

@@ -23,6 +23,7 @@ use crate::channel::outbuf::{OutBuf, SmallBuf};
 use crate::channel::proto::TraceInfo;
 use crate::channel::{ChannelError, TraceFlags};
 use crate::mempool::PoolError;
+use crate::worker::guard::GuardCounters;
 use crate::worker::shared::{holds_a_state, ChannelShared};
 use crate::worker::{
     alloc_filled, direct_or_submit_settled, now, submit_on_stream, wait_call, Buffers, Call,
@@ -84,10 +85,12 @@ pub const HANDLER_PANICKED: &str = "the handler panicked: ";
 pub const NO_MEMORY: &str = "no memory";
 const _: () = assert!(wire::RPC_HEADER_LEN + NO_MEMORY.len() <= crate::channel::outbuf::SMALL_MAX);
 
-/// The reply to call `call_id` (`status`, `body`), or — without pool memory for it — the pool's
-/// error and the reply that says [`NO_MEMORY`], held in place (no pool memory).
+/// The reply to call `call_id` (`status`, `body`), or — without pool memory for it, counted in
+/// `guard` — the pool's error and the reply that says [`NO_MEMORY`], held in place (no pool
+/// memory).
 pub(crate) fn reply_buf(
     buffers: &Buffers,
+    guard: &GuardCounters,
     call_id: u64,
     status: wire::Status,
     body: &[u8],
@@ -95,6 +98,7 @@ pub(crate) fn reply_buf(
     let head = wire::encode_response_header(call_id, status);
     alloc_filled(buffers, &[&head, body]).map_err(|e| {
         tracing::warn!(%e, "no memory for an RPC reply");
+        guard.reply_without_memory();
         let head = wire::encode_response_header(call_id, wire::Status::HandlerError);
         let small = SmallBuf::from_parts(&[&head, NO_MEMORY.as_bytes()]).map(OutBuf::Small);
         (e, small)
@@ -135,11 +139,8 @@ impl Responder {
     fn send(&self, status: wire::Status, body: &[u8]) -> Result<(), ChannelError> {
         let s = &self.stream;
         let buffers = s.worker.buffers().ok_or(ChannelError::Closed)?;
-        let made = reply_buf(buffers, self.call_id, status, body);
-        if made.is_err() {
-            self.common.guard.reply_without_memory();
-        }
-        let (buf, failed) = match made {
+        let guard = &self.common.guard;
+        let (buf, failed) = match reply_buf(buffers, guard, self.call_id, status, body) {
             Ok(buf) => (buf, None),
             // The caller is told, and the handler too.
             Err((e, Some(buf))) => (buf, Some(e)),

@@ -155,9 +155,7 @@ impl Buffers {
         b.set_len(len);
         Ok(b)
     }
-}
 
-impl Buffers {
     /// Large buffers other threads gave back, into the cache (within its bound).
     fn take_returned(&self, c: &mut Cache) {
         while let Some(b) = self.returned.pop() {

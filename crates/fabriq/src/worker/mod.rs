@@ -2415,11 +2415,7 @@ fn on_received(
             ),
         };
         // Without pool memory for it, the caller is told so by a reply held in place.
-        let made = crate::rpc::reply_buf(pool, call_id, status, &reply);
-        if made.is_err() {
-            common.guard.reply_without_memory();
-        }
-        match made {
+        match crate::rpc::reply_buf(pool, &common.guard, call_id, status, &reply) {
             Ok(buf) | Err((_, Some(buf))) => {
                 ss.shared.count_in(buf.len() as u64);
                 backlog.push_back((

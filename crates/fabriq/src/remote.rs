@@ -486,6 +486,12 @@ impl RemoteRegion {
         };
         self.word(self.done(op).await?)
     }
+
+    /// [`RemoteRegion::fetch_and_add`] from async code.
+    pub async fn fetch_and_add_async(&self, offset: u64, add: u64) -> Result<u64, ChannelError> {
+        let remote = self.remote(offset, 8, 8)?;
+        self.word(self.done(OneSidedOp::FetchAdd { remote, add }).await?)
+    }
 }
 
 /// A distributed spin lock on one 64-bit word of a remote region: 0 = free, otherwise the

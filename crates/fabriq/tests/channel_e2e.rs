@@ -559,13 +559,14 @@ fn one_sided_from_and_into_registered_buffers() {
 
 /// More one-sided operations at once than the send queue keeps room for (32): those past it
 /// wait in the worker and go as completions make room, and every one completes with its own
-/// bytes, on shm and tcp.
+/// bytes, on shm and tcp; as many fetch-and-adds on one word add up, each seeing a distinct
+/// value before it.
 #[test]
 fn one_sided_operations_past_the_send_queue_depth_all_complete() {
     const N: u64 = 200;
     for device in ["shm0", "tcp0"] {
         let (se, _ce, s, c) = pair(device);
-        let region = se.expose(8 * N as usize).expect("expose");
+        let region = se.expose(8 * N as usize + 8).expect("expose");
         let remote = c.remote_region(region.descriptor_for(&s));
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
@@ -596,7 +597,25 @@ fn one_sided_operations_past_the_send_queue_depth_all_complete() {
                     "{device}: word {i}"
                 );
             }
+            let adds: Vec<_> = (0..N)
+                .map(|_| {
+                    let r = remote.clone();
+                    tokio::spawn(async move { r.fetch_and_add_async(8 * N, 1).await })
+                })
+                .collect();
+            let mut seen = Vec::new();
+            for t in adds {
+                seen.push(t.await.expect("task").expect("fetch_and_add"));
+            }
+            seen.sort_unstable();
+            assert_eq!(seen, (0..N).collect::<Vec<_>>(), "{device}: values before");
         });
+        let word = region.atomic_u64(8 * N as usize).expect("word");
+        assert_eq!(
+            word.load(std::sync::atomic::Ordering::SeqCst),
+            N,
+            "{device}"
+        );
     }
 }
 

@@ -41,16 +41,9 @@ fn main() {
     if mode.as_deref() == Some("read") {
         let region = b.expose(4096).expect("expose");
         let remote = ca.remote_region(region.descriptor_for(&cb));
-        let read = || assert_eq!(remote.read(64, 8).expect("read").len(), 8);
-        for _ in 0..1000 {
-            read();
-        }
-        marker_start();
-        for _ in 0..iters {
-            read();
-        }
-        marker_end();
-        println!("{iters} reads on {device}");
+        counted(iters, "reads", &device, || {
+            assert_eq!(remote.read(64, 8).expect("read").len(), 8)
+        });
         return;
     }
     let msg = [7u8; 8];
@@ -61,15 +54,21 @@ fn main() {
         let back = ca.recv_timeout(TIMEOUT).expect("recv echo");
         assert_eq!(back.len(), 8);
     };
+    counted(iters, "exchanges", &device, exchange);
+}
+
+/// `op` 1 000 times to warm up, then `iters` times between the markers the count starts and
+/// ends at.
+fn counted(iters: u64, what: &str, device: &str, mut op: impl FnMut()) {
     for _ in 0..1000 {
-        exchange();
+        op();
     }
     marker_start();
     for _ in 0..iters {
-        exchange();
+        op();
     }
     marker_end();
-    println!("{iters} exchanges on {device}");
+    println!("{iters} {what} on {device}");
 }
 
 /// The same exchange at the verbs level: two QPs of one context, a SEND of 8 bytes into a
@@ -104,17 +103,10 @@ fn verbs(iters: u64, device: &str) {
             done += cq.poll(&mut wcs).expect("poll");
         }
     };
-    for _ in 0..1000 {
+    counted(iters, "verbs exchanges", device, || {
         hop(0);
         hop(1);
-    }
-    marker_start();
-    for _ in 0..iters {
-        hop(0);
-        hop(1);
-    }
-    marker_end();
-    println!("{iters} verbs exchanges on {device}");
+    });
 }
 
 /// An 8-byte RDMA READ at the verbs level: two QPs of one context, a signaled READ of the
@@ -136,7 +128,7 @@ fn verbs_read(iters: u64, device: &str) {
     }
     let remote = mrs[1].remote(64);
     let mut wcs = [WorkCompletion::default(); 4];
-    let mut read = || {
+    let read = || {
         let sge = [mrs[0].sge(0, 8).expect("sge")];
         let wr = SendWr::new(1, &sge, WrOpcode::Read { remote }).with_flags(SendFlags::SIGNALED);
         qps[0].post_send(&[wr]).expect("read");
@@ -145,15 +137,7 @@ fn verbs_read(iters: u64, device: &str) {
             done += cq.poll(&mut wcs).expect("poll");
         }
     };
-    for _ in 0..1000 {
-        read();
-    }
-    marker_start();
-    for _ in 0..iters {
-        read();
-    }
-    marker_end();
-    println!("{iters} verbs reads on {device}");
+    counted(iters, "verbs reads", device, read);
 }
 
 #[inline(never)]

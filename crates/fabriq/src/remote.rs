@@ -22,8 +22,10 @@ use tokio::sync::oneshot;
 use crate::channel::ChannelError;
 use crate::mempool::PoolBuf;
 use crate::message::SendBuf;
+use crate::worker::reply::{self, ReplyTo};
 use crate::worker::{
-    direct_or_submit, now, wait_reply, Buffers, Command, OneSidedDone, OneSidedOp, Waited,
+    direct_or_submit, now, wait_reply, Buffers, Command, OneSidedDone, OneSidedOp, OneSidedReply,
+    Waited,
 };
 use crate::Channel;
 
@@ -220,14 +222,14 @@ impl RemoteRegion {
         })
     }
 
-    fn submit(&self, op: OneSidedOp) -> oneshot::Receiver<Result<OneSidedDone, ChannelError>> {
-        let (tx, rx) = oneshot::channel();
+    /// Hand `op` to the worker, its result to go to `reply`.
+    fn submit(&self, op: OneSidedOp, reply: OneSidedReply) {
         let s = self.channel.shared();
         let chan = s.id;
         let deadline = now().saturating_add(self.timeout);
         direct_or_submit(
             &s.worker,
-            (op, tx),
+            (op, reply),
             |g, (op, reply)| g.enqueue_one_sided(chan, op, reply, deadline),
             |(op, reply)| Command::OneSided {
                 chan,
@@ -236,7 +238,6 @@ impl RemoteRegion {
                 deadline,
             },
         );
-        rx
     }
 
     /// Submit `op` and wait for its result.
@@ -254,7 +255,8 @@ impl RemoteRegion {
                 .checked_add(self.timeout)
                 .map_or(d, |t| d.min(t))
         });
-        let rx = self.submit(op);
+        let (tx, rx) = reply::slot();
+        self.submit(op, tx);
         match wait_reply(w, rx, deadline) {
             Waited::Got(r) => r,
             Waited::Closed => Err(ChannelError::Closed),
@@ -440,7 +442,9 @@ impl RemoteRegion {
 
     /// Wait for an operation submitted from async code.
     async fn done(&self, op: OneSidedOp) -> Result<OneSidedDone, ChannelError> {
-        self.submit(op).await.unwrap_or(Err(ChannelError::Closed))
+        let (tx, rx) = oneshot::channel();
+        self.submit(op, ReplyTo::Task(tx));
+        rx.await.unwrap_or(Err(ChannelError::Closed))
     }
 
     /// [`RemoteRegion::write`] from async code.

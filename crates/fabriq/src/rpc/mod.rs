@@ -24,10 +24,11 @@ use crate::channel::proto::TraceInfo;
 use crate::channel::{ChannelError, TraceFlags};
 use crate::mempool::PoolError;
 use crate::worker::guard::GuardCounters;
+use crate::worker::reply::{self, ReplyTo};
 use crate::worker::shared::{holds_a_state, ChannelShared};
 use crate::worker::{
     alloc_filled, direct_or_submit_settled, now, submit_on_stream, wait_call, Buffers, Call,
-    Command, EndpointShared, Waited, Worker,
+    CallReply, Command, EndpointShared, Waited, Worker,
 };
 use crate::Channel;
 
@@ -166,9 +167,6 @@ impl Drop for Responder {
     }
 }
 
-/// Where the reply of a submitted call arrives.
-type ReplyRx = oneshot::Receiver<Result<Vec<u8>, RpcError>>;
-
 /// Errors of an RPC call.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -251,12 +249,14 @@ impl Rpc {
             .serve_async(method, runtime, handler);
     }
 
+    /// Send a call of `method`, its reply to go to `reply`; the call's id.
     fn submit(
         &self,
         method: &str,
         request: &[u8],
         timeout: Duration,
-    ) -> Result<(u64, ReplyRx), RpcError> {
+        reply: CallReply,
+    ) -> Result<u64, RpcError> {
         let shared = self.channel.shared();
         if let Some(f) = shared.failure() {
             return Err(match f.to_error() {
@@ -270,18 +270,17 @@ impl Rpc {
         let buffers = w.buffers().ok_or(RpcError::PeerGone)?;
         let buf = alloc_filled(buffers, &[&head, request])
             .map_err(|e| RpcError::Channel(ChannelError::Pool(e)))?;
-        let (tx, rx) = oneshot::channel();
         let call = Call {
             chan: shared.id,
             call_id,
             buf,
             deadline: now().saturating_add(timeout),
-            reply: tx,
+            reply,
         };
         direct_or_submit_settled(w, call, Worker::enqueue_call, |c| {
             Command::Call(Box::new(c))
         });
-        Ok((call_id, rx))
+        Ok(call_id)
     }
 
     /// Call `method` and wait for the reply, at most `timeout`. Blocking: from async code use
@@ -305,7 +304,8 @@ impl Rpc {
         let deadline = holds_a_state()
             .then(|| std::time::Instant::now().checked_add(timeout))
             .flatten();
-        let (call_id, rx) = self.submit(method, request, timeout)?;
+        let (tx, rx) = reply::slot();
+        let call_id = self.submit(method, request, timeout, tx)?;
         match wait_call(w, rx, call_id, deadline) {
             Waited::Got(r) => r,
             Waited::Closed => Err(RpcError::PeerGone),
@@ -325,7 +325,8 @@ impl Rpc {
         request: &[u8],
         timeout: Duration,
     ) -> Result<Vec<u8>, RpcError> {
-        let (_, rx) = self.submit(method, request, timeout)?;
+        let (tx, rx) = oneshot::channel();
+        self.submit(method, request, timeout, ReplyTo::Task(tx))?;
         rx.await.unwrap_or(Err(RpcError::PeerGone))
     }
 

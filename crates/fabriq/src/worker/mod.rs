@@ -30,6 +30,7 @@ mod buffers;
 mod clock;
 mod delivery;
 pub(crate) mod guard;
+pub(crate) mod reply;
 pub(crate) mod shared;
 pub(crate) mod streams;
 mod wheel;
@@ -48,7 +49,6 @@ use fabriq_verbs::{
 use parking_lot::RwLock;
 use rustc_hash::FxHashMap;
 use rustix::event::epoll;
-use tokio::sync::oneshot;
 
 use crate::channel::driver::{ChannelDriver, CoreEvent};
 use crate::channel::outbuf::{OutBuf, SmallBuf};
@@ -62,6 +62,7 @@ use crate::rpc::wire as rpcwire;
 use crate::rpc::{Responder, RpcError, Served};
 pub(crate) use buffers::Buffers;
 use clock::PassClock;
+use reply::{Cached, CallResult, OneSidedResult, ReplyTo, SlotReceiver};
 use shared::{Awaited, ChannelShared, Failure, WorkerShared};
 use streams::{key_conn, key_stream, stream_key, Accepted, StreamKey};
 
@@ -115,9 +116,9 @@ pub(crate) enum OneSidedDone {
 }
 
 /// Reply of a one-sided operation.
-pub(crate) type OneSidedReply = oneshot::Sender<Result<OneSidedDone, ChannelError>>;
+pub(crate) type OneSidedReply = ReplyTo<OneSidedResult>;
 /// Reply of an RPC call.
-pub(crate) type CallReply = oneshot::Sender<Result<Vec<u8>, RpcError>>;
+pub(crate) type CallReply = ReplyTo<CallResult>;
 
 /// A request to a worker.
 ///
@@ -973,9 +974,9 @@ pub(crate) fn close_on_drop<V>(
 /// Wait for a worker's reply on `rx`, progressing the worker from this thread: for the whole
 /// wait in caller mode, for the idle budget in thread mode (then block on `rx`) — until
 /// `deadline` where there is one.
-pub(crate) fn wait_reply<T>(
+pub(crate) fn wait_reply<T: Cached>(
     w: &WorkerShared,
-    rx: oneshot::Receiver<T>,
+    rx: SlotReceiver<T>,
     deadline: Option<std::time::Instant>,
 ) -> Waited<T> {
     wait_awaiting(w, rx, Awaited::Progress, deadline)
@@ -995,22 +996,22 @@ pub(crate) enum Waited<T> {
 /// `deadline`, the wait also ends then by itself. A handler calling out passes it (the caller
 /// reads the clock for it only then): it holds its own worker's state, and the worker whose
 /// pass would fire the timer may be held by a handler that in turn waits for this one's.
-pub(crate) fn wait_call<T>(
+pub(crate) fn wait_call<T: Cached>(
     w: &WorkerShared,
-    rx: oneshot::Receiver<T>,
+    rx: SlotReceiver<T>,
     call: u64,
     deadline: Option<std::time::Instant>,
 ) -> Waited<T> {
     wait_awaiting(w, rx, Awaited::Reply(call), deadline)
 }
 
-fn wait_awaiting<T>(
+fn wait_awaiting<T: Cached>(
     w: &WorkerShared,
-    mut rx: oneshot::Receiver<T>,
+    mut rx: SlotReceiver<T>,
     awaited: Awaited<'_>,
     deadline: Option<std::time::Instant>,
 ) -> Waited<T> {
-    use tokio::sync::oneshot::error::TryRecvError;
+    use reply::TryRecvError;
     let mut ready = || match rx.try_recv() {
         Ok(v) => Some(Waited::Got(v)),
         Err(TryRecvError::Empty) => None,

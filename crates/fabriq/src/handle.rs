@@ -18,6 +18,7 @@ use crate::channel::{ChannelError, ChannelStats, Thresholds};
 use crate::endpoint::Endpoint;
 use crate::message::{Message, SendBuf};
 use crate::remote::{RegionDescriptor, RemoteRegion};
+use crate::worker::async_wait::{self, AsyncSleep};
 use crate::worker::shared::ChannelShared;
 use crate::worker::streams::ConnHandle;
 use crate::worker::{alloc_filled, close_on_drop, submit_on_stream, Command, Worker};
@@ -188,8 +189,16 @@ impl Channel {
 
     async fn reserve_async(&self, len: usize) -> Result<(), ChannelError> {
         let s = &self.inner.shared;
+        let room = || match s.try_reserve(len) {
+            Err(ChannelError::WouldBlock) => None,
+            r => Some(r),
+        };
+        if let Some(r) = async_wait::spin(&s.worker, room).await {
+            return r;
+        }
         s.tx_async_waiters.fetch_add(1, Ordering::SeqCst);
         let _waiting = AsyncWaiter(&s.tx_async_waiters);
+        let _asleep = AsyncSleep::new(&s.worker);
         loop {
             let notified = s.tx_notify.notified();
             tokio::pin!(notified);
@@ -301,8 +310,15 @@ impl Channel {
     /// Receive from async code.
     pub async fn recv_async(&self) -> Result<Message, ChannelError> {
         let s = &self.inner.shared;
+        // Hybrid, as a blocking wait: look for the idle budget, then sleep (`async_wait`).
+        if let Some(r) = async_wait::spin(&s.worker, || s.try_take().transpose()).await {
+            let m = r?;
+            self.released();
+            return Ok(m);
+        }
         s.rx_async_waiters.fetch_add(1, Ordering::SeqCst);
         let _waiting = AsyncWaiter(&s.rx_async_waiters);
+        let _asleep = AsyncSleep::new(&s.worker);
         loop {
             let notified = s.rx_notify.notified();
             tokio::pin!(notified);

@@ -22,6 +22,7 @@ use tokio::sync::oneshot;
 use crate::channel::ChannelError;
 use crate::mempool::PoolBuf;
 use crate::message::SendBuf;
+use crate::worker::async_wait;
 use crate::worker::reply::{self, ReplyTo};
 use crate::worker::{
     direct_or_submit, now, wait_reply, Buffers, Command, OneSidedDone, OneSidedOp, OneSidedReply,
@@ -444,7 +445,9 @@ impl RemoteRegion {
     async fn done(&self, op: OneSidedOp) -> Result<OneSidedDone, ChannelError> {
         let (tx, rx) = oneshot::channel();
         self.submit(op, ReplyTo::Task(tx));
-        rx.await.unwrap_or(Err(ChannelError::Closed))
+        async_wait::answer(&self.channel.shared().worker, rx)
+            .await
+            .unwrap_or(Err(ChannelError::Closed))
     }
 
     /// [`RemoteRegion::write`] from async code.

@@ -1568,3 +1568,69 @@ fn large_one_sided_buffers_are_kept_for_reuse() {
         assert_eq!(buffers.kept_bytes(), MIB, "{device}");
     }
 }
+
+/// Async waits in caller mode: a task's `recv_async`, `send_async`, `call_async` and one-sided
+/// `_async` operation move the worker themselves while they look, and once asleep the
+/// back-stop moves it for them. Before, nothing did until the back-stop's grace had passed
+/// since the last call of any thread — each round trip of an async ping-pong took 10 ms. Run
+/// with the idle budget (the task looks, then sleeps after every message) and without it (it
+/// sleeps at once: the back-stop's path alone).
+#[test]
+fn async_waits_in_caller_mode_do_not_wait_for_the_back_stop() {
+    use std::time::{Duration, Instant};
+    const WAIT: Duration = Duration::from_secs(10);
+    for idle_spin_us in [50, 0] {
+        let (a, b, listener) = client_server(crate::Config {
+            idle_spin_us,
+            ..caller_mode_config()
+        });
+        b.serve("echo", |req| Ok(req.to_vec()));
+        let region = b.expose(64).expect("expose");
+        let ca = a.connect(listener.local_addr()).expect("connect");
+        let cb = listener.accept_timeout(WAIT).expect("accept");
+        let remote = ca.remote_region(region.descriptor_for(&cb));
+        let rpc = crate::Rpc::new(ca.clone());
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .expect("runtime");
+        let rounds = 200u64;
+        let echo = rt.spawn(async move {
+            for _ in 0..rounds {
+                let m = cb.recv_async().await.expect("recv");
+                cb.send_async(&m).await.expect("echo");
+            }
+            // Open until the calls and operations on its connection are done.
+            cb
+        });
+        let slow = rt.block_on(async move {
+            let mut slow = Vec::new();
+            for i in 0..rounds {
+                let t = Instant::now();
+                ca.send_async(&i.to_le_bytes()).await.expect("send");
+                let m = ca.recv_async().await.expect("recv echo");
+                assert_eq!(&m[..], &i.to_le_bytes());
+                let r = rpc
+                    .call_async("echo", &i.to_le_bytes(), WAIT)
+                    .await
+                    .expect("call");
+                assert_eq!(r, i.to_le_bytes());
+                let before = remote.fetch_and_add_async(0, 1).await.expect("fetch-add");
+                assert_eq!(before, i);
+                let took = t.elapsed();
+                if took >= crate::worker::shared::BACKSTOP_GRACE {
+                    slow.push((i, took));
+                }
+            }
+            slow
+        });
+        drop(rt.block_on(echo).expect("echo task"));
+        assert!(
+            slow.len() <= 5,
+            "idle_spin_us {idle_spin_us}: {} of {rounds} async rounds took a back-stop grace or \
+             more: {slow:?}",
+            slow.len()
+        );
+    }
+}

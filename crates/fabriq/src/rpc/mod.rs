@@ -23,6 +23,7 @@ use crate::channel::outbuf::{OutBuf, SmallBuf};
 use crate::channel::proto::TraceInfo;
 use crate::channel::{ChannelError, TraceFlags};
 use crate::mempool::PoolError;
+use crate::worker::async_wait;
 use crate::worker::guard::GuardCounters;
 use crate::worker::reply::{self, ReplyTo};
 use crate::worker::shared::{holds_a_state, ChannelShared};
@@ -327,7 +328,9 @@ impl Rpc {
     ) -> Result<Vec<u8>, RpcError> {
         let (tx, rx) = oneshot::channel();
         self.submit(method, request, timeout, ReplyTo::Task(tx))?;
-        rx.await.unwrap_or(Err(RpcError::PeerGone))
+        async_wait::answer(&self.channel.shared().worker, rx)
+            .await
+            .unwrap_or(Err(RpcError::PeerGone))
     }
 
     /// Call with JSON-serialised request and reply.

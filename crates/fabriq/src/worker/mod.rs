@@ -25,6 +25,7 @@
 //! Not here: protocol decisions (`channel::proto`), connection set-up (`endpoint`), the
 //! application-facing handles (`handle`, `rpc`, `remote`).
 
+pub(crate) mod async_wait;
 mod barrier;
 mod buffers;
 mod clock;

@@ -15,7 +15,7 @@
 
 use std::cell::Cell;
 use std::os::fd::OwnedFd;
-use std::sync::atomic::{fence, AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant as StdInstant};
 
@@ -251,6 +251,9 @@ pub(crate) struct WorkerShared {
     /// load and a store, not a locked add: callers racing may lose a bump, but the count
     /// still moves, which is all the back-stop looks at.
     entered: AtomicU64,
+    /// Application tasks asleep on an async wait's notification (`super::async_wait`): in
+    /// caller mode the back-stop progresses the worker while there are any.
+    async_sleepers: AtomicU32,
     /// Set once the worker processed `Shutdown`.
     pub(crate) stopped: AtomicBool,
     /// RPC call ids, unique per worker.
@@ -288,6 +291,7 @@ impl WorkerShared {
             poller: AtomicBool::new(false),
             spinner: AtomicBool::new(false),
             parked: AtomicUsize::new(0),
+            async_sleepers: AtomicU32::new(0),
             park: Mutex::new(0),
             park_cv: Condvar::new(),
             entered: AtomicU64::new(0),
@@ -553,6 +557,21 @@ impl WorkerShared {
         Some(n)
     }
 
+    /// An application task goes to sleep on an async wait's notification
+    /// (`super::async_wait::AsyncSleep`). In caller mode the first wakes the back-stop, which
+    /// then progresses the worker ([`WorkerShared::callers_quiet`]).
+    pub(crate) fn async_sleep_begin(&self) {
+        let before = self.async_sleepers.fetch_add(1, Ordering::AcqRel);
+        if before == 0 && self.is_caller_mode() {
+            self.nudge_backstop();
+        }
+    }
+
+    /// The task of [`WorkerShared::async_sleep_begin`] woke.
+    pub(crate) fn async_sleep_end(&self) {
+        self.async_sleepers.fetch_sub(1, Ordering::AcqRel);
+    }
+
     /// Note that an application thread called in (caller mode: the back-stop thread stays out
     /// of the way while calls come; a caller that waits is the spinner or sleeps as the poller,
     /// which keeps it away too).
@@ -572,6 +591,10 @@ impl WorkerShared {
         if self.spinner.load(Ordering::Acquire) {
             watch.busy = true;
             return Err(BACKSTOP_GRACE);
+        }
+        if self.async_sleepers.load(Ordering::Acquire) > 0 {
+            // A task sleeps on its notification: nobody else moves the worker for it.
+            return Ok(());
         }
         let entered = self.entered.load(Ordering::Relaxed);
         if entered != watch.entered || watch.busy {

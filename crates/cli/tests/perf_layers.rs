@@ -52,6 +52,7 @@ fn latency_run(layer: &str, test: &str, device: &str, size: u64, kind: &str) {
         "--layer", layer, "-d", device, "-t", test, "-n", "200", "-s", &size_arg,
     ]);
     assert_header(&v, layer, test, device);
+    assert_eq!(v["api"], "sync", "{v}");
     assert_latency(&v, 200, size, kind);
 }
 
@@ -224,6 +225,51 @@ fn rpc_rate_spreads_calls_over_callers() {
     assert!((rate * elapsed - 301.0).abs() < 1.0, "{r}");
 }
 
+/// `--api async`: the same latency tests through the async API (send_async / recv_async,
+/// call_async, read_async, fetch_and_add_async), every reply checked, in both progress modes.
+fn async_api(device: &str, progress: &str) {
+    for (layer, test, size, kind) in [
+        ("channel", "send_lat", 8u64, "one_way"),
+        ("channel", "send_lat", 100_000, "one_way"),
+        ("rpc", "rpc_lat", 64, "round_trip"),
+        ("channel", "read_lat", 4096, "round_trip"),
+        ("channel", "atomic_lat", 8, "round_trip"),
+    ] {
+        let size_arg = size.to_string();
+        let v = perf_json(&[
+            "--layer",
+            layer,
+            "-d",
+            device,
+            "-t",
+            test,
+            "-n",
+            "200",
+            "-s",
+            &size_arg,
+            "--api",
+            "async",
+            "--progress",
+            progress,
+        ]);
+        assert_header(&v, layer, test, device);
+        assert_eq!(v["api"], "async", "{v}");
+        assert_eq!(v["mode"], progress, "{v}");
+        assert_latency(&v, 200, size, kind);
+    }
+}
+
+#[test]
+fn async_api_on_shm0() {
+    async_api("shm0", "caller");
+    async_api("shm0", "thread");
+}
+
+#[test]
+fn async_api_on_tcp0() {
+    async_api("tcp0", "caller");
+}
+
 #[test]
 fn text_report_names_the_layer() {
     let _one_at_a_time = PERF.lock().unwrap_or_else(|e| e.into_inner());
@@ -303,6 +349,23 @@ fn wrong_layer_and_bad_input_are_clean_errors() {
             "127.0.0.1:1",
         ),
         (&["perf", "--layer", "channel"][..], 1, "--local"),
+        (
+            &[
+                "perf", "--local", "--layer", "channel", "-t", "send_bw", "--api", "async",
+            ][..],
+            1,
+            "no async form",
+        ),
+        (
+            &["perf", "--local", "-t", "send_lat", "--api", "async"][..],
+            1,
+            "--api applies to --layer channel|rpc",
+        ),
+        (
+            &["perf", "--local", "--layer", "channel", "--api", "bogus"][..],
+            2,
+            "bogus",
+        ),
     ] {
         let out = fabriq(args);
         let stderr = String::from_utf8_lossy(&out.stderr);

@@ -193,6 +193,7 @@ pub fn run(plan: &ClientPlan) -> Result<PerfReport> {
         device_options: options,
         provider,
         mode: format!("{:?}", plan.template.mode).to_lowercase(),
+        api: None,
         server: server_addr.to_string(),
         local: plan.local,
         client_cpu: plan.client_cpu,

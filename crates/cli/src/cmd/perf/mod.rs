@@ -301,6 +301,10 @@ pub struct Args {
     /// send posts, recv/call poll the CQ) or a worker thread ("thread"). Both sides.
     #[arg(long, value_name = "caller|thread", default_value = "caller", value_parser = parse_progress_arg)]
     pub progress: fabriq::Progress,
+    /// Middleware layers: the client's API — the blocking calls, or the async ones awaited on a
+    /// tokio runtime (send_lat, rpc_lat, read_lat, atomic_lat).
+    #[arg(long, value_enum, default_value = "sync")]
+    pub api: mw::Api,
     /// Run the plain kernel-TCP ping-pong baseline instead of a device test (same as -t tcp_lat).
     #[arg(long)]
     pub tcp_baseline: bool,
@@ -365,6 +369,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     }
     if args.layer != Layer::Verbs {
         return run_middleware(&args);
+    }
+    if args.api != mw::Api::Sync {
+        anyhow::bail!("--api applies to --layer channel|rpc");
     }
     let test = if args.tcp_baseline {
         TestKind::TcpLat
@@ -441,6 +448,12 @@ fn run_middleware(args: &Args) -> anyhow::Result<()> {
             "-o provider options apply to --layer verbs; the middleware opens devices itself"
         );
     }
+    if args.api == mw::Api::Async && !mw::has_async_form(test) {
+        anyhow::bail!(
+            "--api async: {} has no async form (send_lat, rpc_lat, read_lat, atomic_lat)",
+            test.name()
+        );
+    }
     if args.callers == 0 || args.callers > 1024 {
         anyhow::bail!("--callers {} not in 1..=1024", args.callers);
     }
@@ -464,6 +477,7 @@ fn run_middleware(args: &Args) -> anyhow::Result<()> {
         warmup,
         callers: args.callers,
         progress: args.progress,
+        api: args.api,
         local,
         client_cpu,
         server_cpu,

@@ -46,6 +46,8 @@
 //! and put its QPs back (out of the timed part), and the run fails if the cached connects did
 //! not reuse QPs or the cold ones did.
 
+mod asynchronous;
+
 use std::io::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Barrier};
@@ -164,6 +166,14 @@ fn expect_ctl(ch: &Channel, waiting_for: &str) -> Result<Ctl> {
 }
 
 /// Check a run's parameters for a middleware layer (command line or peer input).
+/// Whether `test` has an async form (`--api async`).
+pub fn has_async_form(test: TestKind) -> bool {
+    matches!(
+        test,
+        TestKind::SendLat | TestKind::RpcLat | TestKind::ReadLat | TestKind::AtomicLat
+    )
+}
+
 pub fn validate(layer: Layer, test: TestKind, size: u32, iters: u64, warmup: u64) -> Result<()> {
     let ok = match layer {
         Layer::Channel => matches!(
@@ -525,6 +535,25 @@ fn serve_stream(ch: &Channel, size: u32, count: u64) -> Result<u64> {
     Ok(errors)
 }
 
+/// The client's API in the middleware layers: the blocking calls, or the async ones awaited on
+/// a current-thread tokio runtime (`send_async` / `recv_async`, `call_async`, `read_async`,
+/// `fetch_and_add_async`). The server answers with the blocking calls either way.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum Api {
+    #[default]
+    Sync,
+    Async,
+}
+
+impl Api {
+    pub fn name(self) -> &'static str {
+        match self {
+            Api::Sync => "sync",
+            Api::Async => "async",
+        }
+    }
+}
+
 /// What the client side runs.
 #[derive(Debug, Clone)]
 pub struct ClientPlan {
@@ -546,6 +575,8 @@ pub struct ClientPlan {
     pub callers: u32,
     /// Who drives the worker.
     pub progress: Progress,
+    /// The client's API.
+    pub api: Api,
     /// Started the server as a local child?
     pub local: bool,
     /// Client CPU, if pinned.
@@ -612,6 +643,18 @@ pub fn run_client(plan: &ClientPlan) -> Result<PerfReport> {
                 )))
             }
         };
+        if plan.api == Api::Async {
+            let row = asynchronous::run(plan, &ch, &rpc, region.as_ref(), size)?;
+            send_ctl(&ch, &Ctl::End)?;
+            let server_errors = match expect_ctl(&ch, "Done")? {
+                Ctl::Done { errors } => errors,
+                other => {
+                    return Err(PerfError::Protocol(format!("expected Done, got {other:?}")))
+                }
+            };
+            results.push(add_errors(row, server_errors));
+            continue;
+        }
         let row = match (plan.test, &region) {
             (TestKind::ReadLat, Some(r)) => read_lat(r, size, plan.iters, plan.warmup)?,
             (TestKind::AtomicLat, Some(r)) => atomic_lat(r, plan.iters, plan.warmup)?,
@@ -648,6 +691,7 @@ pub fn run_client(plan: &ClientPlan) -> Result<PerfReport> {
         device_options: Default::default(),
         provider: provider_of(&plan.device),
         mode: plan.progress.to_string(),
+        api: Some(plan.api.name()),
         server: plan.server.clone(),
         local: plan.local,
         client_cpu: plan.client_cpu,
@@ -690,22 +734,50 @@ fn latency_loop(
     kind: LatencyKind,
     mut exchange: impl FnMut() -> Result<bool>,
 ) -> Result<RunResult> {
-    let mut h = histogram()?;
-    let mut errors = 0;
+    let mut lat = Latencies::new(warmup)?;
     for i in 0..warmup + iters {
         let t0 = Instant::now();
         let intact = exchange()?;
-        let rtt = t0.elapsed();
+        lat.add(i, t0.elapsed(), intact);
+    }
+    Ok(lat.finish(size, kind))
+}
+
+/// The timings of a latency loop: exchanges after the warm-up recorded, failed checks counted.
+struct Latencies {
+    h: Histogram<u64>,
+    warmup: u64,
+    errors: u64,
+}
+
+impl Latencies {
+    fn new(warmup: u64) -> Result<Latencies> {
+        Ok(Latencies {
+            h: histogram()?,
+            warmup,
+            errors: 0,
+        })
+    }
+
+    /// Exchange `i` took `rtt`; its reply was `intact`.
+    fn add(&mut self, i: u64, rtt: Duration, intact: bool) {
         if !intact {
-            errors += 1;
+            self.errors += 1;
         }
-        if i >= warmup {
-            record(&mut h, rtt);
+        if i >= self.warmup {
+            record(&mut self.h, rtt);
         }
     }
-    Ok(RunResult::Latency(LatStats::from_rtt(
-        size, warmup, kind, &h, errors,
-    )))
+
+    fn finish(self, size: u32, kind: LatencyKind) -> RunResult {
+        RunResult::Latency(LatStats::from_rtt(
+            size,
+            self.warmup,
+            kind,
+            &self.h,
+            self.errors,
+        ))
+    }
 }
 
 /// connect_lat, client side: cold and cached connects in turn (blocks of [`CONNECT_BLOCK`]),

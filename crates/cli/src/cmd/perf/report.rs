@@ -179,8 +179,11 @@ pub struct PerfReport {
     pub device_options: std::collections::BTreeMap<String, String>,
     /// Its provider (`tcp-socket` for the TCP baseline).
     pub provider: String,
-    /// `busy` or `event`.
+    /// `busy` or `event`; for the middleware layers the progress mode, `caller` or `thread`.
     pub mode: String,
+    /// Middleware layers: the client's API, `sync` (blocking calls) or `async` (tokio).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub api: Option<&'static str>,
     /// The server's control address.
     pub server: String,
     /// Whether the server was started as a local child.
@@ -208,12 +211,13 @@ pub fn render_text(r: &PerfReport) -> String {
     let _ = writeln!(out, "{rule}");
     let _ = writeln!(
         out,
-        " fabriq perf: {}  layer {}  device {} ({})  mode {}  server {}{}",
+        " fabriq perf: {}  layer {}  device {} ({})  mode {}{}  server {}{}",
         r.test,
         r.layer,
         r.device,
         r.provider,
         r.mode,
+        r.api.map(|a| format!("  api {a}")).unwrap_or_default(),
         r.server,
         if r.local { " (local child)" } else { "" }
     );
@@ -411,6 +415,7 @@ mod tests {
             device_options: Default::default(),
             provider: "shm".into(),
             mode: "busy".into(),
+            api: None,
             server: "127.0.0.1:1".into(),
             local: true,
             client_cpu: Some(0),

@@ -1,8 +1,9 @@
 //! Idle endpoints sleep: over 2 s with connected channels and no traffic, the process uses a
 //! small fraction of one CPU (a busy-polling worker would use ~2 s per worker). Both progress
 //! modes: thread (workers sleep in epoll with their CQ armed) and caller (no application thread
-//! polls; the back-stop threads sleep). This file holds a single test so that the process CPU
-//! time it measures is its own.
+//! polls; the back-stop threads sleep — also while an async task sleeps in `recv_async`, for
+//! which the back-stop progresses the worker). This file holds a single test so that the
+//! process CPU time it measures is its own.
 
 use std::time::Duration;
 
@@ -44,10 +45,27 @@ fn idle_endpoints_use_almost_no_cpu_in_both_progress_modes() {
             for _ in 0..100 {
                 rpc.call("echo", b"x", HANG).expect("call");
             }
+            // A task waits for a message through the idle period.
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(1)
+                .enable_all()
+                .build()
+                .expect("runtime");
+            let waiting = {
+                let s = s.clone();
+                rt.spawn(async move { s.recv_async().await })
+            };
             std::thread::sleep(Duration::from_millis(100));
             let before = cpu_time();
             std::thread::sleep(Duration::from_secs(2));
             let used = cpu_time() - before;
+            c.send(b"wake").expect("send to the waiting task");
+            let got = rt
+                .block_on(async { tokio::time::timeout(HANG, waiting).await })
+                .expect("the task got its message")
+                .expect("task")
+                .expect("recv_async");
+            assert_eq!(&got[..], b"wake");
             // Four workers spinning would use ~8 s; sleeping ones use next to nothing.
             assert!(
                 used < Duration::from_millis(300),

@@ -307,6 +307,136 @@ fn json_rpc_and_async_api(progress: Progress) {
     });
 }
 
+/// A server that accepts with `accept_async` and clients that connect with `connect_async`,
+/// all tasks of one runtime: an accept that waits before any peer comes is woken by the peer's
+/// channel, concurrent connects (on one pooled connection, and from endpoints of their own)
+/// are each accepted once and echo their own bytes, and then channels opened one at a time on
+/// the pooled connection — queued by its worker, with nothing else to wake the accept — are
+/// accepted too.
+fn async_accept_and_connect(device: &str, progress: Progress) {
+    let cfg = Config {
+        device: device.into(),
+        progress,
+        ..Config::default()
+    };
+    let server = Endpoint::new(cfg.clone()).expect("server endpoint");
+    let listener = server.listen("127.0.0.1:0").expect("listen");
+    let addr = listener.local_addr();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    const CLIENTS: usize = 8;
+    const LATER: usize = 4;
+    rt.block_on(async move {
+        // The accepting task waits before anyone connects.
+        let acceptor = tokio::spawn(async move {
+            let mut echoes = Vec::new();
+            for _ in 0..2 * CLIENTS + LATER {
+                let ch = tokio::time::timeout(HANG, listener.accept_async())
+                    .await
+                    .expect("accepted in time")
+                    .expect("accept_async");
+                echoes.push(tokio::spawn(async move {
+                    let m = ch.recv_async().await.expect("recv");
+                    ch.send_async(&m).await.expect("echo");
+                    // Open until the peer has its echo.
+                    let _ = tokio::time::timeout(HANG, ch.recv_async()).await;
+                }));
+            }
+            echoes
+        });
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let shared_client = Endpoint::new(cfg.clone()).expect("client endpoint");
+        let mut clients = Vec::new();
+        for i in 0..2 * CLIENTS {
+            // Half on one endpoint (its pooled connection), half on endpoints of their own.
+            let ep = if i % 2 == 0 {
+                shared_client.clone()
+            } else {
+                Endpoint::new(cfg.clone()).expect("client endpoint")
+            };
+            clients.push(tokio::spawn(async move {
+                let ch = ep.connect_async(addr).await.expect("connect_async");
+                let msg = pattern(64 + i, i as u8);
+                ch.send_async(&msg).await.expect("send");
+                let back = tokio::time::timeout(HANG, ch.recv_async())
+                    .await
+                    .expect("echo in time")
+                    .expect("recv echo");
+                assert_eq!(&back[..], &msg[..], "client {i}");
+                // Kept until the end: no connection closes (a close could wake an accept).
+                (ep, ch)
+            }));
+        }
+        let mut open = Vec::new();
+        for c in clients {
+            open.push(c.await.expect("client task"));
+        }
+        for i in 0..LATER {
+            let ch = shared_client
+                .connect_async(addr)
+                .await
+                .expect("connect_async later");
+            ch.send_async(&[i as u8; 3]).await.expect("send");
+            let back = tokio::time::timeout(HANG, ch.recv_async())
+                .await
+                .expect("echo in time")
+                .expect("recv echo");
+            assert_eq!(&back[..], &[i as u8; 3]);
+        }
+        let echoes = acceptor.await.expect("acceptor task");
+        drop(open);
+        for e in echoes {
+            e.await.expect("echo task");
+        }
+    });
+    assert_eq!(server.guard_stats().connections_rejected, 0);
+}
+
+/// An accept waiting in `accept_async` when its endpoint goes: the acceptor stops at the next
+/// peer (whose handshake it can no longer finish) and the wait ends with `Closed`, as a
+/// blocking `accept` does.
+#[test]
+fn accept_async_ends_when_its_endpoint_is_gone() {
+    let cfg = Config {
+        device: "shm0".into(),
+        ..Config::default()
+    };
+    let server = Endpoint::new(cfg.clone()).expect("server endpoint");
+    let listener = server.listen("127.0.0.1:0").expect("listen");
+    let addr = listener.local_addr();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let waiting = rt.spawn(async move { listener.accept_async().await.map(|_| ()) });
+    rt.block_on(async { tokio::time::sleep(Duration::from_millis(20)).await });
+    drop(server);
+    let client = Endpoint::new(cfg).expect("client endpoint");
+    let _ = client.connect(addr);
+    let ended = rt
+        .block_on(async { tokio::time::timeout(HANG, waiting).await })
+        .expect("the wait ended in time")
+        .expect("task");
+    assert!(
+        matches!(ended, Err(fabriq::ChannelError::Closed)),
+        "{ended:?}"
+    );
+}
+
+#[test]
+fn async_accept_and_connect_on_shm0() {
+    async_accept_and_connect("shm0", Progress::Caller);
+    async_accept_and_connect("shm0", Progress::Thread);
+}
+
+#[test]
+fn async_accept_and_connect_on_tcp0() {
+    async_accept_and_connect("tcp0", Progress::Caller);
+}
+
 #[test]
 fn json_rpc_and_async_api_thread_mode() {
     json_rpc_and_async_api(Progress::Thread);

@@ -61,7 +61,7 @@ use crate::handle::Channel;
 use crate::remote::ExposedRegion;
 use crate::worker::guard::GuardStats;
 use crate::worker::shared::{ChannelShared, WorkerShared};
-use crate::worker::streams::{stream_key, Accepted, ConnHandle, FIRST_STREAM};
+use crate::worker::streams::{stream_key, AcceptSender, Accepted, ConnHandle, FIRST_STREAM};
 use crate::worker::{
     self, direct_or_submit, Adopt, Command, EndpointShared, WorkerConfig, ONE_SIDED_DEPTH,
 };
@@ -513,7 +513,7 @@ impl Endpoint {
         &self,
         w: &WorkerRef,
         pending: PendingConn,
-        accept: Option<(std::sync::mpsc::Sender<Accepted>, worker::Admission)>,
+        accept: Option<(AcceptSender, worker::Admission)>,
         early: Option<Result<ChannelDriver, ChannelError>>,
     ) -> Result<Adopted, ChannelError> {
         let (accept, admission) = accept.unzip();
@@ -709,6 +709,21 @@ impl Endpoint {
         Channel::new(shared, self.clone(), peer, eager_max, Some(conn))
     }
 
+    /// [`Endpoint::connect`] from async code, on a tokio runtime: the resolution and the
+    /// handshake (blocking socket work, up to `Config::handshake_timeout_ms`) run on the
+    /// runtime's blocking pool (`tokio::task::spawn_blocking`), not on the task's thread. A
+    /// connect served by the connection pool costs that hand-off for no blocking work. Panics
+    /// outside a tokio runtime, as `spawn_blocking` does.
+    pub async fn connect_async(
+        &self,
+        addr: impl ToSocketAddrs + Send + 'static,
+    ) -> Result<Channel, ChannelError> {
+        let ep = self.clone();
+        tokio::task::spawn_blocking(move || ep.connect(addr))
+            .await
+            .map_err(|e| ChannelError::Handshake(format!("connect task: {e}")))?
+    }
+
     /// Connect to a listening endpoint: a new channel on this endpoint's pooled connection to
     /// that peer (one per worker), set up first if there is none. Errors of the set-up are
     /// [`ChannelError::Connect`] with the connection manager's typed [`ConnError`] (refused,
@@ -751,7 +766,7 @@ impl Endpoint {
     fn accept_incoming(
         &self,
         incoming: Incoming,
-        accept: std::sync::mpsc::Sender<Accepted>,
+        accept: AcceptSender,
     ) -> Result<(), ChannelError> {
         // The listener admits a hello of any of this endpoint's providers; the connection
         // goes to that provider's workers.
@@ -826,6 +841,8 @@ impl Endpoint {
         let local = l.local_addr();
         let closer = l.closer();
         let (tx, rx) = std::sync::mpsc::channel::<Accepted>();
+        let notify = Arc::new(tokio::sync::Notify::new());
+        let tx = AcceptSender::new(tx, Arc::clone(&notify));
         let (fail_tx, fail_rx) = std::sync::mpsc::sync_channel::<ConnError>(FAILURES_KEPT);
         let record = move |e: ConnError| {
             tracing::warn!(%e, "handshake failed");
@@ -863,6 +880,7 @@ impl Endpoint {
             local,
             endpoint: Arc::downgrade(&self.inner),
             rx: Mutex::new(rx),
+            notify,
             failures: Mutex::new(fail_rx),
             closer,
             thread: Some(thread),
@@ -895,6 +913,8 @@ pub struct Listener {
     local: SocketAddr,
     endpoint: Weak<Inner>,
     rx: Mutex<std::sync::mpsc::Receiver<Accepted>>,
+    /// Notified with every channel queued in `rx` and when a sender goes (`AcceptSender`).
+    notify: Arc<tokio::sync::Notify>,
     failures: Mutex<std::sync::mpsc::Receiver<ConnError>>,
     closer: ListenerCloser,
     thread: Option<JoinHandle<()>>,
@@ -941,6 +961,23 @@ impl Listener {
             std::sync::mpsc::RecvTimeoutError::Disconnected => ChannelError::Closed,
         })?;
         self.channel(a)
+    }
+
+    /// [`Listener::accept`] from async code: awaits the next channel without holding a thread.
+    pub async fn accept_async(&self) -> Result<Channel, ChannelError> {
+        use std::sync::mpsc::TryRecvError;
+        loop {
+            let notified = self.notify.notified();
+            tokio::pin!(notified);
+            // Registered before the look: a channel queued after it wakes this wait.
+            notified.as_mut().enable();
+            match self.rx.lock().try_recv() {
+                Ok(a) => return self.channel(a),
+                Err(TryRecvError::Disconnected) => return Err(ChannelError::Closed),
+                Err(TryRecvError::Empty) => {}
+            }
+            notified.await;
+        }
     }
 
     /// Wait at most `timeout` for the next handshake that failed on this side (auth token or

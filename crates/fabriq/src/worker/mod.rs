@@ -65,7 +65,7 @@ pub(crate) use buffers::Buffers;
 use clock::PassClock;
 use reply::{Cached, CallResult, OneSidedResult, ReplyTo, SlotReceiver};
 use shared::{Awaited, ChannelShared, Failure, WorkerShared};
-use streams::{key_conn, key_stream, stream_key, Accepted, StreamKey};
+use streams::{key_conn, key_stream, stream_key, AcceptSender, Accepted, StreamKey};
 
 /// RPC handlers shared by every worker of an endpoint, by method id.
 pub(crate) type Handlers = RwLock<HashMap<u32, (String, Served)>>;
@@ -181,7 +181,7 @@ pub(crate) struct Adopt {
     pub(crate) lease: Option<QpLease>,
     /// Accepting side: where streams the peer opens go (`Listener::accept`). `None` on the
     /// connecting side, which opens the streams.
-    pub(crate) accept: Option<std::sync::mpsc::Sender<Accepted>>,
+    pub(crate) accept: Option<AcceptSender>,
     /// Set when the connection fails (read by the connection pool).
     pub(crate) failed: Arc<AtomicBool>,
     /// Connecting side: set when the peer refused a stream (`STREAM_REFUSED`): the pool hands
@@ -354,7 +354,7 @@ struct ConnState {
     deadline_at: Option<Instant>,
     control: Option<ControlStream>,
     lease: Option<QpLease>,
-    accept: Option<std::sync::mpsc::Sender<Accepted>>,
+    accept: Option<AcceptSender>,
     failed_flag: Arc<AtomicBool>,
     /// See [`Adopt::refusing`].
     refusing: Arc<AtomicBool>,

@@ -169,6 +169,37 @@ impl Drop for ConnHandle {
     }
 }
 
+/// Where a listener's accepted channels go: its queue, and the notification an async accept
+/// waits on (`Listener::accept_async`). Every send notifies, and so does every clone's drop (the
+/// last one gone is the queue's end, which a waiting accept must see).
+#[derive(Clone)]
+pub(crate) struct AcceptSender {
+    tx: std::sync::mpsc::Sender<Accepted>,
+    notify: Arc<tokio::sync::Notify>,
+}
+
+impl AcceptSender {
+    pub(crate) fn new(
+        tx: std::sync::mpsc::Sender<Accepted>,
+        notify: Arc<tokio::sync::Notify>,
+    ) -> AcceptSender {
+        AcceptSender { tx, notify }
+    }
+
+    /// Queue `a` for the listener; back if the listener is gone.
+    pub(crate) fn send(&self, a: Accepted) -> Result<(), Accepted> {
+        let r = self.tx.send(a).map_err(|e| e.0);
+        self.notify.notify_one();
+        r
+    }
+}
+
+impl Drop for AcceptSender {
+    fn drop(&mut self) {
+        self.notify.notify_one();
+    }
+}
+
 /// A stream the peer opened on an accepted connection.
 pub(crate) struct Accepted {
     shared: Option<Arc<ChannelShared>>,

@@ -57,6 +57,9 @@ pub(crate) async fn spin<T>(w: &WorkerShared, mut ready: impl FnMut() -> Option<
         if let Some(v) = ready() {
             return Some(v);
         }
+        // Counted as an application call: the back-stop stays out while the task moves the
+        // worker itself (a blocking wait holds the spinner role for the same end).
+        w.enter_caller();
         if w.try_progress().is_some_and(|n| n > 0) {
             since = Instant::now();
             continue;

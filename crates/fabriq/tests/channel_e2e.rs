@@ -397,7 +397,8 @@ fn async_accept_and_connect(device: &str, progress: Progress) {
 
 /// An accept waiting in `accept_async` when its endpoint goes: the acceptor stops at the next
 /// peer (whose handshake it can no longer finish) and the wait ends with `Closed`, as a
-/// blocking `accept` does.
+/// blocking `accept` does. (It once stayed asleep now and then: the last sender notified the
+/// wait before it was gone, and the woken accept found the queue empty, not ended.)
 #[test]
 fn accept_async_ends_when_its_endpoint_is_gone() {
     let cfg = Config {

@@ -174,7 +174,9 @@ impl Drop for ConnHandle {
 /// last one gone is the queue's end, which a waiting accept must see).
 #[derive(Clone)]
 pub(crate) struct AcceptSender {
-    tx: std::sync::mpsc::Sender<Accepted>,
+    /// `None` only while dropped: the sender goes before the notification, so that a woken
+    /// accept finds the queue's end if this was the last sender.
+    tx: Option<std::sync::mpsc::Sender<Accepted>>,
     notify: Arc<tokio::sync::Notify>,
 }
 
@@ -183,12 +185,18 @@ impl AcceptSender {
         tx: std::sync::mpsc::Sender<Accepted>,
         notify: Arc<tokio::sync::Notify>,
     ) -> AcceptSender {
-        AcceptSender { tx, notify }
+        AcceptSender {
+            tx: Some(tx),
+            notify,
+        }
     }
 
     /// Queue `a` for the listener; back if the listener is gone.
     pub(crate) fn send(&self, a: Accepted) -> Result<(), Accepted> {
-        let r = self.tx.send(a).map_err(|e| e.0);
+        let r = match &self.tx {
+            Some(tx) => tx.send(a).map_err(|e| e.0),
+            None => Err(a),
+        };
         self.notify.notify_one();
         r
     }
@@ -196,6 +204,7 @@ impl AcceptSender {
 
 impl Drop for AcceptSender {
     fn drop(&mut self) {
+        drop(self.tx.take());
         self.notify.notify_one();
     }
 }

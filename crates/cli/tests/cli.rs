@@ -315,6 +315,7 @@ fn demo_runs_end_to_end() {
             "eager 8 B message",
             "rendezvous 1 MiB message",
             "RPC echo (4 B)",
+            "RPC echo, async (tokio)",
             "RPC rate, 8 callers",
             "UnknownMethod error, as expected",
             "lock/increment/unlock, counter = 40)",

@@ -259,6 +259,27 @@ fn run_client(config: Config, addr: &str, n: u32, placement: &Placement) -> anyh
         us(lat.pct(0.99)),
         n
     )?;
+    // The same calls from a tokio task: `call_async` awaits the reply without a thread of its
+    // own (in caller mode the task moves the worker while it looks for the reply).
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()?;
+    let mut lat = rt.block_on(async {
+        let mut lat = Lat::new();
+        for i in 0..n {
+            let t = Instant::now();
+            let r = rpc.call_async("echo", &i.to_le_bytes(), TIMEOUT).await?;
+            lat.samples.push(t.elapsed());
+            anyhow::ensure!(r == i.to_le_bytes(), "async RPC reply mismatch");
+        }
+        Ok::<_, anyhow::Error>(lat)
+    })?;
+    outln!(
+        "  RPC echo, async (tokio): p50 {}  p99 {}  ({} call_async from one task)",
+        us(lat.pct(0.5)),
+        us(lat.pct(0.99)),
+        n
+    )?;
     let threads = 8u32;
     let per = (n / 2).max(10);
     let start = Instant::now();

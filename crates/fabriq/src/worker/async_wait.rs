@@ -42,8 +42,8 @@ pub(crate) async fn answer<T>(w: &WorkerShared, mut rx: oneshot::Receiver<T>) ->
 }
 
 /// Caller mode: look for `ready` during the worker's idle budget, progressing the worker and
-/// yielding to the runtime between looks; what it produced, or `None` once the budget is spent
-/// (a pass that did work starts it again). Thread mode: one look.
+/// yielding to the runtime after each look; what it produced, or `None` once the budget is
+/// spent (a pass that did work starts it again). Thread mode: one look.
 pub(crate) async fn spin<T>(w: &WorkerShared, mut ready: impl FnMut() -> Option<T>) -> Option<T> {
     if !w.is_caller_mode() {
         return ready();
@@ -62,11 +62,14 @@ pub(crate) async fn spin<T>(w: &WorkerShared, mut ready: impl FnMut() -> Option<
         w.enter_caller();
         if w.try_progress().is_some_and(|n| n > 0) {
             since = Instant::now();
-            continue;
-        }
-        if since.elapsed() >= budget {
+            if let Some(v) = ready() {
+                return Some(v);
+            }
+        } else if since.elapsed() >= budget {
             return None;
         }
+        // Every look ends with a yield, work or not: the runtime's other tasks (those this
+        // pass delivered to, among them) run between looks.
         if one_cpu {
             std::thread::yield_now();
         }

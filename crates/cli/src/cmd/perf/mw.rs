@@ -643,19 +643,10 @@ pub fn run_client(plan: &ClientPlan) -> Result<PerfReport> {
                 )))
             }
         };
-        if plan.api == Api::Async {
-            let row = asynchronous::run(plan, &ch, &rpc, region.as_ref(), size)?;
-            send_ctl(&ch, &Ctl::End)?;
-            let server_errors = match expect_ctl(&ch, "Done")? {
-                Ctl::Done { errors } => errors,
-                other => {
-                    return Err(PerfError::Protocol(format!("expected Done, got {other:?}")))
-                }
-            };
-            results.push(add_errors(row, server_errors));
-            continue;
-        }
         let row = match (plan.test, &region) {
+            _ if plan.api == Api::Async => {
+                asynchronous::run(plan, &ch, &rpc, region.as_ref(), size)?
+            }
             (TestKind::ReadLat, Some(r)) => read_lat(r, size, plan.iters, plan.warmup)?,
             (TestKind::AtomicLat, Some(r)) => atomic_lat(r, plan.iters, plan.warmup)?,
             _ => match plan.test {

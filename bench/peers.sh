@@ -183,22 +183,32 @@ fabriq_mw_one() {
     rm -f "$tmp"
 }
 
-# fabriq_connect_one DEVICE cold|cached|ratio → connect_lat's cold or cached p50 (µs), or cold ÷
-# cached, of one run (two processes, each pinned; cold and cached connects in turn)
+# fabriq_connect_one DEVICE cold|cached|floor|ratio|bound → connect_lat's cold, cached or wake
+# floor p50 (µs), cold ÷ cached, or cold ÷ floor (the most any cached connect could show on this
+# host), of one run (two processes, each pinned; the kinds in turn)
 fabriq_connect_one() {
-    local dev=$1 what=$2 n=200 tmp cold cached
+    local dev=$1 what=$2 n=200 tmp cold cached floor
     [ "$QUICK" = 1 ] && n=50
     tmp=$(mktemp)
     if timeout "$RUN_TIMEOUT" "$FABRIQ" perf --local --layer channel --progress "$MW_PROGRESS" \
         -d "$dev" -t connect_lat -n "$n" --cpu "$CLIENT_CPU" --server-cpu "$SERVER_CPU" \
         --json >"$tmp" 2>>"$LOG"; then
-        # Rows in order: cold, then cached.
+        # Rows in order: cold, cached, floor.
         cold=$(grep -o '"p50_us": *[-0-9.eE+]*' "$tmp" | sed -n 1p | sed 's/.*: *//')
         cached=$(grep -o '"p50_us": *[-0-9.eE+]*' "$tmp" | sed -n 2p | sed 's/.*: *//')
+        floor=$(grep -o '"p50_us": *[-0-9.eE+]*' "$tmp" | sed -n 3p | sed 's/.*: *//')
         case $what in
             cold) echo "$cold" ;;
             cached) echo "$cached" ;;
+            floor) echo "${floor:-FAIL:no wake floor row}" ;;
             ratio) awk -v a="$cold" -v b="$cached" 'BEGIN { printf "%.2f\n", a / b }' ;;
+            bound)
+                if [ -n "$floor" ]; then
+                    awk -v a="$cold" -v b="$floor" 'BEGIN { printf "%.2f\n", a / b }'
+                else
+                    echo "FAIL:no wake floor row"
+                fi
+                ;;
         esac
     else
         echo "FAIL:fabriq connect_lat failed (exit $?)"
@@ -340,6 +350,8 @@ measure_mw() {
         RES[$transport,mw,conn_cold,fabriq]=$(repeat fabriq_connect_one "$dev" cold)
         RES[$transport,mw,conn_cached,fabriq]=$(repeat fabriq_connect_one "$dev" cached)
         RES[$transport,mw,conn_ratio,fabriq]=$(repeat fabriq_connect_one "$dev" ratio)
+        RES[$transport,mw,conn_floor,fabriq]=$(repeat fabriq_connect_one "$dev" floor)
+        RES[$transport,mw,conn_bound,fabriq]=$(repeat fabriq_connect_one "$dev" bound)
     done
 }
 
@@ -456,6 +468,7 @@ write_report() {
                 echo "| $transport | rpc_lat 8 B, round-trip p50 µs | $(cell "$transport,mw,rpc_lat,fabriq") | — |"
                 echo "| $transport | rpc_rate 8 B, 8 callers, calls/s | $(cell "$transport,mw,rpc_rate,fabriq") | — |"
                 echo "| $transport | connect_lat p50 µs, cold / cached (cold ÷ cached) | $(cell "$transport,mw,conn_cold,fabriq") / $(cell "$transport,mw,conn_cached,fabriq") ($(cell "$transport,mw,conn_ratio,fabriq")) | — |"
+                echo "| $transport | connect_lat wake floor p50 µs (cold ÷ floor: the most a cached connect can show here) | $(cell "$transport,mw,conn_floor,fabriq") ($(cell "$transport,mw,conn_bound,fabriq")) | — |"
             done
             echo
         fi

@@ -101,7 +101,8 @@ fn rpc_lat_on_tcp0() {
     rpc_lat("tcp0");
 }
 
-/// `connect_lat`: a row for cold connects and one for cached ones, both measured; the run
+/// `connect_lat`: a row for cold connects, one for cached ones and one for the wake floor (the
+/// server runs on this host), all measured; the run
 /// itself fails when the cached connects did not reuse their QP and control stream or the cold
 /// ones did (the client checks its endpoints' counters), and when a connection did not close
 /// and settle on both sides.
@@ -122,7 +123,7 @@ fn connect_lat(device: &str) {
     assert_eq!(v["latency"], "connect");
     let rows = v["results"].as_array().expect("results array");
     let cases: Vec<_> = rows.iter().map(|r| r["case"].as_str()).collect();
-    assert_eq!(cases, [Some("cold"), Some("cached")], "{v}");
+    assert_eq!(cases, [Some("cold"), Some("cached"), Some("floor")], "{v}");
     for r in rows {
         assert_eq!(r["iters"], 30, "{r}");
         assert_eq!(r["warmup"], 3, "{r}");
@@ -168,6 +169,7 @@ fn connect_lat_text_report_gives_the_ratio() {
         "{stdout}"
     );
     assert!(stdout.contains("faster than cold ones"), "{stdout}");
+    assert!(stdout.contains("wake floor"), "{stdout}");
 }
 
 #[test]

@@ -16,9 +16,10 @@
 //! read_lat, atomic_lat: Run → Region{addr, len, rkey} instead of Ready (a region the server
 //!            exposed for the run, holding the payload: no server code runs per operation);
 //!            then (warmup + iters) `RemoteRegion::read` / `fetch_and_add` on it
-//! connect_lat: Run → Listeners{cold_port, cached_port} instead of Ready; then
+//! connect_lat: Run → Listeners{cold_port, cached_port, floor} instead of Ready; then
 //!            (warmup + iters) connects to each listener, in alternating blocks, each one
-//!            closed and settled on both sides (the `perf.settled` RPC) before the next
+//!            closed and settled on both sides (the `perf.settled` RPC) before the next,
+//!            and as many round trips on the server's wake floor socket in the same blocks
 //! End → Done{errors}
 //! Bye (server exits with --once)
 //! ```
@@ -47,6 +48,7 @@
 //! not reuse QPs or the cold ones did.
 
 mod asynchronous;
+mod floor;
 
 use std::io::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -89,6 +91,10 @@ pub enum Ctl {
         cold_port: u16,
         /// The listener of the server's own endpoint (defaults).
         cached_port: u16,
+        /// The abstract Unix socket name of the wake floor ([`floor`]); absent from a server
+        /// without one.
+        #[serde(default)]
+        floor: Option<String>,
     },
     /// Server → client (read_lat, atomic_lat): the region exposed for the run.
     Region {
@@ -412,18 +418,21 @@ fn serve_connects(ch: &Channel, rig: &ServerRig<'_>) -> Result<()> {
         .ep
         .listen(at)
         .map_err(chan_err("connect_lat: listen (cached)"))?;
+    let wake_floor = floor::FloorServer::bind()?;
     let stop = std::sync::atomic::AtomicBool::new(false);
     let result = std::thread::scope(|scope| {
         let accepting = [(&cold_ep, &cold), (rig.ep, &cached)].map(|(ep, l)| {
             let stop = &stop;
             scope.spawn(move || accept_and_settle(ep, l, stop, rig.settled))
         });
+        let flooring = scope.spawn(|| wake_floor.serve(&stop));
         let ran = (|| {
             send_ctl(
                 ch,
                 &Ctl::Listeners {
                     cold_port: cold.local_addr().port(),
                     cached_port: cached.local_addr().port(),
+                    floor: Some(wake_floor.name().to_string()),
                 },
             )?;
             match expect_ctl(ch, "the end of the run")? {
@@ -433,7 +442,7 @@ fn serve_connects(ch: &Channel, rig: &ServerRig<'_>) -> Result<()> {
         })();
         stop.store(true, Ordering::Release);
         let mut errors = 0;
-        for t in accepting {
+        for t in accepting.into_iter().chain([flooring]) {
             match t.join() {
                 Ok(Ok(())) => {}
                 Ok(Err(e)) => {
@@ -772,7 +781,9 @@ impl Latencies {
 }
 
 /// connect_lat, client side: cold and cached connects in turn (blocks of [`CONNECT_BLOCK`]),
-/// each closed and settled on both sides before the next; a row for each kind.
+/// each closed and settled on both sides before the next, and — where the server's wake floor
+/// socket can be reached — as many floor round trips in blocks of their own, each followed by
+/// one `settled` call as the connects are; a row for each kind.
 fn connect_lat(
     plan: &ClientPlan,
     ch: &Channel,
@@ -780,11 +791,12 @@ fn connect_lat(
     iters: u64,
     warmup: u64,
 ) -> Result<Vec<RunResult>> {
-    let (cold_port, cached_port) = match expect_ctl(ch, "Listeners")? {
+    let (cold_port, cached_port, floor_name) = match expect_ctl(ch, "Listeners")? {
         Ctl::Listeners {
             cold_port,
             cached_port,
-        } => (cold_port, cached_port),
+            floor,
+        } => (cold_port, cached_port, floor),
         other => {
             return Err(PerfError::Protocol(format!(
                 "expected Listeners, got {other:?}"
@@ -805,47 +817,80 @@ fn connect_lat(
             .map_err(|_| PerfError::Protocol("connect_lat: a bad settled count".into()))?;
         Ok(u64::from_le_bytes(bytes))
     };
+    enum Target {
+        Connect {
+            ep: Endpoint,
+            to: std::net::SocketAddr,
+        },
+        Floor(floor::FloorClient),
+    }
     struct Kind {
-        ep: Endpoint,
-        to: std::net::SocketAddr,
+        target: Target,
         h: Histogram<u64>,
         name: &'static str,
+        errors: u64,
     }
-    let mut kinds = [
+    let mut kinds = vec![
         Kind {
-            ep: open_endpoint_with(&plan.device, plan.progress, true)?,
-            to: std::net::SocketAddr::new(ip, cold_port),
+            target: Target::Connect {
+                ep: open_endpoint_with(&plan.device, plan.progress, true)?,
+                to: std::net::SocketAddr::new(ip, cold_port),
+            },
             h: histogram()?,
             name: "cold",
+            errors: 0,
         },
         Kind {
-            ep: open_endpoint_with(&plan.device, plan.progress, false)?,
-            to: std::net::SocketAddr::new(ip, cached_port),
+            target: Target::Connect {
+                ep: open_endpoint_with(&plan.device, plan.progress, false)?,
+                to: std::net::SocketAddr::new(ip, cached_port),
+            },
             h: histogram()?,
             name: "cached",
+            errors: 0,
         },
     ];
+    if let Some(f) = floor_name.as_deref().and_then(floor::FloorClient::connect) {
+        kinds.push(Kind {
+            target: Target::Floor(f),
+            h: histogram()?,
+            name: "floor",
+            errors: 0,
+        });
+    }
     let base = settled()?;
     let total = warmup + iters;
     let mut done = 0u64;
-    let mut next = [0u64; 2];
+    let mut next = vec![0u64; kinds.len()];
     while next.iter().any(|&n| n < total) {
         for (k, kind) in kinds.iter_mut().enumerate() {
             for _ in 0..CONNECT_BLOCK.min(total - next[k]) {
-                let t0 = Instant::now();
-                let c = kind
-                    .ep
-                    .connect(kind.to)
-                    .map_err(chan_err(format!("connect_lat: connect ({})", kind.name)))?;
-                let took = t0.elapsed();
-                drop(c);
+                let took = match &mut kind.target {
+                    Target::Connect { ep, to } => {
+                        let t0 = Instant::now();
+                        let c = ep.connect(*to).map_err(chan_err(format!(
+                            "connect_lat: connect ({})",
+                            kind.name
+                        )))?;
+                        let took = t0.elapsed();
+                        drop(c);
+                        done += 1;
+                        // Untimed: both sides have closed and have their QPs back.
+                        await_qps_back(ep, 0, "client")?;
+                        took
+                    }
+                    Target::Floor(f) => {
+                        let t0 = Instant::now();
+                        let same = f.ping()?;
+                        let took = t0.elapsed();
+                        kind.errors += u64::from(!same);
+                        took
+                    }
+                };
                 if next[k] >= warmup {
                     record(&mut kind.h, took);
                 }
                 next[k] += 1;
-                done += 1;
-                // Untimed: both sides have closed and have their QPs back.
-                await_qps_back(&kind.ep, 0, "client")?;
                 let until = Instant::now() + STALL;
                 while settled()? < base + done {
                     if Instant::now() > until {
@@ -859,16 +904,20 @@ fn connect_lat(
         }
     }
     // Self-check: the kinds measured what they say.
-    let [cold, cached] = &kinds;
-    let (cs, hs) = (cold.ep.conn_stats(), cached.ep.conn_stats());
-    if cs.qp_cache_hits > 0 || cs.stream_reuses > 0 {
+    let stats = |k: &Kind| match &k.target {
+        Target::Connect { ep, .. } => Some(ep.conn_stats()),
+        Target::Floor(_) => None,
+    };
+    let (cs, hs) = (stats(&kinds[0]), stats(&kinds[1]));
+    if let Some(cs) = cs.filter(|cs| cs.qp_cache_hits > 0 || cs.stream_reuses > 0) {
         return Err(PerfError::Protocol(format!(
             "connect_lat: cold connects reused a QP or a control stream ({cs:?})"
         )));
     }
     // The first connect creates the QP and opens a TCP control stream, the second opens the
     // server's local one (same host); every later one reuses both.
-    if hs.qp_cache_hits + 1 < total || hs.stream_reuses + 2 < total {
+    if let Some(hs) = hs.filter(|hs| hs.qp_cache_hits + 1 < total || hs.stream_reuses + 2 < total)
+    {
         return Err(PerfError::Protocol(format!(
             "connect_lat: cached connects did not reuse their QP and control stream ({hs:?})"
         )));
@@ -876,7 +925,7 @@ fn connect_lat(
     Ok(kinds
         .iter()
         .map(|k| {
-            let mut l = LatStats::from_rtt(0, warmup, LatencyKind::Connect, &k.h, 0);
+            let mut l = LatStats::from_rtt(0, warmup, LatencyKind::Connect, &k.h, k.errors);
             l.case = Some(k.name);
             RunResult::Latency(l)
         })
@@ -1068,10 +1117,23 @@ mod tests {
         let m = Ctl::Listeners {
             cold_port: 1,
             cached_port: 65535,
+            floor: Some("fabriq-perf-floor-1-0".into()),
         };
         let back: Ctl = serde_json::from_slice(&serde_json::to_vec(&m).expect("encode"))
             .expect("decode");
         assert_eq!(back, m);
+        // A server without a wake floor leaves the name out.
+        let back: Ctl =
+            serde_json::from_slice(br#"{"op":"listeners","cold_port":1,"cached_port":2}"#)
+                .expect("decode");
+        assert_eq!(
+            back,
+            Ctl::Listeners {
+                cold_port: 1,
+                cached_port: 2,
+                floor: None
+            }
+        );
         // A port out of range is a decode error, not a wrapped number.
         assert!(serde_json::from_slice::<Ctl>(
             br#"{"op":"listeners","cold_port":70000,"cached_port":1}"#

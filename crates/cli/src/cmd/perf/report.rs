@@ -300,19 +300,29 @@ pub fn render_text(r: &PerfReport) -> String {
             " cached connects {ratio:.2}x faster than cold ones (p50 over p50, one run, in turn)"
         );
     }
+    if let Some((floor, cached)) = p50_of(r, "floor").zip(p50_of(r, "cached")) {
+        let _ = writeln!(
+            out,
+            " wake floor {floor:.3} us: a byte's round trip to a server thread asleep on its CPU \
+             (a cached connect's wake-ups, none of its work); cached connects {:.3} us above it",
+            cached - floor
+        );
+    }
     let _ = writeln!(out, "{rule}");
     out
 }
 
+/// `connect_lat`: the p50 of the row of `case`.
+fn p50_of(r: &PerfReport, case: &str) -> Option<f64> {
+    r.results.iter().find_map(|row| match row {
+        RunResult::Latency(l) if l.case == Some(case) => Some(l.p50_us),
+        _ => None,
+    })
+}
+
 /// `connect_lat`: the cold connect's p50 over the cached one's.
 fn cold_to_cached(r: &PerfReport) -> Option<f64> {
-    let p50 = |case: &str| {
-        r.results.iter().find_map(|row| match row {
-            RunResult::Latency(l) if l.case == Some(case) => Some(l.p50_us),
-            _ => None,
-        })
-    };
-    let (cold, cached) = (p50("cold")?, p50("cached")?);
+    let (cold, cached) = (p50_of(r, "cold")?, p50_of(r, "cached")?);
     (cached > 0.0).then(|| cold / cached)
 }
 

@@ -15,7 +15,9 @@
 //! **cold**: `qp_cache_size = 0`, `reuse_control_streams = false`; **cached**: defaults;
 //! **pooled**: defaults with one other channel to the peer kept open, so the connect finds the
 //! pooled connection and only opens a stream on it (no handshake; the server's `accept` returns
-//! once the stream's `STREAM_OPEN` arrived). **cached_idle**: cached, with 2 ms of idleness
+//! once the stream's `STREAM_OPEN` arrived); **pooled_async**: the same through
+//! `Endpoint::connect_async`, each connect a `block_on` of a current-thread tokio runtime.
+//! **cached_idle**: cached, with 2 ms of idleness
 //! (untimed) before each connect, so that every busy-poll budget (the handshake's
 //! `handshake_spin_us`, the workers' `idle_spin_us`) has run out and the server's acceptor
 //! thread sleeps when the hello arrives; plain **cached** rounds follow each other at once,
@@ -172,19 +174,37 @@ fn wait_stats(ep: &Endpoint, cond: impl Fn(&ConnStats) -> bool) -> Result<(), St
 }
 
 /// One connect + accept, timed; then both channels closed and their QPs retired (untimed).
+/// What a round of `endpoint_connect` does.
+struct RoundKind<'a> {
+    /// QPs go back to the cache (else: destroyed).
+    cached: bool,
+    /// Another channel holds the connection: nothing to wait for after the close.
+    pooled: bool,
+    /// Timed until `connect` returns (else: until the server's `accept` returns too).
+    client_only: bool,
+    /// Connect through `connect_async` on this runtime.
+    rt: Option<&'a tokio::runtime::Runtime>,
+}
+
 fn endpoint_round(
     server: &Endpoint,
     client: &Endpoint,
     listener: &fabriq::Listener,
-    cached: bool,
     round: u64,
-    client_only: bool,
-    pooled: bool,
+    kind: &RoundKind<'_>,
 ) -> Result<Duration, String> {
+    let RoundKind {
+        cached,
+        pooled,
+        client_only,
+        rt,
+    } = *kind;
     let start = Instant::now();
-    let c = client
-        .connect(listener.local_addr())
-        .map_err(|e| e.to_string())?;
+    let c = match rt {
+        Some(rt) => rt.block_on(client.connect_async(listener.local_addr())),
+        None => client.connect(listener.local_addr()),
+    }
+    .map_err(|e| e.to_string())?;
     let connected = start.elapsed();
     let s = listener
         .accept_timeout(TIMEOUT)
@@ -219,12 +239,32 @@ fn endpoint_bench(c: &mut Criterion) {
     g.measurement_time(Duration::from_secs(3));
     g.warm_up_time(Duration::from_millis(500));
     for device in devices() {
-        for (mode, cached, pooled, idle) in [
-            ("cold", false, false, None),
-            ("cached", true, false, None),
-            ("cached_idle", true, false, Some(Duration::from_millis(2))),
-            ("pooled", true, true, None),
+        for (mode, cached, pooled, idle, asynchronous) in [
+            ("cold", false, false, None, false),
+            ("cached", true, false, None, false),
+            (
+                "cached_idle",
+                true,
+                false,
+                Some(Duration::from_millis(2)),
+                false,
+            ),
+            ("pooled", true, true, None, false),
+            ("pooled_async", true, true, None, true),
         ] {
+            let rt = match asynchronous {
+                true => match tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                {
+                    Ok(rt) => Some(rt),
+                    Err(e) => {
+                        eprintln!("endpoint connect bench: {device}: skipped: runtime: {e}");
+                        continue;
+                    }
+                },
+                false => None,
+            };
             let mut cfg = Config {
                 device: device.clone(),
                 qp_cache_size: if cached { 64 } else { 0 },
@@ -276,15 +316,13 @@ fn endpoint_bench(c: &mut Criterion) {
                                 // Untimed: every busy-poll budget runs out.
                                 std::thread::sleep(gap);
                             }
-                            let r = endpoint_round(
-                                &server,
-                                &client,
-                                &listener,
+                            let kind = RoundKind {
                                 cached,
-                                round,
-                                client_only,
                                 pooled,
-                            );
+                                client_only,
+                                rt: rt.as_ref(),
+                            };
+                            let r = endpoint_round(&server, &client, &listener, round, &kind);
                             match r {
                                 Ok(t) => total += t,
                                 Err(e) => {

@@ -438,6 +438,79 @@ fn async_accept_and_connect_on_tcp0() {
     async_accept_and_connect("tcp0", Progress::Caller);
 }
 
+/// A connect the connection pool answers takes no hand-off to the runtime's blocking pool:
+/// with that pool's only thread held by another task, `connect_async` to a peer this endpoint
+/// is connected to still returns (a stream opened on the task's thread), and the channel works;
+/// one to a peer without a connection waits for the blocking pool, and gets it once free.
+#[test]
+fn pooled_connect_async_does_not_wait_for_the_blocking_pool() {
+    let cfg = Config {
+        device: "shm0".into(),
+        ..Config::default()
+    };
+    let server = Endpoint::new(cfg.clone()).expect("server endpoint");
+    let listener = server.listen("127.0.0.1:0").expect("listen");
+    let other = Endpoint::new(cfg.clone()).expect("second server endpoint");
+    let other_listener = other.listen("127.0.0.1:0").expect("listen");
+    let (addr, other_addr) = (listener.local_addr(), other_listener.local_addr());
+    let client = Endpoint::new(cfg).expect("client endpoint");
+    // The pooled connection, set up by a blocking connect.
+    let first = client.connect(addr).expect("connect");
+    let _first_server = listener.accept_timeout(HANG).expect("accept");
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .max_blocking_threads(1)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let (release, held) = std::sync::mpsc::channel::<()>();
+    let (holding, started) = std::sync::mpsc::channel::<()>();
+    let blocker = rt.spawn_blocking(move || {
+        holding.send(()).expect("started");
+        let _ = held.recv();
+    });
+    started.recv().expect("blocking pool thread taken");
+    let pooled = rt.block_on(async {
+        tokio::time::timeout(Duration::from_secs(5), client.connect_async(addr)).await
+    });
+    let ch = pooled
+        .expect("a pooled connect_async waited for the blocking pool")
+        .expect("connect_async");
+    let s = listener
+        .accept_timeout(HANG)
+        .expect("accept the pooled stream");
+    ch.send(&pattern(100, 3)).expect("send");
+    assert_eq!(
+        &s.recv_timeout(HANG).expect("recv")[..],
+        &pattern(100, 3)[..]
+    );
+    assert_eq!(
+        client.pool_stats().misses,
+        1,
+        "one connection set up, then reused"
+    );
+    // A peer without a connection: the handshake goes to the blocking pool, busy for now.
+    let fresh = rt.spawn({
+        let client = client.clone();
+        async move { client.connect_async(other_addr).await }
+    });
+    rt.block_on(async { tokio::time::sleep(Duration::from_millis(50)).await });
+    assert!(
+        !fresh.is_finished(),
+        "a new connection waits for the blocking pool"
+    );
+    release.send(()).expect("release the blocking pool");
+    rt.block_on(blocker).expect("blocker");
+    let fresh = rt
+        .block_on(async { tokio::time::timeout(HANG, fresh).await })
+        .expect("connected in time")
+        .expect("task")
+        .expect("connect_async to a new peer");
+    let s = other_listener.accept_timeout(HANG).expect("accept");
+    fresh.send(b"hi").expect("send");
+    assert_eq!(&s.recv_timeout(HANG).expect("recv")[..], b"hi");
+    drop(first);
+}
+
 #[test]
 fn json_rpc_and_async_api_thread_mode() {
     json_rpc_and_async_api(Progress::Thread);

@@ -121,6 +121,18 @@ impl<C> ConnPool<C> {
         Ok(c)
     }
 
+    /// The live connection for `key` if `usable` says so, without waiting: `None` where there
+    /// is none, it is not usable, or a connect for `key` holds the key's lock (the caller then
+    /// takes [`ConnPool::get_usable_or_connect`], which waits for that connect). A hit counts
+    /// as one; nothing else is counted or changed.
+    pub fn try_get_usable(&self, key: PeerKey, usable: impl FnOnce(&C) -> bool) -> Option<Arc<C>> {
+        let slot = self.slots.lock().get(&key).cloned()?;
+        let weak = slot.try_lock()?;
+        let c = weak.upgrade().filter(|c| usable(c))?;
+        self.hits.fetch_add(1, Ordering::Relaxed);
+        Some(c)
+    }
+
     /// Forget the connection for `key` (e.g. after it failed) so the next acquisition
     /// reconnects; users holding it keep it. Returns it if it was live.
     pub fn remove(&self, key: PeerKey) -> Option<Arc<C>> {
@@ -225,6 +237,42 @@ mod tests {
         assert_eq!(pool.prune(), 1);
         let a3 = pool.get_or_connect(key(1, Some(0)), mk(5)).unwrap();
         assert_eq!(a3.id, 5, "a dead entry reconnects");
+    }
+
+    /// `try_get_usable` hands out a live, usable connection and never waits: not for a key
+    /// without one, not for one it may not use (which stays for `get_usable_or_connect` to
+    /// replace), not for a connect in progress on the key.
+    #[test]
+    fn try_get_usable_takes_only_what_is_there_and_never_waits() {
+        let pool: ConnPool<u32> = ConnPool::new();
+        assert!(pool.try_get_usable(key(1, None), |_| true).is_none());
+        let a = pool
+            .get_or_connect(key(1, None), || Ok::<_, ()>(7))
+            .unwrap();
+        let got = pool.try_get_usable(key(1, None), |&c| c == 7).unwrap();
+        assert!(Arc::ptr_eq(&a, &got));
+        assert!(pool.try_get_usable(key(1, None), |&c| c != 7).is_none());
+        assert_eq!(pool.stats().hits, 1, "a hit counted, the refusals not");
+        assert_eq!(pool.live(), 1, "an unusable connection is left in place");
+        // A connect in progress holds the key: the look is answered at once, empty.
+        let connecting = Barrier::new(2);
+        let done = Barrier::new(2);
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                pool.get_usable_or_connect(
+                    key(2, None),
+                    |_| true,
+                    || {
+                        connecting.wait();
+                        done.wait();
+                        Ok::<_, ()>(9)
+                    },
+                )
+            });
+            connecting.wait();
+            assert!(pool.try_get_usable(key(2, None), |_| true).is_none());
+            done.wait();
+        });
     }
 
     #[test]

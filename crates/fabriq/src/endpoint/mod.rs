@@ -185,6 +185,16 @@ fn open_devices(name: &str, config: &Config) -> Result<Vec<Context>, ChannelErro
     }
 }
 
+/// Whether a pooled connection may take a new channel. One that failed, or whose peer ended
+/// it (its `Close` or hang-up is in the control stream, whether or not the worker has read it
+/// yet), is replaced: a peer that left and a new endpoint on its address get a new connection,
+/// never the dead one (whose channels would only fail, unseen by the new endpoint). So is one
+/// whose peer refused a stream (it keeps as many of the connection's streams as it allows): its
+/// channels go on, new ones get a connection of their own.
+fn pool_usable(conn: &ConnHandle) -> bool {
+    !conn.is_failed() && !conn.refuses_streams()
+}
+
 /// True when `ip` is an address of this host (loopback, unspecified, or one of its interfaces):
 /// binding a socket to it succeeds only then. Nothing is sent.
 pub(crate) fn is_this_host(ip: std::net::IpAddr) -> bool {
@@ -654,7 +664,8 @@ impl Endpoint {
         .with_refusals(a.refusing))
     }
 
-    /// The pooled connection to `addr` of worker `w`, connecting if there is none live.
+    /// The pooled connection to `addr` of worker `w`, connecting if there is none live (or
+    /// none [`pool_usable`]).
     fn pooled_connection(
         &self,
         w: &WorkerRef,
@@ -664,17 +675,8 @@ impl Endpoint {
             return self.new_connection(w, addr).map(Arc::new);
         }
         let key = PeerKey { addr, worker: None };
-        // A pooled connection that failed, or whose peer ended it (its `Close` or hang-up is
-        // in the control stream, whether or not the worker has read it yet), is replaced: a
-        // peer that left and a new endpoint on its address get a new connection, never the
-        // dead one (whose channels would only fail, unseen by the new endpoint).
-        // So is one whose peer refused a stream (it keeps as many of the connection's streams
-        // as it allows): its channels go on, new ones get a connection of their own.
-        w.pool.get_usable_or_connect(
-            key,
-            |conn| !conn.is_failed() && !conn.refuses_streams(),
-            || self.new_connection(w, addr),
-        )
+        w.pool
+            .get_usable_or_connect(key, pool_usable, || self.new_connection(w, addr))
     }
 
     /// Open a stream on `conn`: no round trip, its `STREAM_OPEN` precedes its first message.
@@ -709,19 +711,46 @@ impl Endpoint {
         Channel::new(shared, self.clone(), peer, eager_max, Some(conn))
     }
 
-    /// [`Endpoint::connect`] from async code, on a tokio runtime: the resolution and the
-    /// handshake (blocking socket work, up to `Config::handshake_timeout_ms`) run on the
-    /// runtime's blocking pool (`tokio::task::spawn_blocking`), not on the task's thread. A
-    /// connect served by the connection pool costs that hand-off for no blocking work. Panics
-    /// outside a tokio runtime, as `spawn_blocking` does.
+    /// [`Endpoint::connect`] from async code, on a tokio runtime. The address is resolved as
+    /// tokio resolves one (`tokio::net::lookup_host`: at once for an address, on the blocking
+    /// pool for a name). A connect the connection pool answers opens its stream on the task's
+    /// thread (no blocking work, no hand-off); one that sets a connection up runs the handshake
+    /// (blocking socket work, up to `Config::handshake_timeout_ms`) on the runtime's blocking
+    /// pool (`tokio::task::spawn_blocking`), not on the task's thread. Panics outside a tokio
+    /// runtime, as `spawn_blocking` does.
     pub async fn connect_async(
         &self,
-        addr: impl ToSocketAddrs + Send + 'static,
+        addr: impl tokio::net::ToSocketAddrs,
     ) -> Result<Channel, ChannelError> {
+        let addrs: Vec<SocketAddr> = tokio::net::lookup_host(addr)
+            .await
+            .map_err(|e| ChannelError::Handshake(format!("resolve: {e}")))?
+            .collect();
+        if let Some(ch) = self.try_connect_pooled(&addrs) {
+            return Ok(ch);
+        }
         let ep = self.clone();
-        tokio::task::spawn_blocking(move || ep.connect(addr))
+        tokio::task::spawn_blocking(move || ep.connect(&addrs[..]))
             .await
             .map_err(|e| ChannelError::Handshake(format!("connect task: {e}")))?
+    }
+
+    /// The connect of [`Endpoint::connect`] where the connection pool answers it without
+    /// waiting: the first address, its device's next worker, and that worker's usable pooled
+    /// connection to it (`ConnPool::try_get_usable`); `None` where a connect would set one up
+    /// or wait for one being set up.
+    fn try_connect_pooled(&self, addrs: &[SocketAddr]) -> Option<Channel> {
+        if !self.inner.config.share_connections {
+            return None;
+        }
+        let &a = addrs.first()?;
+        let w = self.pick_worker(self.fabric_for(a));
+        let key = PeerKey {
+            addr: a,
+            worker: None,
+        };
+        let conn = w.pool.try_get_usable(key, pool_usable)?;
+        Some(self.open_stream(w, conn))
     }
 
     /// Connect to a listening endpoint: a new channel on this endpoint's pooled connection to

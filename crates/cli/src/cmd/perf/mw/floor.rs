@@ -3,8 +3,9 @@
 //! a cached connect between two processes (the sleeping acceptor woken by the hello, the
 //! pinned client spinning for the hello-ack) with none of the connect's own work. Timed in the
 //! same blocks and settled the same way as the connects, it is what no handshake, however
-//! short, can go under on the host it ran on: on a virtual machine that halts an idle vCPU,
-//! waking it costs tens of microseconds.
+//! short, can go under on the host it ran on: on a virtual machine, where a wake-up across
+//! CPUs goes through the hypervisor, it is tens of microseconds (the writer pays part of it in
+//! its `write`, the sleeper the rest until it runs: `docs/BENCHMARKS.md`).
 //!
 //! The server binds an abstract Unix socket (Linux) named after its process and the run and
 //! sends the name in `Listeners`; a client on another host cannot reach it and runs without a

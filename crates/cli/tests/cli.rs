@@ -283,8 +283,8 @@ fn perf_bad_input_is_a_clean_error() {
 
 /// `fabriq demo`, the README's first command, end to end on shm (the default), tcp and udp
 /// (MP-RDMA) — the middleware unchanged on every software provider: both
-/// processes run, every part of the report is there, the lock counted every acquisition and a
-/// second channel shared the first one's connection; the default drives the workers from the
+/// processes run, every part of the report is there, the lock counted every acquisition and
+/// more channels shared the first one's connection; the default drives the workers from the
 /// application threads, and `--progress thread` runs the same report on worker threads.
 #[test]
 fn demo_runs_end_to_end() {
@@ -310,7 +310,7 @@ fn demo_runs_end_to_end() {
         assert!(!stderr.contains("panicked"), "{stderr}");
         for line in [
             "connected to",
-            "a second channel to it in",
+            "20 more channels to it: p50",
             "1 connection set up",
             "eager 8 B message",
             "rendezvous 1 MiB message",

@@ -665,8 +665,10 @@ pub(crate) struct Worker {
     wcs: Vec<WorkCompletion>,
     loops: u64,
     epoll: OwnedFd,
-    /// The control streams alone (`WorkerShared::control_epoll`).
-    control_epoll: OwnedFd,
+    /// The control streams alone (`WorkerShared::control_epoll`), which the caller-mode
+    /// back-stop watches; `None` in thread mode, where nothing reads that set (no system call
+    /// to keep it, at each adoption and close).
+    control_epoll: Option<OwnedFd>,
     /// The clock of the current pass, read at most once (see [`PassClock`]).
     clock: PassClock,
     /// Accepted connections whose peer has not confirmed its receive ring yet (their sends
@@ -740,8 +742,13 @@ pub(crate) fn spawn(
     }
     let epoll = rustix::io::dup(&shared.epoll)
         .map_err(|e| ChannelError::Verbs(fabriq_verbs::VerbsError::io("dup epoll", e)))?;
-    let control_epoll = rustix::io::dup(&shared.control_epoll)
-        .map_err(|e| ChannelError::Verbs(fabriq_verbs::VerbsError::io("dup epoll", e)))?;
+    let control_epoll = match cfg.progress {
+        Progress::Caller => Some(
+            rustix::io::dup(&shared.control_epoll)
+                .map_err(|e| ChannelError::Verbs(fabriq_verbs::VerbsError::io("dup epoll", e)))?,
+        ),
+        Progress::Thread => None,
+    };
     let cq_peek = cq.clone();
     let worker = Worker {
         me: Arc::downgrade(&shared),
@@ -1487,7 +1494,7 @@ impl Worker {
         let ready_sent = control.as_mut().map_or(true, |c| c.send_ready());
         if let Some(c) = &control {
             let _ = c.set_nonblocking(true);
-            for ep in [&self.epoll, &self.control_epoll] {
+            for ep in std::iter::once(&self.epoll).chain(&self.control_epoll) {
                 let _ = epoll::add(
                     ep,
                     c.as_fd(),
@@ -1802,8 +1809,9 @@ impl Worker {
         }
         st.backlog.clear();
         if let Some(c) = st.control.take() {
-            let _ = epoll::delete(&self.epoll, c.as_fd());
-            let _ = epoll::delete(&self.control_epoll, c.as_fd());
+            for ep in std::iter::once(&self.epoll).chain(&self.control_epoll) {
+                let _ = epoll::delete(ep, c.as_fd());
+            }
         }
         if !st.driver.core().is_failed() {
             st.driver.core_mut().handle_fatal(ChannelError::Closed);
@@ -2127,8 +2135,9 @@ impl Worker {
             ..
         } = st;
         if let Some(c) = &control {
-            let _ = epoll::delete(&self.epoll, c.as_fd());
-            let _ = epoll::delete(&self.control_epoll, c.as_fd());
+            for ep in std::iter::once(&self.epoll).chain(&self.control_epoll) {
+                let _ = epoll::delete(ep, c.as_fd());
+            }
         }
         drop(control);
         match lease {

@@ -629,13 +629,27 @@ impl Engine {
     /// The clean connection QP `qpn` opened to the listener at `peer` before, if it kept one,
     /// for its next use, with the HELLO the peer's QP wrote on it if it reached RTR first; one
     /// to another listener, not clean, or carrying anything else is closed (so is any, with
-    /// `peer` `None`).
-    pub fn take_opened(&self, peer: Option<SocketAddr>, qpn: u32) -> Option<Kept> {
+    /// `peer` `None`). `named`: the opening end's address of the connection that the peer's
+    /// QP says (in its endpoint, read after its RTR) it took without a HELLO; a clean
+    /// connection of that name is taken without reading it.
+    pub fn take_opened(
+        &self,
+        peer: Option<SocketAddr>,
+        qpn: u32,
+        named: Option<SocketAddr>,
+    ) -> Option<Kept> {
         let mut conns = self.held.lock();
         let id = *conns.opened.get(&qpn)?;
         let mut h = conns.remove(id)?;
         drop(conns);
         if peer.is_some_and(|peer| h.owner == (Owner::Opened { peer, qpn })) {
+            // The peer's QP took it for this use, clean — every frame of the last use read up
+            // to the peer's BYE — and wrote nothing since but, maybe, the HELLO it owes in
+            // front of its first request, which this QP's reader skips as the use's first
+            // frame: nothing to read for (one system call less on the connect's path).
+            if named.is_some() && h.is_clean() && h.stream.opener() == named {
+                return Some(Kept::new(h.stream, None));
+            }
             // Not watched for input: the peer's BYE or HELLO may be there unread.
             match h.read() {
                 Step::Wait if h.is_clean() => return Some(Kept::new(h.stream, None)),

@@ -976,7 +976,7 @@ fn make_room(rx: &mut Rx) {
 impl Drop for TcpQp {
     fn drop(&mut self) {
         self.engine.qps.remove(self.qp_num.0);
-        self.engine.take_opened(None, self.qp_num.0);
+        self.engine.take_opened(None, self.qp_num.0, None);
         if let Some(p) = self.rx.get_mut().placing.take() {
             // A receive taken from an SRQ for a SEND still arriving goes back to the SRQ.
             self.side.get_mut().core.abandon_placement(p);
@@ -1084,7 +1084,7 @@ impl SoftQpDriver for TcpQp {
         // gives its own up), by the accepting end for the peer's next use.
         let opened = self
             .engine
-            .take_opened(opener.then_some(raddr), self.qp_num.0);
+            .take_opened(opener.then_some(raddr), self.qp_num.0, kept_from);
         let kept = match opener {
             true => opened,
             false => self

@@ -295,6 +295,56 @@ fn the_first_end_at_rtr_greets_unless_it_accepts_and_the_peer_reads_its_endpoint
     assert_eq!(counts(&lo), (1, ROUNDS), "one connection all along");
 }
 
+/// An opening QP given an endpoint that names the kept connection takes it without reading it
+/// at RTR (no system call on the connect's path). The endpoint may be older than what the
+/// accepting QP did since: here it posts a request after its endpoint was read, so its owed
+/// HELLO and the SEND are on the connection before the opening QP's RTR. The opening QP's
+/// reader skips that HELLO as the use's first frame and the SEND arrives whole; then the pair
+/// exchanges both ways. (Reading the connection at RTR, the opening QP found the HELLO there:
+/// counted as found, not spared.)
+#[test]
+fn an_opening_qp_takes_a_named_connection_unread_and_skips_the_hello_written_since() {
+    let (lo, hi, a, b) = used_pair();
+    const ROUNDS: u64 = 6;
+    for round in 1..=ROUNDS {
+        leave_clean(&lo, &hi, &a, &b);
+        let before = (found(&lo), found(&hi), spared(&lo), spared(&hi));
+        reach_rts(&b, &a);
+        let named = b.qp.endpoint();
+        assert!(
+            named.extra.contains_key(super::qp::KEPT_FROM_KEY),
+            "round {round}: the endpoint after RTR names the connection"
+        );
+        let id = round * 2;
+        b.mr.write_at(0, &id.to_le_bytes()).unwrap();
+        b.qp.post_send(&[SendWr::new(id, &[b.mr.sge(0, 8).unwrap()], WrOpcode::Send)])
+            .unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(10));
+        a.qp.modify(&QpAttr::init(AccessFlags::ALL)).unwrap();
+        a.qp.post_recv(&[RecvWr::new(id, &[a.mr.sge(1024, 8).unwrap()])])
+            .unwrap();
+        a.qp.modify(&QpAttr::rtr(named)).unwrap();
+        a.qp.modify(&QpAttr::rts()).unwrap();
+        let delta = (
+            found(&lo) - before.0,
+            found(&hi) - before.1,
+            spared(&lo) - before.2,
+            spared(&hi) - before.3,
+        );
+        assert_eq!(
+            delta,
+            (0, 0, 1, 1),
+            "round {round}: taken unread at both ends"
+        );
+        expect_delivered(&b, &a, id);
+        let mut got = [0u8; 8];
+        a.mr.read_at(1024, &mut got).unwrap();
+        assert_eq!(got, id.to_le_bytes(), "round {round}: the SEND's bytes");
+        exchange(&a, &b, round);
+    }
+    assert_eq!(counts(&lo), (1, ROUNDS), "one connection all along");
+}
+
 /// Both ends reach RTR before either HELLO arrives: both write one, and each skips the
 /// other's as the first frame of the use. Rounds with both ends connecting at once, from two
 /// threads, must each exchange exactly their own bytes.
@@ -707,8 +757,8 @@ fn kept_connections_are_closed_after_their_idle_time() {
         far_ends[1].read(&mut [0u8; 1]).is_err(),
         "the other one stays open (the read times out)"
     );
-    assert!(engine.take_opened(Some(peer), 1).is_none());
-    assert!(engine.take_opened(Some(peer), 3).is_some());
+    assert!(engine.take_opened(Some(peer), 1, None).is_none());
+    assert!(engine.take_opened(Some(peer), 3, None).is_some());
     // Once its time is up too, the second one is closed.
     engine.prune_held(Instant::now() + OPENED_IDLE + Duration::from_secs(1));
     assert!(

@@ -277,15 +277,7 @@ fn the_first_end_at_rtr_greets_unless_it_accepts_and_the_peer_reads_its_endpoint
                 // precedes the SEND, and the opening end finds it.
                 reach_rts(&b, &a);
                 let id = round * 2;
-                b.mr.write_at(0, &id.to_le_bytes()).unwrap();
-                b.qp.post_send(&[SendWr::new(id, &[b.mr.sge(0, 8).unwrap()], WrOpcode::Send)])
-                    .unwrap();
-                std::thread::sleep(std::time::Duration::from_millis(20));
-                a.qp.modify(&QpAttr::init(AccessFlags::ALL)).unwrap();
-                a.qp.post_recv(&[RecvWr::new(id, &[a.mr.sge(1024, 8).unwrap()])])
-                    .unwrap();
-                a.qp.modify(&QpAttr::rtr(b.qp.endpoint())).unwrap();
-                a.qp.modify(&QpAttr::rts()).unwrap();
+                send_before_peer_rtr(&b, &a, id, || b.qp.endpoint());
                 assert_eq!(delta(), (1, 0, 0, 1), "round {round}: b's HELLO found");
                 expect_delivered(&b, &a, id);
                 exchange(&a, &b, round);
@@ -293,6 +285,27 @@ fn the_first_end_at_rtr_greets_unless_it_accepts_and_the_peer_reads_its_endpoint
         }
     }
     assert_eq!(counts(&lo), (1, ROUNDS), "one connection all along");
+}
+
+/// `from` (at RTS) sends `id` as 8 bytes before `to` reaches RTR: the frames are on the
+/// connection (20 ms) when `to` goes to RTS towards the endpoint `towards` gives then, with a
+/// receive for them posted at INIT.
+fn send_before_peer_rtr(from: &Side, to: &Side, id: u64, towards: impl FnOnce() -> QpEndpoint) {
+    from.mr.write_at(0, &id.to_le_bytes()).unwrap();
+    from.qp
+        .post_send(&[SendWr::new(
+            id,
+            &[from.mr.sge(0, 8).unwrap()],
+            WrOpcode::Send,
+        )])
+        .unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    to.qp.modify(&QpAttr::init(AccessFlags::ALL)).unwrap();
+    to.qp
+        .post_recv(&[RecvWr::new(id, &[to.mr.sge(1024, 8).unwrap()])])
+        .unwrap();
+    to.qp.modify(&QpAttr::rtr(towards())).unwrap();
+    to.qp.modify(&QpAttr::rts()).unwrap();
 }
 
 /// An opening QP given an endpoint that names the kept connection takes it without reading it
@@ -316,15 +329,7 @@ fn an_opening_qp_takes_a_named_connection_unread_and_skips_the_hello_written_sin
             "round {round}: the endpoint after RTR names the connection"
         );
         let id = round * 2;
-        b.mr.write_at(0, &id.to_le_bytes()).unwrap();
-        b.qp.post_send(&[SendWr::new(id, &[b.mr.sge(0, 8).unwrap()], WrOpcode::Send)])
-            .unwrap();
-        std::thread::sleep(std::time::Duration::from_millis(10));
-        a.qp.modify(&QpAttr::init(AccessFlags::ALL)).unwrap();
-        a.qp.post_recv(&[RecvWr::new(id, &[a.mr.sge(1024, 8).unwrap()])])
-            .unwrap();
-        a.qp.modify(&QpAttr::rtr(named)).unwrap();
-        a.qp.modify(&QpAttr::rts()).unwrap();
+        send_before_peer_rtr(&b, &a, id, || named);
         let delta = (
             found(&lo) - before.0,
             found(&hi) - before.1,

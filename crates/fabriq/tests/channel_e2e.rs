@@ -511,6 +511,61 @@ fn pooled_connect_async_does_not_wait_for_the_blocking_pool() {
     drop(first);
 }
 
+/// With several workers (a pooled connection each), `connect_async` looks at the worker a
+/// `connect` would take next and sets up there when it finds nothing: after one set-up per
+/// worker, every later one is answered by the pool, even with the blocking pool held. (Looking
+/// at one worker and setting up on the next, the looks missed for ever on one of them.)
+#[test]
+fn pooled_connect_async_serves_every_worker() {
+    let cfg = Config {
+        device: "shm0".into(),
+        workers: 2,
+        ..Config::default()
+    };
+    let server = Endpoint::new(cfg.clone()).expect("server endpoint");
+    let listener = server.listen("127.0.0.1:0").expect("listen");
+    let addr = listener.local_addr();
+    let client = Endpoint::new(cfg).expect("client endpoint");
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .max_blocking_threads(1)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let mut open = Vec::new();
+    for _ in 0..2 {
+        let ch = rt.block_on(async {
+            tokio::time::timeout(HANG, client.connect_async(addr))
+                .await
+                .expect("connected in time")
+                .expect("connect_async")
+        });
+        open.push((ch, listener.accept_timeout(HANG).expect("accept")));
+    }
+    assert_eq!(client.pool_stats().misses, 2, "one connection per worker");
+    let (release, held) = std::sync::mpsc::channel::<()>();
+    let (holding, started) = std::sync::mpsc::channel::<()>();
+    let blocker = rt.spawn_blocking(move || {
+        holding.send(()).expect("started");
+        let _ = held.recv();
+    });
+    started.recv().expect("blocking pool thread taken");
+    for i in 0..6u8 {
+        let ch = rt
+            .block_on(async {
+                tokio::time::timeout(Duration::from_secs(5), client.connect_async(addr)).await
+            })
+            .unwrap_or_else(|_| panic!("pooled connect_async {i} waited for the blocking pool"))
+            .expect("connect_async");
+        let s = listener.accept_timeout(HANG).expect("accept");
+        ch.send(&[i; 5]).expect("send");
+        assert_eq!(&s.recv_timeout(HANG).expect("recv")[..], &[i; 5]);
+    }
+    assert_eq!(client.pool_stats().misses, 2, "no connection set up after");
+    release.send(()).expect("release the blocking pool");
+    rt.block_on(blocker).expect("blocker");
+    drop(open);
+}
+
 #[test]
 fn json_rpc_and_async_api_thread_mode() {
     json_rpc_and_async_api(Progress::Thread);

@@ -738,18 +738,23 @@ impl Endpoint {
     /// The connect of [`Endpoint::connect`] where the connection pool answers it without
     /// waiting: the first address, its device's next worker, and that worker's usable pooled
     /// connection to it (`ConnPool::try_get_usable`); `None` where a connect would set one up
-    /// or wait for one being set up.
+    /// or wait for one being set up. The worker's turn passes only with an answer, so that the
+    /// `connect` that follows a `None` sets up on the worker looked at (else, with several
+    /// workers, it would go on setting up on others and every look would miss).
     fn try_connect_pooled(&self, addrs: &[SocketAddr]) -> Option<Channel> {
         if !self.inner.config.share_connections {
             return None;
         }
         let &a = addrs.first()?;
-        let w = self.pick_worker(self.fabric_for(a));
+        let workers = &self.inner.fabrics[self.fabric_for(a)].workers;
+        let next = self.inner.next_worker.load(Ordering::Relaxed);
+        let w = &workers[next % workers.len()];
         let key = PeerKey {
             addr: a,
             worker: None,
         };
         let conn = w.pool.try_get_usable(key, pool_usable)?;
+        self.inner.next_worker.fetch_add(1, Ordering::Relaxed);
         Some(self.open_stream(w, conn))
     }
 

@@ -1409,6 +1409,48 @@ fn streams_past_the_limit_are_refused_and_the_rest_go_on() {
     }
 }
 
+/// A call on a stream its peer refuses fails with `StreamRefused` however the call and the
+/// refusal cross: one checked before the refusal arrived but taken by the worker after it
+/// (queued while the worker thread held its state) was told `PeerGone`, as if the server had
+/// gone. The crossing is timing: calls follow their stream's open after 0 to 63 µs, on a
+/// worker thread that holds its state while it polls.
+#[test]
+fn a_call_crossing_the_refusal_of_its_stream_is_told_it_was_refused() {
+    use crate::{ChannelError, RpcError};
+    use std::time::{Duration, Instant};
+    const WAIT: Duration = Duration::from_secs(10);
+    for device in ["shm0", "tcp0"] {
+        let (a, b, listener) = client_server(crate::Config {
+            max_streams: 1,
+            ..one_worker(device)
+        });
+        b.serve("echo", |req| Ok(req.to_vec()));
+        let mut told = std::collections::BTreeMap::<String, u32>::new();
+        for i in 0..3000u64 {
+            // The pool hands the refusing connection out no more: each round sets one up,
+            // whose first stream is taken, and opens a second one on it, which is refused.
+            let _first = a.connect(listener.local_addr()).expect("connect");
+            let _accepted = listener.accept_timeout(WAIT).expect("accept");
+            let refused = a
+                .connect(listener.local_addr())
+                .expect("connect past the limit");
+            let t0 = Instant::now();
+            let gap = Duration::from_micros(i.wrapping_mul(37) % 64);
+            while t0.elapsed() < gap {
+                std::hint::spin_loop();
+            }
+            match crate::Rpc::new(refused).call("echo", b"x", WAIT) {
+                Err(RpcError::Channel(ChannelError::StreamRefused)) => {}
+                other => *told.entry(format!("{other:?}")).or_default() += 1,
+            }
+        }
+        assert!(
+            told.is_empty(),
+            "{device}: calls on refused streams got {told:?}"
+        );
+    }
+}
+
 /// An endpoint keeps at most `max_connections` connections that peers made to it: a handshake
 /// past them is rejected (`Unavailable`, said in the connecting side's error) before a QP or a
 /// receive ring is set up, the kept connections go on, and once one of them is gone the next

@@ -260,10 +260,7 @@ impl Rpc {
     ) -> Result<u64, RpcError> {
         let shared = self.channel.shared();
         if let Some(f) = shared.failure() {
-            return Err(match f.to_error() {
-                ChannelError::PeerGone => RpcError::PeerGone,
-                e => RpcError::Channel(e),
-            });
+            return Err(f.to_rpc_error());
         }
         let w = &shared.worker;
         let call_id = w.next_call_id();

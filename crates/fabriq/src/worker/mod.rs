@@ -1684,7 +1684,11 @@ impl Worker {
             return None;
         };
         if failed || ss.peer_closed {
-            let _ = reply.send(Err(RpcError::PeerGone));
+            // Why the stream stopped, as a call made before it did is told: a stream the peer
+            // refused says so, not that the peer went (the call may have been checked before
+            // the refusal arrived and queued until after).
+            let why = ss.shared.failure();
+            let _ = reply.send(Err(why.map_or(RpcError::PeerGone, |f| f.to_rpc_error())));
             return None;
         }
         // At the window the request waits (a reply of the stream lets it go: `release_calls`).

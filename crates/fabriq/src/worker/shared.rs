@@ -30,6 +30,7 @@ use crate::channel::proto::Instant;
 use crate::channel::ChannelError;
 use crate::config::Progress;
 use crate::message::Message;
+use crate::rpc::RpcError;
 
 /// Longest a parked waiter sleeps before it looks again (guards against a missed notification;
 /// in caller mode it also lets a parked waiter take over polling from one that left).
@@ -1008,6 +1009,15 @@ impl Failure {
             Failure::Protocol(s) => ChannelError::Protocol(s.clone()),
             Failure::Refused => ChannelError::StreamRefused,
             Failure::Error(s) => ChannelError::Failed(s.clone()),
+        }
+    }
+
+    /// What an RPC call on the stopped channel returns: `PeerGone` for a peer that went,
+    /// the channel's error otherwise (`StreamRefused` for a refused stream).
+    pub(crate) fn to_rpc_error(&self) -> RpcError {
+        match self.to_error() {
+            ChannelError::PeerGone => RpcError::PeerGone,
+            e => RpcError::Channel(e),
         }
     }
 }

@@ -1,15 +1,20 @@
 //! A randomized soak of the middleware between two endpoints of one process, every feature at
 //! once: client threads open channels over the pooled connections of two workers, send bursts
 //! of messages of random sizes around the protocol's edges (the bytes held in place, the eager
-//! threshold, the READ chunk, 1 MiB) and check every echo byte for byte and in order; close
+//! threshold, the READ chunk, 1 MiB) — copied, in a filled registered buffer, or by `try_send`
+//! until the back-pressure lifts — and check every echo byte for byte and in order; close
 //! channels with echoes still on their way; have the echoing side close a channel after what it
 //! echoed (every echo is read, then `PeerGone`); change a live connection's thresholds
 //! mid-burst; make RPC calls; run fetch-and-add on a region the server exposed. Any error, lost,
-//! duplicated, reordered or corrupted message, or a wait past `STALL`, fails the run.
+//! duplicated, reordered or corrupted message, or a wait past `STALL`, fails the run. The same
+//! steps run through the blocking API on threads and through the async API as tasks of a
+//! multi-threaded tokio runtime.
 //!
 //! Each case runs `FABRIQ_SOAK_SECS` seconds (default 2) from seed `FABRIQ_SOAK_SEED` (default
 //! 1); other `FABRIQ_*` variables change the configuration, e.g.
-//! `FABRIQ_RX_SLOTS=4 FABRIQ_STREAM_WINDOW=4` for flow control at its tightest:
+//! `FABRIQ_RX_SLOTS=4 FABRIQ_STREAM_WINDOW=4` for flow control at its tightest, or
+//! `FABRIQ_MAX_STREAMS=2` for streams refused past the limit (which the client meets with
+//! another channel):
 //! `FABRIQ_SOAK_SECS=60 cargo test --release -p fabriq --test soak -- --nocapture`.
 
 use std::collections::VecDeque;
@@ -19,7 +24,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use fabriq::{
-    Channel, ChannelError, Config, Endpoint, Progress, RegionDescriptor, Rpc, Thresholds,
+    Channel, ChannelError, Config, Endpoint, Message, Progress, RegionDescriptor, RemoteRegion,
+    Rpc, RpcError, Thresholds,
 };
 
 /// Longer than any wait of a working run, on a loaded 2-CPU machine too.
@@ -31,7 +37,139 @@ const REGION: &str = "region";
 /// Words of the exposed region: one per client thread.
 const WORDS: u64 = 512;
 
-type Result<T> = std::result::Result<T, String>;
+/// A step's outcome: what went wrong, said in words.
+type Step<T> = Result<T, String>;
+
+/// A step's error for a stream its peer refused (past its `max_streams`): the client goes on
+/// with another channel, as an application would; every other error fails the run.
+const REFUSED: &str = "the peer refused the stream";
+
+/// The step's error for a failed channel operation: [`REFUSED`], or `what` and why.
+fn chan_err(what: String) -> impl FnOnce(ChannelError) -> String {
+    move |e| match e {
+        ChannelError::StreamRefused => REFUSED.into(),
+        e => format!("{what}: {e}"),
+    }
+}
+
+/// [`chan_err`] for a call.
+fn rpc_err(what: String) -> impl FnOnce(RpcError) -> String {
+    move |e| match e {
+        RpcError::Channel(e) => chan_err(what)(e),
+        e => format!("{what}: {e}"),
+    }
+}
+
+/// The client's calls, through the blocking API or the async one.
+trait Io: Send + Sync + 'static {
+    async fn connect(&self, a: &Endpoint, addr: SocketAddr) -> Result<Channel, ChannelError>;
+    /// Send `data` the way `how` picks: a copy, a filled registered buffer (no copy), or
+    /// `try_send` again until the back-pressure lifts.
+    async fn send(&self, ch: &Channel, data: &[u8], how: Handoff) -> Result<(), ChannelError>;
+    async fn recv(&self, ch: &Channel) -> Result<Message, ChannelError>;
+    async fn call(&self, rpc: &Rpc, method: &str, req: &[u8]) -> Result<Vec<u8>, RpcError>;
+    async fn fetch_and_add(&self, r: &RemoteRegion, offset: u64) -> Result<u64, ChannelError>;
+}
+
+/// How a message is handed to the channel.
+#[derive(Debug, Clone, Copy)]
+enum Handoff {
+    /// `send`: the channel copies it.
+    Copy,
+    /// `alloc`, fill, `send_buf`: no copy.
+    Buf,
+    /// `try_send`, again while `WouldBlock`.
+    Try,
+}
+
+/// A registered buffer of the channel's endpoint holding `data`.
+fn filled(ch: &Channel, data: &[u8]) -> Result<fabriq::SendBuf, ChannelError> {
+    let mut buf = ch.alloc(data.len())?;
+    buf.copy_from_slice(data);
+    Ok(buf)
+}
+
+/// The blocking API (on a thread of its own; its futures never wait).
+struct Blocking;
+
+impl Io for Blocking {
+    async fn connect(&self, a: &Endpoint, addr: SocketAddr) -> Result<Channel, ChannelError> {
+        a.connect(addr)
+    }
+    async fn send(&self, ch: &Channel, data: &[u8], how: Handoff) -> Result<(), ChannelError> {
+        match how {
+            Handoff::Copy => ch.send_timeout(data, STALL),
+            Handoff::Buf => ch.send_buf_timeout(filled(ch, data)?, STALL),
+            Handoff::Try => {
+                let t0 = Instant::now();
+                loop {
+                    match ch.try_send(data) {
+                        Err(ChannelError::WouldBlock) if t0.elapsed() < STALL => {
+                            std::thread::yield_now()
+                        }
+                        Err(ChannelError::WouldBlock) => return Err(ChannelError::Timeout),
+                        r => return r,
+                    }
+                }
+            }
+        }
+    }
+    async fn recv(&self, ch: &Channel) -> Result<Message, ChannelError> {
+        ch.recv_timeout(STALL)
+    }
+    async fn call(&self, rpc: &Rpc, method: &str, req: &[u8]) -> Result<Vec<u8>, RpcError> {
+        rpc.call(method, req, STALL)
+    }
+    async fn fetch_and_add(&self, r: &RemoteRegion, offset: u64) -> Result<u64, ChannelError> {
+        r.fetch_and_add(offset, 1)
+    }
+}
+
+/// The async API, each wait bounded by `STALL`.
+struct Async;
+
+async fn bounded<T, E>(
+    f: impl std::future::Future<Output = Result<T, E>>,
+    timeout: E,
+) -> Result<T, E> {
+    tokio::time::timeout(STALL, f).await.unwrap_or(Err(timeout))
+}
+
+impl Io for Async {
+    async fn connect(&self, a: &Endpoint, addr: SocketAddr) -> Result<Channel, ChannelError> {
+        bounded(a.connect_async(addr), ChannelError::Timeout).await
+    }
+    async fn send(&self, ch: &Channel, data: &[u8], how: Handoff) -> Result<(), ChannelError> {
+        match how {
+            Handoff::Copy => bounded(ch.send_async(data), ChannelError::Timeout).await,
+            Handoff::Buf => {
+                let buf = filled(ch, data)?;
+                bounded(ch.send_buf_async(buf), ChannelError::Timeout).await
+            }
+            Handoff::Try => {
+                let t0 = Instant::now();
+                loop {
+                    match ch.try_send(data) {
+                        Err(ChannelError::WouldBlock) if t0.elapsed() < STALL => {
+                            tokio::task::yield_now().await
+                        }
+                        Err(ChannelError::WouldBlock) => return Err(ChannelError::Timeout),
+                        r => return r,
+                    }
+                }
+            }
+        }
+    }
+    async fn recv(&self, ch: &Channel) -> Result<Message, ChannelError> {
+        bounded(ch.recv_async(), ChannelError::Timeout).await
+    }
+    async fn call(&self, rpc: &Rpc, method: &str, req: &[u8]) -> Result<Vec<u8>, RpcError> {
+        rpc.call_async(method, req, STALL).await
+    }
+    async fn fetch_and_add(&self, r: &RemoteRegion, offset: u64) -> Result<u64, ChannelError> {
+        r.fetch_and_add_async(offset, 1).await
+    }
+}
 
 /// xorshift64*: a small generator, seeded per thread, so that a seed replays a run's choices.
 struct Rng(u64);
@@ -77,11 +215,12 @@ struct Counts {
     early_closes: AtomicU64,
     peer_closes: AtomicU64,
     threshold_changes: AtomicU64,
+    refused: AtomicU64,
 }
 
 /// The accepting side of one channel: echo every message until the peer closes, a `BYE`
 /// arrives (drop the channel) or the run stops.
-fn echo(ch: Channel, stop: &AtomicBool) -> Result<()> {
+fn echo(ch: Channel, stop: &AtomicBool) -> Step<()> {
     loop {
         match ch.recv_timeout(Duration::from_millis(100)) {
             Ok(m) if m[..] == *BYE => return Ok(()),
@@ -99,10 +238,18 @@ fn echo(ch: Channel, stop: &AtomicBool) -> Result<()> {
 }
 
 /// Read echo `n` of stream `tag` and check it.
-fn check(ch: &Channel, tag: u64, n: u64, len: usize, counts: &Counts) -> Result<()> {
-    let m = ch
-        .recv_timeout(STALL)
-        .map_err(|e| format!("echo {n} of {tag:#x}: {e}"))?;
+async fn check(
+    io: &impl Io,
+    ch: &Channel,
+    tag: u64,
+    n: u64,
+    len: usize,
+    counts: &Counts,
+) -> Step<()> {
+    let m = io
+        .recv(ch)
+        .await
+        .map_err(chan_err(format!("echo {n} of {tag:#x}")))?;
     if m.len() != len || m[..] != payload(tag, n, len)[..] {
         return Err(format!(
             "echo {n} of {tag:#x}: {} bytes where {len} were sent, or other bytes",
@@ -114,17 +261,19 @@ fn check(ch: &Channel, tag: u64, n: u64, len: usize, counts: &Counts) -> Result<
 }
 
 /// Fetch-and-add on this thread's word of the server's region: each add sees the one before.
-fn atomics(ch: Channel, rng: &mut Rng, word: u64, counts: &Counts) -> Result<()> {
-    let desc = Rpc::new(ch.clone())
-        .call(REGION, &[], STALL)
-        .map_err(|e| format!("region call: {e}"))?;
+async fn atomics(io: &impl Io, ch: Channel, rng: &mut Rng, word: u64, counts: &Counts) -> Step<()> {
+    let desc = io
+        .call(&Rpc::new(ch.clone()), REGION, &[])
+        .await
+        .map_err(rpc_err("region call".into()))?;
     let desc = RegionDescriptor::from_bytes(&desc).ok_or("region: not a descriptor")?;
     let region = ch.remote_region(desc);
     let mut last: Option<u64> = None;
     for _ in 0..1 + rng.below(64) {
-        let before = region
-            .fetch_and_add(8 * word, 1)
-            .map_err(|e| format!("fetch_and_add: {e}"))?;
+        let before = io
+            .fetch_and_add(&region, 8 * word)
+            .await
+            .map_err(chan_err("fetch_and_add".into()))?;
         if last.is_some_and(|l| before != l + 1) {
             return Err(format!("fetch_and_add returned {before} after {last:?}"));
         }
@@ -134,13 +283,21 @@ fn atomics(ch: Channel, rng: &mut Rng, word: u64, counts: &Counts) -> Result<()>
     Ok(())
 }
 
-fn calls(ch: Channel, rng: &mut Rng, tag: u64, eager: usize, counts: &Counts) -> Result<()> {
+async fn calls(
+    io: &impl Io,
+    ch: Channel,
+    rng: &mut Rng,
+    tag: u64,
+    eager: usize,
+    counts: &Counts,
+) -> Step<()> {
     let rpc = Rpc::new(ch);
     for i in 0..1 + rng.below(32) {
         let req = payload(tag, i, size(rng, eager).min(256 << 10));
-        let got = rpc
-            .call("echo", &req, STALL)
-            .map_err(|e| format!("call {i} of {tag:#x}: {e}"))?;
+        let got = io
+            .call(&rpc, "echo", &req)
+            .await
+            .map_err(rpc_err(format!("call {i} of {tag:#x}")))?;
         if got != req {
             return Err(format!("call {i} of {tag:#x}: the reply differs"));
         }
@@ -151,7 +308,14 @@ fn calls(ch: Channel, rng: &mut Rng, tag: u64, eager: usize, counts: &Counts) ->
 
 /// One burst of messages on a new channel, its echoes checked; the channel then ends one of
 /// three ways: every echo read, closed with echoes on their way, or closed by the peer.
-fn burst(a: &Endpoint, ch: Channel, rng: &mut Rng, tag: u64, counts: &Counts) -> Result<()> {
+async fn burst(
+    io: &impl Io,
+    a: &Endpoint,
+    ch: Channel,
+    rng: &mut Rng,
+    tag: u64,
+    counts: &Counts,
+) -> Step<()> {
     let cfg = a.config();
     let eager = cfg.eager_max.unwrap_or(4096) as usize;
     let n = 1 + rng.below(64);
@@ -175,11 +339,13 @@ fn burst(a: &Endpoint, ch: Channel, rng: &mut Rng, tag: u64, counts: &Counts) ->
             counts.threshold_changes.fetch_add(1, Ordering::Relaxed);
         }
         let len = size(rng, eager);
-        ch.send_timeout(&payload(tag, i, len), STALL)
-            .map_err(|e| format!("send {i} of {tag:#x}: {e}"))?;
+        let how = [Handoff::Copy, Handoff::Copy, Handoff::Buf, Handoff::Try][rng.below(4) as usize];
+        io.send(&ch, &payload(tag, i, len), how)
+            .await
+            .map_err(chan_err(format!("send {i} of {tag:#x}")))?;
         lens.push_back(len);
         while lens.len() as u64 >= depth {
-            check(&ch, tag, read, lens.pop_front().unwrap_or(0), counts)?;
+            check(io, &ch, tag, read, lens.pop_front().unwrap_or(0), counts).await?;
             read += 1;
         }
     }
@@ -188,17 +354,19 @@ fn burst(a: &Endpoint, ch: Channel, rng: &mut Rng, tag: u64, counts: &Counts) ->
         return Ok(());
     }
     if peer_closes {
-        ch.send_timeout(BYE, STALL)
-            .map_err(|e| format!("bye of {tag:#x}: {e}"))?;
+        io.send(&ch, BYE, Handoff::Copy)
+            .await
+            .map_err(chan_err(format!("bye of {tag:#x}")))?;
     }
     while let Some(len) = lens.pop_front() {
-        check(&ch, tag, read, len, counts)?;
+        check(io, &ch, tag, read, len, counts).await?;
         read += 1;
     }
     if peer_closes {
         // Every echo was read: the next receive reports the close.
-        match ch.recv_timeout(STALL) {
+        match io.recv(&ch).await {
             Err(ChannelError::PeerGone) => {}
+            Err(ChannelError::StreamRefused) => return Err(REFUSED.into()),
             other => {
                 return Err(format!(
                     "after the peer closed {tag:#x}: {:?} instead of PeerGone",
@@ -211,13 +379,15 @@ fn burst(a: &Endpoint, ch: Channel, rng: &mut Rng, tag: u64, counts: &Counts) ->
     Ok(())
 }
 
-fn client(
-    a: &Endpoint,
+async fn client(
+    io: impl Io,
+    a: Endpoint,
     addr: SocketAddr,
     seed: u64,
     until: Instant,
-    counts: &Counts,
-) -> Result<()> {
+    counts: Arc<Counts>,
+) -> Step<()> {
+    let (io, a, counts) = (&io, &a, &*counts);
     let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
     let eager = a.config().eager_max.unwrap_or(4096) as usize;
     let mut tag = seed << 32;
@@ -230,12 +400,21 @@ fn client(
             None => return Ok(()),
         };
         tag += 1;
-        let ch = a.connect(addr).map_err(|e| format!("connect: {e}"))?;
+        let ch = io
+            .connect(a, addr)
+            .await
+            .map_err(chan_err("connect".into()))?;
         counts.channels.fetch_add(1, Ordering::Relaxed);
-        match kind {
-            0 => atomics(ch, &mut rng, seed % WORDS, counts)?,
-            1 | 2 => calls(ch, &mut rng, tag, eager, counts)?,
-            _ => burst(a, ch, &mut rng, tag, counts)?,
+        let step = match kind {
+            0 => atomics(io, ch, &mut rng, seed % WORDS, counts).await,
+            1 | 2 => calls(io, ch, &mut rng, tag, eager, counts).await,
+            _ => burst(io, a, ch, &mut rng, tag, counts).await,
+        };
+        match step {
+            Err(e) if e == REFUSED => {
+                counts.refused.fetch_add(1, Ordering::Relaxed);
+            }
+            step => step?,
         }
     }
 }
@@ -243,8 +422,17 @@ fn client(
 /// One soak at a time: each loads every CPU of a small machine.
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
-/// One soak on `device` in `progress` mode with `threads` client threads.
-fn soak(device: &str, progress: Progress, threads: u64) {
+/// Through which API the clients run.
+#[derive(Debug, Clone, Copy)]
+enum Api {
+    /// Blocking calls, one thread per client.
+    Blocking,
+    /// Async calls, one task per client on a two-thread runtime.
+    Async,
+}
+
+/// One soak on `device` in `progress` mode with `clients` clients.
+fn soak(device: &str, progress: Progress, api: Api, clients: u64) {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let secs: u64 =
         std::env::var("FABRIQ_SOAK_SECS").map_or(2, |s| s.parse().expect("FABRIQ_SOAK_SECS"));
@@ -292,23 +480,59 @@ fn soak(device: &str, progress: Progress, threads: u64) {
     };
     let counts = Arc::new(Counts::default());
     let until = Instant::now() + Duration::from_secs(secs);
-    let clients: Vec<_> = (0..threads)
-        .map(|t| {
-            let (a, counts) = (a.clone(), Arc::clone(&counts));
-            std::thread::spawn(move || client(&a, addr, seed * WORDS + t, until, &counts))
-        })
-        .collect();
-    let mut failed: Vec<String> = clients
-        .into_iter()
-        .filter_map(|c| c.join().expect("a client thread panicked").err())
-        .collect();
+    let seeds = (0..clients).map(|t| seed * WORDS + t);
+    let mut failed: Vec<String> = match api {
+        Api::Blocking => seeds
+            .map(|seed| {
+                let (a, counts) = (a.clone(), Arc::clone(&counts));
+                std::thread::spawn(move || {
+                    let rt = tokio::runtime::Builder::new_current_thread()
+                        .enable_all()
+                        .build()
+                        .expect("runtime");
+                    rt.block_on(client(Blocking, a, addr, seed, until, counts))
+                })
+            })
+            .collect::<Vec<_>>()
+            .into_iter()
+            .filter_map(|c| c.join().expect("a client thread panicked").err())
+            .collect(),
+        Api::Async => {
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+                .expect("runtime");
+            let tasks: Vec<_> = seeds
+                .map(|seed| {
+                    rt.spawn(client(
+                        Async,
+                        a.clone(),
+                        addr,
+                        seed,
+                        until,
+                        Arc::clone(&counts),
+                    ))
+                })
+                .collect();
+            rt.block_on(async {
+                let mut failed = Vec::new();
+                for t in tasks {
+                    if let Err(e) = t.await.expect("a client task panicked") {
+                        failed.push(e);
+                    }
+                }
+                failed
+            })
+        }
+    };
     stop.store(true, Ordering::Relaxed);
     acceptor.join().expect("the acceptor panicked");
     failed.extend(errors.lock().expect("errors").drain(..));
     let c = |v: &AtomicU64| v.load(Ordering::Relaxed);
     println!(
-        "{device} {progress:?}, {secs} s, seed {seed}: {} channels, {} echoes, {} calls, {} \
-         fetch-and-adds, {} closed early, {} closed by the peer, {} threshold changes",
+        "{device} {progress:?} {api:?}, {secs} s, seed {seed}: {} channels, {} echoes, {} calls, {} \
+         fetch-and-adds, {} closed early, {} closed by the peer, {} threshold changes, {} refused",
         c(&counts.channels),
         c(&counts.echoes),
         c(&counts.calls),
@@ -316,6 +540,7 @@ fn soak(device: &str, progress: Progress, threads: u64) {
         c(&counts.early_closes),
         c(&counts.peer_closes),
         c(&counts.threshold_changes),
+        c(&counts.refused),
     );
     assert!(
         failed.is_empty(),
@@ -327,27 +552,50 @@ fn soak(device: &str, progress: Progress, threads: u64) {
         ("calls", &counts.calls),
         ("fetch-and-adds", &counts.atomics),
     ] {
-        assert!(c(v) > 0, "{device} {progress:?}: no {what} in {secs} s");
+        assert!(
+            c(v) > 0,
+            "{device} {progress:?} {api:?}: no {what} in {secs} s"
+        );
     }
     drop(exposed);
 }
 
 #[test]
 fn soak_shm_thread_mode() {
-    soak("shm0", Progress::Thread, 4);
+    soak("shm0", Progress::Thread, Api::Blocking, 4);
 }
 
 #[test]
 fn soak_shm_caller_mode() {
-    soak("shm0", Progress::Caller, 4);
+    soak("shm0", Progress::Caller, Api::Blocking, 4);
 }
 
 #[test]
 fn soak_tcp_thread_mode() {
-    soak("tcp0", Progress::Thread, 4);
+    soak("tcp0", Progress::Thread, Api::Blocking, 4);
 }
 
 #[test]
 fn soak_tcp_caller_mode() {
-    soak("tcp0", Progress::Caller, 4);
+    soak("tcp0", Progress::Caller, Api::Blocking, 4);
+}
+
+#[test]
+fn soak_async_shm_thread_mode() {
+    soak("shm0", Progress::Thread, Api::Async, 4);
+}
+
+#[test]
+fn soak_async_shm_caller_mode() {
+    soak("shm0", Progress::Caller, Api::Async, 4);
+}
+
+#[test]
+fn soak_async_tcp_thread_mode() {
+    soak("tcp0", Progress::Thread, Api::Async, 4);
+}
+
+#[test]
+fn soak_async_tcp_caller_mode() {
+    soak("tcp0", Progress::Caller, Api::Async, 4);
 }

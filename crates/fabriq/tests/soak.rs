@@ -5,7 +5,8 @@
 //! until the back-pressure lifts — and check every echo byte for byte and in order; close
 //! channels with echoes still on their way; have the echoing side close a channel after what it
 //! echoed (every echo is read, then `PeerGone`); change a live connection's thresholds
-//! mid-burst; make RPC calls; run fetch-and-add on a region the server exposed. Any error, lost,
+//! mid-burst; send from two threads (or tasks) on one channel at once, each sender's messages
+//! checked in its order; make RPC calls; run fetch-and-add on a region the server exposed. Any error, lost,
 //! duplicated, reordered or corrupted message, or a wait past `STALL`, fails the run. The same
 //! steps run through the blocking API on threads and through the async API as tasks of a
 //! multi-threaded tokio runtime.
@@ -62,6 +63,15 @@ fn rpc_err(what: String) -> impl FnOnce(RpcError) -> String {
 
 /// The client's calls, through the blocking API or the async one.
 trait Io: Send + Sync + 'static {
+    /// Run `SENDERS` senders of one channel at once — threads for the blocking API, tasks for
+    /// the async one — while the caller reads; what each returns.
+    async fn senders(
+        &self,
+        ch: &Channel,
+        per: u64,
+        tag: u64,
+        read: impl std::future::Future<Output = Step<()>>,
+    ) -> Vec<Step<()>>;
     async fn connect(&self, a: &Endpoint, addr: SocketAddr) -> Result<Channel, ChannelError>;
     /// Send `data` the way `how` picks: a copy, a filled registered buffer (no copy), or
     /// `try_send` again until the back-pressure lifts.
@@ -93,6 +103,35 @@ fn filled(ch: &Channel, data: &[u8]) -> Result<fabriq::SendBuf, ChannelError> {
 struct Blocking;
 
 impl Io for Blocking {
+    async fn senders(
+        &self,
+        ch: &Channel,
+        per: u64,
+        tag: u64,
+        read: impl std::future::Future<Output = Step<()>>,
+    ) -> Vec<Step<()>> {
+        std::thread::scope(|sc| {
+            let senders: Vec<_> = (0..SENDERS)
+                .map(|sender| {
+                    sc.spawn(move || {
+                        for n in 0..per {
+                            ch.send_timeout(&shared_payload(tag, sender, n), STALL)
+                                .map_err(chan_err(format!("sender {sender}, {n} of {tag:#x}")))?;
+                        }
+                        Ok(())
+                    })
+                })
+                .collect();
+            // The reading future never waits: its blocking receives return or time out.
+            let mut all = vec![futures_now(read)];
+            all.extend(
+                senders
+                    .into_iter()
+                    .map(|h| h.join().expect("a sender panicked")),
+            );
+            all
+        })
+    }
     async fn connect(&self, a: &Endpoint, addr: SocketAddr) -> Result<Channel, ChannelError> {
         a.connect(addr)
     }
@@ -136,6 +175,35 @@ async fn bounded<T, E>(
 }
 
 impl Io for Async {
+    async fn senders(
+        &self,
+        ch: &Channel,
+        per: u64,
+        tag: u64,
+        read: impl std::future::Future<Output = Step<()>>,
+    ) -> Vec<Step<()>> {
+        let senders: Vec<_> = (0..SENDERS)
+            .map(|sender| {
+                let ch = ch.clone();
+                tokio::spawn(async move {
+                    for n in 0..per {
+                        bounded(
+                            ch.send_async(&shared_payload(tag, sender, n)),
+                            ChannelError::Timeout,
+                        )
+                        .await
+                        .map_err(chan_err(format!("sender {sender}, {n} of {tag:#x}")))?;
+                    }
+                    Ok(())
+                })
+            })
+            .collect();
+        let mut all = vec![read.await];
+        for h in senders {
+            all.push(h.await.expect("a sender task panicked"));
+        }
+        all
+    }
     async fn connect(&self, a: &Endpoint, addr: SocketAddr) -> Result<Channel, ChannelError> {
         bounded(a.connect_async(addr), ChannelError::Timeout).await
     }
@@ -206,6 +274,78 @@ fn payload(tag: u64, n: u64, len: usize) -> Vec<u8> {
         .collect()
 }
 
+/// Senders of one channel in the shared-channel step.
+const SENDERS: u64 = 2;
+
+/// Message `n` of sender `sender` on a shared channel: the sender and `n` in its first 16
+/// bytes, then [`payload`]'s bytes; 16 bytes to 80 KiB long, as (`tag`, `sender`, `n`) say.
+fn shared_payload(tag: u64, sender: u64, n: u64) -> Vec<u8> {
+    let mut rng = Rng((tag ^ sender.wrapping_mul(0xD6E8_FEB8_6659_FD93) ^ n) | 1);
+    let len = 16 + rng.below(80 << 10) as usize;
+    let mut v = sender.to_le_bytes().to_vec();
+    v.extend_from_slice(&n.to_le_bytes());
+    v.extend(payload(tag ^ sender, n, len - 16));
+    v
+}
+
+/// A waker for futures that never wait.
+struct NeverWoken;
+
+impl std::task::Wake for NeverWoken {
+    fn wake(self: Arc<Self>) {}
+}
+
+/// The output of a future that never waits (the blocking API's).
+fn futures_now<T>(f: impl std::future::Future<Output = T>) -> T {
+    let waker = std::task::Waker::from(Arc::new(NeverWoken));
+    let mut cx = std::task::Context::from_waker(&waker);
+    let mut f = std::pin::pin!(f);
+    match f.as_mut().poll(&mut cx) {
+        std::task::Poll::Ready(v) => v,
+        std::task::Poll::Pending => panic!("a blocking step waited"),
+    }
+}
+
+/// Several senders on one channel at once while this client reads the echoes: each sender's
+/// messages come back whole and in its order (the senders' interleaving is free).
+async fn shared(io: &impl Io, ch: Channel, rng: &mut Rng, tag: u64, counts: &Counts) -> Step<()> {
+    let per = 1 + rng.below(32);
+    let read = async {
+        let mut next = [0u64; SENDERS as usize];
+        for _ in 0..SENDERS * per {
+            let m = io
+                .recv(&ch)
+                .await
+                .map_err(chan_err(format!("shared echo of {tag:#x}")))?;
+            let word = |at: usize| {
+                m.get(at..at + 8)
+                    .and_then(|b| <[u8; 8]>::try_from(b).ok())
+                    .map(u64::from_le_bytes)
+            };
+            let (Some(sender), Some(n)) = (word(0), word(8)) else {
+                return Err(format!("shared echo of {tag:#x}: {} bytes", m.len()));
+            };
+            let Some(want) = next.get_mut(sender as usize) else {
+                return Err(format!("shared echo of {tag:#x}: sender {sender}"));
+            };
+            if n != *want || m[..] != shared_payload(tag, sender, n)[..] {
+                return Err(format!(
+                    "shared echo of {tag:#x}: sender {sender}'s {n} where {want} was next, \
+                     or other bytes"
+                ));
+            }
+            *want += 1;
+            counts.echoes.fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(())
+    };
+    for r in io.senders(&ch, per, tag, read).await {
+        r?;
+    }
+    counts.shared.fetch_add(1, Ordering::Relaxed);
+    Ok(())
+}
+
 #[derive(Default)]
 struct Counts {
     channels: AtomicU64,
@@ -216,6 +356,7 @@ struct Counts {
     peer_closes: AtomicU64,
     threshold_changes: AtomicU64,
     refused: AtomicU64,
+    shared: AtomicU64,
 }
 
 /// The accepting side of one channel: echo every message until the peer closes, a `BYE`
@@ -392,11 +533,11 @@ async fn client(
     let eager = a.config().eager_max.unwrap_or(4096) as usize;
     let mut tag = seed << 32;
     // Every kind of step first, however short the run; then at random.
-    let mut kinds = [0, 1, 3].into_iter();
+    let mut kinds = [0, 1, 3, 8].into_iter();
     loop {
         let kind = match kinds.next() {
             Some(k) => k,
-            None if Instant::now() < until => rng.below(8),
+            None if Instant::now() < until => rng.below(9),
             None => return Ok(()),
         };
         tag += 1;
@@ -407,6 +548,7 @@ async fn client(
         counts.channels.fetch_add(1, Ordering::Relaxed);
         let step = match kind {
             0 => atomics(io, ch, &mut rng, seed % WORDS, counts).await,
+            8 => shared(io, ch, &mut rng, tag, counts).await,
             1 | 2 => calls(io, ch, &mut rng, tag, eager, counts).await,
             _ => burst(io, a, ch, &mut rng, tag, counts).await,
         };
@@ -532,7 +674,7 @@ fn soak(device: &str, progress: Progress, api: Api, clients: u64) {
     let c = |v: &AtomicU64| v.load(Ordering::Relaxed);
     println!(
         "{device} {progress:?} {api:?}, {secs} s, seed {seed}: {} channels, {} echoes, {} calls, {} \
-         fetch-and-adds, {} closed early, {} closed by the peer, {} threshold changes, {} refused",
+         fetch-and-adds, {} closed early, {} closed by the peer, {} threshold changes, {} refused, {} shared by {SENDERS} senders",
         c(&counts.channels),
         c(&counts.echoes),
         c(&counts.calls),
@@ -541,6 +683,7 @@ fn soak(device: &str, progress: Progress, api: Api, clients: u64) {
         c(&counts.peer_closes),
         c(&counts.threshold_changes),
         c(&counts.refused),
+        c(&counts.shared),
     );
     assert!(
         failed.is_empty(),
@@ -551,6 +694,7 @@ fn soak(device: &str, progress: Progress, api: Api, clients: u64) {
         ("echoes", &counts.echoes),
         ("calls", &counts.calls),
         ("fetch-and-adds", &counts.atomics),
+        ("shared channels", &counts.shared),
     ] {
         assert!(
             c(v) > 0,

@@ -6,7 +6,8 @@
 //! channels with echoes still on their way; have the echoing side close a channel after what it
 //! echoed (every echo is read, then `PeerGone`); change a live connection's thresholds
 //! mid-burst; send from two threads (or tasks) on one channel at once, each sender's messages
-//! checked in its order; make RPC calls; run fetch-and-add on a region the server exposed. Any error, lost,
+//! checked in its order; make RPC calls; run fetch-and-add on a region the server exposed and
+//! write into it, reading back what was written. Any error, lost,
 //! duplicated, reordered or corrupted message, or a wait past `STALL`, fails the run. The same
 //! steps run through the blocking API on threads and through the async API as tasks of a
 //! multi-threaded tokio runtime.
@@ -35,8 +36,12 @@ const STALL: Duration = Duration::from_secs(30);
 const BYE: &[u8] = b"SOAKBYE";
 /// RPC method that returns the descriptor of the server's exposed region.
 const REGION: &str = "region";
-/// Words of the exposed region: one per client thread.
+/// Words at the start of the exposed region: one per client.
 const WORDS: u64 = 512;
+/// Slices of the exposed region after the words, one per client (modulo their number), for
+/// writes read back.
+const SLICES: u64 = 64;
+const SLICE: u64 = 16 << 10;
 
 /// A step's outcome: what went wrong, said in words.
 type Step<T> = Result<T, String>;
@@ -79,6 +84,8 @@ trait Io: Send + Sync + 'static {
     async fn recv(&self, ch: &Channel) -> Result<Message, ChannelError>;
     async fn call(&self, rpc: &Rpc, method: &str, req: &[u8]) -> Result<Vec<u8>, RpcError>;
     async fn fetch_and_add(&self, r: &RemoteRegion, offset: u64) -> Result<u64, ChannelError>;
+    async fn write(&self, r: &RemoteRegion, offset: u64, data: &[u8]) -> Result<(), ChannelError>;
+    async fn read(&self, r: &RemoteRegion, offset: u64, len: u32) -> Result<Vec<u8>, ChannelError>;
 }
 
 /// How a message is handed to the channel.
@@ -162,6 +169,12 @@ impl Io for Blocking {
     async fn fetch_and_add(&self, r: &RemoteRegion, offset: u64) -> Result<u64, ChannelError> {
         r.fetch_and_add(offset, 1)
     }
+    async fn write(&self, r: &RemoteRegion, offset: u64, data: &[u8]) -> Result<(), ChannelError> {
+        r.write(offset, data)
+    }
+    async fn read(&self, r: &RemoteRegion, offset: u64, len: u32) -> Result<Vec<u8>, ChannelError> {
+        r.read(offset, len)
+    }
 }
 
 /// The async API, each wait bounded by `STALL`.
@@ -236,6 +249,12 @@ impl Io for Async {
     }
     async fn fetch_and_add(&self, r: &RemoteRegion, offset: u64) -> Result<u64, ChannelError> {
         r.fetch_and_add_async(offset, 1).await
+    }
+    async fn write(&self, r: &RemoteRegion, offset: u64, data: &[u8]) -> Result<(), ChannelError> {
+        r.write_async(offset, data).await
+    }
+    async fn read(&self, r: &RemoteRegion, offset: u64, len: u32) -> Result<Vec<u8>, ChannelError> {
+        r.read_async(offset, len).await
     }
 }
 
@@ -357,6 +376,7 @@ struct Counts {
     threshold_changes: AtomicU64,
     refused: AtomicU64,
     shared: AtomicU64,
+    writes: AtomicU64,
 }
 
 /// The accepting side of one channel: echo every message until the peer closes, a `BYE`
@@ -401,8 +421,15 @@ async fn check(
     Ok(())
 }
 
-/// Fetch-and-add on this thread's word of the server's region: each add sees the one before.
-async fn atomics(io: &impl Io, ch: Channel, rng: &mut Rng, word: u64, counts: &Counts) -> Step<()> {
+/// One-sided steps on the server's region: fetch-and-add on this client's word (each add sees
+/// the one before), and writes of random bytes into this client's slice read back whole.
+async fn one_sided(
+    io: &impl Io,
+    ch: Channel,
+    rng: &mut Rng,
+    word: u64,
+    counts: &Counts,
+) -> Step<()> {
     let desc = io
         .call(&Rpc::new(ch.clone()), REGION, &[])
         .await
@@ -420,6 +447,23 @@ async fn atomics(io: &impl Io, ch: Channel, rng: &mut Rng, word: u64, counts: &C
         }
         last = Some(before);
         counts.atomics.fetch_add(1, Ordering::Relaxed);
+    }
+    let slice = 8 * WORDS + (word % SLICES) * SLICE;
+    for i in 0..1 + rng.below(16) {
+        let len = 1 + rng.below(SLICE);
+        let at = slice + rng.below(SLICE - len + 1);
+        let data = payload(word, i, len as usize);
+        io.write(&region, at, &data)
+            .await
+            .map_err(chan_err(format!("write of {len} bytes at {at}")))?;
+        let got = io
+            .read(&region, at, len as u32)
+            .await
+            .map_err(chan_err(format!("read of {len} bytes at {at}")))?;
+        if got != data {
+            return Err(format!("read of {len} bytes at {at}: not what was written"));
+        }
+        counts.writes.fetch_add(1, Ordering::Relaxed);
     }
     Ok(())
 }
@@ -547,7 +591,7 @@ async fn client(
             .map_err(chan_err("connect".into()))?;
         counts.channels.fetch_add(1, Ordering::Relaxed);
         let step = match kind {
-            0 => atomics(io, ch, &mut rng, seed % WORDS, counts).await,
+            0 => one_sided(io, ch, &mut rng, seed % WORDS, counts).await,
             8 => shared(io, ch, &mut rng, tag, counts).await,
             1 | 2 => calls(io, ch, &mut rng, tag, eager, counts).await,
             _ => burst(io, a, ch, &mut rng, tag, counts).await,
@@ -589,7 +633,9 @@ fn soak(device: &str, progress: Progress, api: Api, clients: u64) {
     let a = Endpoint::new(cfg.clone()).expect("client endpoint");
     let b = Endpoint::new(cfg).expect("server endpoint");
     b.serve("echo", |req| Ok(req.to_vec()));
-    let exposed = b.expose((8 * WORDS) as usize).expect("expose");
+    let exposed = b
+        .expose((8 * WORDS + SLICES * SLICE) as usize)
+        .expect("expose");
     let desc = exposed.descriptor().to_bytes().to_vec();
     b.serve(REGION, move |_| Ok(desc.clone()));
     let listener = b.listen("127.0.0.1:0").expect("listen");
@@ -673,12 +719,14 @@ fn soak(device: &str, progress: Progress, api: Api, clients: u64) {
     failed.extend(errors.lock().expect("errors").drain(..));
     let c = |v: &AtomicU64| v.load(Ordering::Relaxed);
     println!(
-        "{device} {progress:?} {api:?}, {secs} s, seed {seed}: {} channels, {} echoes, {} calls, {} \
-         fetch-and-adds, {} closed early, {} closed by the peer, {} threshold changes, {} refused, {} shared by {SENDERS} senders",
+        "{device} {progress:?} {api:?}, {secs} s, seed {seed}: {} channels, {} echoes, {} \
+         calls, {} fetch-and-adds, {} writes read back, {} closed early, {} closed by the \
+         peer, {} threshold changes, {} refused, {} shared by {SENDERS} senders",
         c(&counts.channels),
         c(&counts.echoes),
         c(&counts.calls),
         c(&counts.atomics),
+        c(&counts.writes),
         c(&counts.early_closes),
         c(&counts.peer_closes),
         c(&counts.threshold_changes),
@@ -694,6 +742,7 @@ fn soak(device: &str, progress: Progress, api: Api, clients: u64) {
         ("echoes", &counts.echoes),
         ("calls", &counts.calls),
         ("fetch-and-adds", &counts.atomics),
+        ("writes read back", &counts.writes),
         ("shared channels", &counts.shared),
     ] {
         assert!(

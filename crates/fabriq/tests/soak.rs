@@ -500,14 +500,16 @@ async fn burst(
     ch: Channel,
     rng: &mut Rng,
     tag: u64,
+    window: u32,
     counts: &Counts,
 ) -> Step<()> {
     let cfg = a.config();
     let eager = cfg.eager_max.unwrap_or(4096) as usize;
     let n = 1 + rng.below(64);
-    // Messages out before the first echo is read: at most half the stream window, or both
-    // ends could wait for the other to read (as with any flow-controlled stream).
-    let depth = 1 + rng.below(16.min(u64::from(cfg.stream_window) / 2));
+    // Messages out before the first echo is read: at most half the stream window (the smaller
+    // end's, which the connection uses), or both ends could wait for the other to read (as
+    // with any flow-controlled stream).
+    let depth = 1 + rng.below(16.min(u64::from(window) / 2));
     // A close that does not linger may end rendezvous messages the peer is still pulling
     // (which it reports as a failed READ): then every echo is read before the close.
     let read_all = cfg.close_linger_ms == 0 || rng.below(5) != 0;
@@ -565,15 +567,24 @@ async fn burst(
     Ok(())
 }
 
-async fn client(
-    io: impl Io,
-    a: Endpoint,
+/// What every client of a run shares.
+#[derive(Clone, Copy)]
+struct Plan {
+    /// The server's listening address.
     addr: SocketAddr,
-    seed: u64,
+    /// When clients start no more steps.
     until: Instant,
-    counts: Arc<Counts>,
-) -> Step<()> {
+    /// The stream window connections use: the smaller of the two ends'.
+    window: u32,
+}
+
+async fn client(io: impl Io, a: Endpoint, plan: Plan, seed: u64, counts: Arc<Counts>) -> Step<()> {
     let (io, a, counts) = (&io, &a, &*counts);
+    let Plan {
+        addr,
+        until,
+        window,
+    } = plan;
     let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
     let eager = a.config().eager_max.unwrap_or(4096) as usize;
     let mut tag = seed << 32;
@@ -595,7 +606,7 @@ async fn client(
             0 => one_sided(io, ch, &mut rng, seed % WORDS, counts).await,
             8 => shared(io, ch, &mut rng, tag, counts).await,
             1 | 2 => calls(io, ch, &mut rng, tag, eager, counts).await,
-            _ => burst(io, a, ch, &mut rng, tag, counts).await,
+            _ => burst(io, a, ch, &mut rng, tag, window, counts).await,
         };
         match step {
             Err(e) if e == REFUSED => {
@@ -688,7 +699,11 @@ fn soak(device: &str, progress: Progress, api: Api, clients: u64) {
         })
     };
     let counts = Arc::new(Counts::default());
-    let until = Instant::now() + Duration::from_secs(secs);
+    let plan = Plan {
+        addr,
+        until: Instant::now() + Duration::from_secs(secs),
+        window: a.config().stream_window.min(b.config().stream_window),
+    };
     let seeds = (0..clients).map(|t| seed * WORDS + t);
     let mut failed: Vec<String> = match api {
         Api::Blocking => seeds
@@ -699,7 +714,7 @@ fn soak(device: &str, progress: Progress, api: Api, clients: u64) {
                         .enable_all()
                         .build()
                         .expect("runtime");
-                    rt.block_on(client(Blocking, a, addr, seed, until, counts))
+                    rt.block_on(client(Blocking, a, plan, seed, counts))
                 })
             })
             .collect::<Vec<_>>()
@@ -713,16 +728,7 @@ fn soak(device: &str, progress: Progress, api: Api, clients: u64) {
                 .build()
                 .expect("runtime");
             let tasks: Vec<_> = seeds
-                .map(|seed| {
-                    rt.spawn(client(
-                        Async,
-                        a.clone(),
-                        addr,
-                        seed,
-                        until,
-                        Arc::clone(&counts),
-                    ))
-                })
+                .map(|seed| rt.spawn(client(Async, a.clone(), plan, seed, Arc::clone(&counts))))
                 .collect();
             rt.block_on(async {
                 let mut failed = Vec::new();

@@ -124,6 +124,15 @@ impl Channel {
         self.inner.eager_max
     }
 
+    /// The stream window the channel's connection uses: the smaller of the two ends'
+    /// [`crate::Config::stream_window`], in window units (a message counts one per MiB it
+    /// started, half the window at most). Past it unread at the peer, sends wait. An
+    /// application that sends several messages before it reads the answers keeps within half
+    /// of it, or both ends may wait for the other to read.
+    pub fn stream_window(&self) -> u32 {
+        u32::try_from(self.inner.shared.stream_window()).unwrap_or(u32::MAX)
+    }
+
     /// Post `buf` now under the worker's lock, or queue it in the worker's inbox. The send
     /// window slot is already reserved.
     fn submit_buf(&self, buf: OutBuf, trace: TraceInfo) {

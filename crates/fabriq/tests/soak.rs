@@ -509,6 +509,12 @@ async fn burst(
     // Messages out before the first echo is read: at most half the stream window (the smaller
     // end's, which the connection uses), or both ends could wait for the other to read (as
     // with any flow-controlled stream).
+    if ch.stream_window() != window {
+        return Err(format!(
+            "{tag:#x}: a stream window of {} where the ends agree on {window}",
+            ch.stream_window()
+        ));
+    }
     let depth = 1 + rng.below(16.min(u64::from(window) / 2));
     // A close that does not linger may end rendezvous messages the peer is still pulling
     // (which it reports as a failed READ): then every echo is read before the close.

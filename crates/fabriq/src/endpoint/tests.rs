@@ -1409,6 +1409,38 @@ fn streams_past_the_limit_are_refused_and_the_rest_go_on() {
     }
 }
 
+/// Both ends of a channel report the stream window their connection uses: the smaller of the
+/// two ends' `Config::stream_window`, whichever end has it.
+#[test]
+fn both_ends_report_the_smaller_stream_window() {
+    use std::time::Duration;
+    for device in ["shm0", "tcp0"] {
+        for (client, server) in [(64, 64), (8, 64), (64, 8)] {
+            let a = super::Endpoint::new(crate::Config {
+                stream_window: client,
+                ..one_worker(device)
+            })
+            .expect("a");
+            let b = super::Endpoint::new(crate::Config {
+                stream_window: server,
+                ..one_worker(device)
+            })
+            .expect("b");
+            let listener = b.listen("127.0.0.1:0").expect("listen");
+            let c = a.connect(listener.local_addr()).expect("connect");
+            let s = listener
+                .accept_timeout(Duration::from_secs(10))
+                .expect("accept");
+            let want = client.min(server);
+            assert_eq!(
+                (c.stream_window(), s.stream_window()),
+                (want, want),
+                "{device}: windows {client} and {server}"
+            );
+        }
+    }
+}
+
 /// A call on a stream its peer refuses fails with `StreamRefused` however the call and the
 /// refusal cross: one checked before the refusal arrived but taken by the worker after it
 /// (queued while the worker thread held its state) was told `PeerGone`, as if the server had

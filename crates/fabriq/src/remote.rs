@@ -6,6 +6,8 @@
 //!
 //! Access outside the region or without the right is refused by the owner's provider: the
 //! operation completes with `RemoteAccess` (which, as on any RC QP, also breaks the channel).
+//! An operation the connection's end flushed or left unanswered (the owner's process gone)
+//! ends as the channel does: with `PeerGone`, or the connection's failure where it is known.
 //!
 //! Every operation has a deadline ([`RemoteRegion::timeout`]: `Config::remote_timeout_ms`
 //! unless set with [`RemoteRegion::with_timeout`]); one not complete by then ends with

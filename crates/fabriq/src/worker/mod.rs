@@ -1969,13 +1969,9 @@ impl Worker {
                     }
                     CoreEvent::Error(e) => {
                         let why = match &e {
-                            ChannelError::Completion {
-                                status:
-                                    fabriq_verbs::WcStatus::RetryExceeded
-                                    | fabriq_verbs::WcStatus::WrFlushed
-                                    | fabriq_verbs::WcStatus::RnrRetryExceeded,
-                                ..
-                            } => Failure::PeerGone,
+                            ChannelError::Completion { status, .. } if peer_gone(*status) => {
+                                Failure::PeerGone
+                            }
                             ChannelError::Closed => Failure::Closed,
                             ChannelError::Protocol(what) => Failure::Protocol(what.clone()),
                             other => Failure::Error(other.to_string()),
@@ -2618,10 +2614,20 @@ fn one_sided_done(st: &mut ConnState, buffers: &Buffers, wc: &WorkCompletion) ->
                 }
             }
             Some(reply) => {
-                let _ = reply.send(Err(ChannelError::Completion {
-                    opcode: wc.opcode,
-                    status: wc.status,
-                }));
+                // Flushed or unanswered, the operation ends as the connection does, like the
+                // channel's own work requests: with its failure where that is known, else
+                // `PeerGone`; an access the peer refused stays this operation's own error.
+                let err = if peer_gone(wc.status) {
+                    st.failed
+                        .as_ref()
+                        .map_or(ChannelError::PeerGone, Failure::to_error)
+                } else {
+                    ChannelError::Completion {
+                        opcode: wc.opcode,
+                        status: wc.status,
+                    }
+                };
+                let _ = reply.send(Err(err));
                 buffers.recycle(p.buf);
             }
             None => buffers.recycle(p.buf),
@@ -2718,6 +2724,17 @@ fn post_one(st: &mut ConnState, pool: &Buffers, next: &mut u64, q: OneSidedQueue
             false
         }
     }
+}
+
+/// A completion status that says the peer is gone, or unreachable (the QP's retries ran out,
+/// or it failed and flushed the request), rather than that the request itself was refused.
+fn peer_gone(status: fabriq_verbs::WcStatus) -> bool {
+    matches!(
+        status,
+        fabriq_verbs::WcStatus::RetryExceeded
+            | fabriq_verbs::WcStatus::WrFlushed
+            | fabriq_verbs::WcStatus::RnrRetryExceeded
+    )
 }
 
 /// Opcode check used by tests of completions.

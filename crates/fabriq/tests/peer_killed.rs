@@ -1,9 +1,12 @@
-//! A peer process killed (SIGKILL) in the middle of traffic: every operation on its channels —
-//! sends and receives of eager and rendezvous messages, a receive waiting for a message that
-//! never comes, RPC calls (one of them in its handler when the peer dies), one-sided atomics —
-//! ends with `PeerGone` soon after, none waits for its own deadline, nothing panics; the
-//! endpoint's channels to another peer carry on untouched; a new connect to the dead peer's
-//! address fails. Waits are bounded by a generous deadline that only catches hangs.
+//! A peer process killed (SIGKILL) in the middle of traffic. Killed server: every operation on
+//! its channels — sends and receives of eager and rendezvous messages, a receive waiting for a
+//! message that never comes, RPC calls (one of them in its handler when the peer dies),
+//! one-sided atomics — ends with `PeerGone` soon after, none waits for its own deadline,
+//! nothing panics; the endpoint's channels to another peer carry on untouched; a new connect to
+//! the dead peer's address fails. Killed client: the server's channels to it end with
+//! `PeerGone`, a handler still running for it replies into nothing, and the server goes on
+//! serving its other clients and new ones. Waits are bounded by a generous deadline that only
+//! catches hangs.
 
 use std::process::{Child, Command};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -65,34 +68,51 @@ fn rpc(e: RpcError) -> String {
     format!("{e:?}")
 }
 
-fn killed_peer(device: &str, progress: Progress) {
-    let ep = Endpoint::new(config(device, progress)).expect("endpoint");
-    let rendezvous = ep.listen("127.0.0.1:0").expect("listen");
+/// Start this test binary's `helper` (an ignored test) as the peer process, which calls
+/// back at `rendezvous`.
+fn spawn_peer(
+    helper: &str,
+    rendezvous: &fabriq::Listener,
+    device: &str,
+    progress: Progress,
+) -> Peer {
     let exe = std::env::current_exe().expect("test binary");
-    let mut peer = Peer(
+    let progress = if progress == Progress::Caller {
+        "caller"
+    } else {
+        "thread"
+    };
+    Peer(
         Command::new(exe)
-            .args([
-                "--exact",
-                "peer_process",
-                "--include-ignored",
-                "--nocapture",
-            ])
+            .args(["--exact", helper, "--include-ignored", "--nocapture"])
             .env(
                 "FABRIQ_PEER_RENDEZVOUS",
                 rendezvous.local_addr().to_string(),
             )
             .env("FABRIQ_PEER_DEVICE", device)
-            .env(
-                "FABRIQ_PEER_PROGRESS",
-                if progress == Progress::Caller {
-                    "caller"
-                } else {
-                    "thread"
-                },
-            )
+            .env("FABRIQ_PEER_PROGRESS", progress)
             .spawn()
             .expect("spawn the peer"),
-    );
+    )
+}
+
+/// In the peer process: the rendezvous address and an endpoint as the test configured it;
+/// `None` when the binary runs as the test itself.
+fn peer_side() -> Option<(String, Endpoint)> {
+    let rendezvous = std::env::var("FABRIQ_PEER_RENDEZVOUS").ok()?;
+    let device = std::env::var("FABRIQ_PEER_DEVICE").expect("device");
+    let progress = match std::env::var("FABRIQ_PEER_PROGRESS").as_deref() {
+        Ok("caller") => Progress::Caller,
+        _ => Progress::Thread,
+    };
+    let ep = Endpoint::new(config(&device, progress)).expect("endpoint");
+    Some((rendezvous, ep))
+}
+
+fn killed_peer(device: &str, progress: Progress) {
+    let ep = Endpoint::new(config(device, progress)).expect("endpoint");
+    let rendezvous = ep.listen("127.0.0.1:0").expect("listen");
+    let mut peer = spawn_peer("peer_process", &rendezvous, device, progress);
     // The peer says where it listens and what it exposes.
     let hello = rendezvous.accept_timeout(HANG).expect("the peer calls");
     let addr: std::net::SocketAddr =
@@ -201,6 +221,157 @@ fn killed_peer(device: &str, progress: Progress) {
     drop(hello);
 }
 
+/// Echo on one of the server's channels to the killed client; how it ended, and when.
+fn echo_until_gone(ch: Channel) -> Ended {
+    loop {
+        let m = match ch.recv_timeout(2 * HANG) {
+            Ok(m) => m,
+            Err(e) => return (chan(e), Instant::now()),
+        };
+        if let Err(e) = ch.send_timeout(&m, HANG) {
+            return (chan(e), Instant::now());
+        }
+    }
+}
+
+fn killed_client(device: &str, progress: Progress) {
+    let server = Endpoint::new(config(device, progress)).expect("server");
+    server.serve("echo", |req| Ok(req.to_vec()));
+    // A handler still running when its caller dies, then replying into nothing.
+    let handled = Arc::new(AtomicBool::new(false));
+    let h = Arc::clone(&handled);
+    server.serve("slow", move |req| {
+        std::thread::sleep(Duration::from_millis(600));
+        h.store(true, Ordering::Release);
+        Ok(req.to_vec())
+    });
+    let region = server.expose(64).expect("expose");
+    let listener = server.listen("127.0.0.1:0").expect("listen");
+    let rendezvous = server.listen("127.0.0.1:0").expect("listen");
+    let mut peer = spawn_peer("client_process", &rendezvous, device, progress);
+    let hello = rendezvous.accept_timeout(HANG).expect("the client calls");
+    hello
+        .send(listener.local_addr().to_string().as_bytes())
+        .expect("address");
+    hello
+        .send(&region.descriptor().to_bytes())
+        .expect("descriptor");
+    // The client's six channels (four echoed, one for calls, one for atomics; in whatever
+    // order its two connections bring them): each read, and echoed, until the client is gone.
+    let echoes: Vec<_> = (0..6)
+        .map(|_| {
+            let ch = listener.accept_timeout(HANG).expect("the client's channel");
+            std::thread::spawn(move || echo_until_gone(ch))
+        })
+        .collect();
+    // Another client, in this process, before, across and after the kill.
+    let other = Endpoint::new(config(device, progress)).expect("other client");
+    let other_rpc = Rpc::new(other.connect(listener.local_addr()).expect("connect"));
+    let _other_end = listener.accept_timeout(HANG).expect("accept the other");
+    let stop_other = Arc::new(AtomicBool::new(false));
+    let other_loop = {
+        let stop = Arc::clone(&stop_other);
+        std::thread::spawn(move || {
+            let mut calls = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                let reply = other_rpc
+                    .call("echo", b"other", HANG)
+                    .expect("the other client's call");
+                assert_eq!(&reply[..], b"other");
+                calls += 1;
+            }
+            calls
+        })
+    };
+
+    std::thread::sleep(Duration::from_millis(300));
+    peer.0.kill().expect("kill the client");
+    let killed = Instant::now();
+    let _ = peer.0.wait();
+    for (i, e) in echoes.into_iter().enumerate() {
+        let (why, at) = e.join().expect("an echo thread panicked");
+        let after = at.saturating_duration_since(killed);
+        assert!(
+            why.contains("PeerGone") && after < DETECTED,
+            "{device} {progress:?}: the server's channel {i} ended {after:?} after the kill \
+             with {why}"
+        );
+    }
+    // The slow handler finished, its reply went nowhere, and the server still serves.
+    let t0 = Instant::now();
+    while !handled.load(Ordering::Acquire) {
+        assert!(
+            t0.elapsed() < HANG,
+            "{device} {progress:?}: the slow handler never returned"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    stop_other.store(true, Ordering::Relaxed);
+    let calls = other_loop.join().expect("the other client's loop");
+    assert!(
+        calls > 0,
+        "{device} {progress:?}: no calls of the other client"
+    );
+    let late = Endpoint::new(config(device, progress)).expect("a new client");
+    let ch = late
+        .connect(listener.local_addr())
+        .expect("a new client connects");
+    let s = listener.accept_timeout(HANG).expect("and is accepted");
+    ch.send(b"new").expect("send");
+    assert_eq!(&s.recv_timeout(HANG).expect("recv")[..], b"new");
+    drop(hello);
+}
+
+#[test]
+fn a_killed_client_leaves_the_server_serving_the_rest() {
+    for device in ["shm0", "tcp0"] {
+        killed_client(device, Progress::Thread);
+        killed_client(device, Progress::Caller);
+    }
+}
+
+/// The client: channels of eager and rendezvous echoes, calls to `slow` and `echo`, atomics on
+/// the server's region, until it is killed.
+#[test]
+#[ignore = "helper process of the killed-peer tests"]
+fn client_process() {
+    let Some((rendezvous, ep)) = peer_side() else {
+        return;
+    };
+    let hello = ep.connect(rendezvous.as_str()).expect("call the test");
+    let addr =
+        String::from_utf8(hello.recv_timeout(HANG).expect("address").to_vec()).expect("utf-8");
+    let desc = RegionDescriptor::from_bytes(&hello.recv_timeout(HANG).expect("descriptor"))
+        .expect("a descriptor");
+    let mut loops = Vec::new();
+    for size in [8usize, 4096, 256 << 10, 1 << 20] {
+        let ch = ep.connect(addr.as_str()).expect("connect");
+        loops.push(std::thread::spawn(move || {
+            let data = vec![7u8; size];
+            while ch.send_timeout(&data, HANG).is_ok() && ch.recv_timeout(HANG).is_ok() {}
+        }));
+    }
+    let rpc = Rpc::new(ep.connect(addr.as_str()).expect("connect"));
+    let slow = rpc.clone();
+    loops.push(std::thread::spawn(move || {
+        while slow.call("slow", b"s", HANG).is_ok() {}
+    }));
+    loops.push(std::thread::spawn(move || {
+        while rpc.call("echo", b"e", HANG).is_ok() {}
+    }));
+    let region = ep
+        .connect(addr.as_str())
+        .expect("connect")
+        .remote_region(desc);
+    loops.push(std::thread::spawn(move || {
+        while region.fetch_and_add(0, 1).is_ok() {}
+    }));
+    for l in loops {
+        let _ = l.join();
+    }
+}
+
 #[test]
 fn a_killed_peer_ends_every_operation_on_shm() {
     killed_peer("shm0", Progress::Thread);
@@ -218,15 +389,9 @@ fn a_killed_peer_ends_every_operation_on_tcp() {
 #[test]
 #[ignore = "helper process of the killed-peer tests"]
 fn peer_process() {
-    let Ok(rendezvous) = std::env::var("FABRIQ_PEER_RENDEZVOUS") else {
+    let Some((rendezvous, ep)) = peer_side() else {
         return;
     };
-    let device = std::env::var("FABRIQ_PEER_DEVICE").expect("device");
-    let progress = match std::env::var("FABRIQ_PEER_PROGRESS").as_deref() {
-        Ok("caller") => Progress::Caller,
-        _ => Progress::Thread,
-    };
-    let ep = Endpoint::new(config(&device, progress)).expect("endpoint");
     ep.serve("echo", |req| Ok(req.to_vec()));
     ep.serve("stall", |_| {
         std::thread::sleep(2 * HANG);

@@ -7,12 +7,16 @@
 //! `RetryExceeded` after ≈ 7 s on tcp0 — and took the channel down with them.) Waits are
 //! bounded by a generous deadline that only catches hangs.
 
-use std::process::{Child, Command};
+mod common;
+
+use std::process::Command;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use fabriq::{ChannelError, Config, Endpoint, RegionDescriptor, RemoteRegion};
-use rustix::process::{kill_process, Pid, Signal};
+use rustix::process::Signal;
+
+use common::PeerProcess as Owner;
 
 const HANG: Duration = Duration::from_secs(30);
 /// The endpoint's deadline for one-sided operations here.
@@ -23,48 +27,6 @@ fn config() -> Config {
         device: "tcp0".into(),
         remote_timeout_ms: DEADLINE.as_millis() as u64,
         ..Config::default()
-    }
-}
-
-/// The owner's process; stopped ones are continued and killed when the test ends, however.
-struct Owner(Child);
-
-impl Owner {
-    fn signal(&self, sig: Signal) {
-        let pid = Pid::from_raw(self.0.id() as i32).expect("pid");
-        kill_process(pid, sig).expect("signal the owner");
-    }
-
-    /// SIGSTOP, and wait until every thread of the owner is stopped: `kill` returns before
-    /// they are, and a thread still running could serve the next operation.
-    fn stop(&self) {
-        self.signal(Signal::STOP);
-        let tasks = format!("/proc/{}/task", self.0.id());
-        let until = Instant::now() + HANG;
-        loop {
-            let stopped = std::fs::read_dir(&tasks)
-                .expect("the owner's threads")
-                .filter_map(Result::ok)
-                .all(|t| {
-                    // `pid (comm) S ...`: the state follows the last ')'.
-                    std::fs::read_to_string(t.path().join("stat")).is_ok_and(|st| {
-                        st.rsplit_once(')')
-                            .is_some_and(|(_, rest)| rest.trim_start().starts_with(['T', 't']))
-                    })
-                });
-            if stopped {
-                return;
-            }
-            assert!(Instant::now() < until, "the owner did not stop");
-            std::thread::sleep(Duration::from_millis(1));
-        }
-    }
-}
-
-impl Drop for Owner {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
     }
 }
 
@@ -116,7 +78,7 @@ fn one_sided_operations_on_a_stopped_owner_end_by_their_deadline() {
     region.write(0, b"before").expect("write");
     assert_eq!(region.read(0, 6).expect("read"), b"before");
 
-    owner.stop();
+    owner.stop(HANG);
     let r = region.clone();
     let (got, took) = timed("read", move || r.read(0, 6));
     is_timeout("read", &got);

@@ -5,15 +5,21 @@
 //! nothing panics; the endpoint's channels to another peer carry on untouched; a new connect to
 //! the dead peer's address fails. Killed client: the server's channels to it end with
 //! `PeerGone`, a handler still running for it replies into nothing, and the server goes on
-//! serving its other clients and new ones. Waits are bounded by a generous deadline that only
-//! catches hangs.
+//! serving its other clients and new ones. A peer stopped (SIGSTOP) and continued: what waits
+//! on it ends at its own deadline, and once it goes on nothing sent was lost or doubled. Waits
+//! are bounded by a generous deadline that only catches hangs.
 
-use std::process::{Child, Command};
+mod common;
+
+use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use fabriq::{Channel, ChannelError, Config, Endpoint, Progress, RegionDescriptor, Rpc, RpcError};
+use rustix::process::Signal;
+
+use common::PeerProcess as Peer;
 
 /// Longer than any wait of a working run: an operation still going this long after the kill
 /// is a hang. Also every operation's own deadline, so that one ended by it is told apart.
@@ -29,16 +35,6 @@ fn config(device: &str, progress: Progress) -> Config {
         rpc_timeout_ms: HANG.as_millis() as u64,
         remote_timeout_ms: HANG.as_millis() as u64,
         ..Config::default()
-    }
-}
-
-/// The peer's process, killed when the test ends however it ends.
-struct Peer(Child);
-
-impl Drop for Peer {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
     }
 }
 
@@ -369,6 +365,85 @@ fn client_process() {
     }));
     for l in loops {
         let _ = l.join();
+    }
+}
+
+/// Message `i` of the stopped-peer test: eager and rendezvous in turn, its number in it.
+fn numbered(i: u64) -> Vec<u8> {
+    let len = if i % 3 == 2 { (64 << 10) + 1 } else { 8 };
+    let mut v = vec![(i % 251) as u8; len];
+    v[..8].copy_from_slice(&i.to_le_bytes());
+    v
+}
+
+fn stopped_peer(device: &str, progress: Progress) {
+    let ep = Endpoint::new(config(device, progress)).expect("endpoint");
+    let rendezvous = ep.listen("127.0.0.1:0").expect("listen");
+    let peer = spawn_peer("peer_process", &rendezvous, device, progress);
+    let hello = rendezvous.accept_timeout(HANG).expect("the peer calls");
+    let addr: std::net::SocketAddr =
+        String::from_utf8(hello.recv_timeout(HANG).expect("address").to_vec())
+            .expect("utf-8")
+            .parse()
+            .expect("an address");
+    let ch = ep.connect(addr).expect("connect");
+    let rpc = Rpc::new(ep.connect(addr).expect("connect"));
+    assert_eq!(rpc.call("echo", b"before", HANG).expect("call"), b"before");
+
+    peer.stop(HANG);
+    // Sends go on until the peer's window is full, then one waits out its deadline.
+    let wait = Duration::from_millis(300);
+    let mut sent = 0u64;
+    loop {
+        let t0 = Instant::now();
+        match ch.send_timeout(&numbered(sent), wait) {
+            Ok(()) => sent += 1,
+            Err(ChannelError::Timeout) => {
+                assert!(
+                    t0.elapsed() >= wait,
+                    "{device} {progress:?}: an early Timeout"
+                );
+                break;
+            }
+            Err(e) => panic!("{device} {progress:?}: send {sent} to a stopped peer: {e}"),
+        }
+        assert!(sent < 100_000, "{device} {progress:?}: no back-pressure");
+    }
+    let t0 = Instant::now();
+    match rpc.call("echo", b"stopped", wait) {
+        Err(RpcError::Timeout) => assert!(t0.elapsed() >= wait),
+        other => panic!("{device} {progress:?}: a call to a stopped peer: {other:?}"),
+    }
+    peer.signal(Signal::CONT);
+
+    // Every message sent comes back once, in order; the channel and calls go on.
+    for i in 0..sent {
+        let m = ch.recv_timeout(HANG).expect("an echo");
+        assert!(
+            m[..] == numbered(i)[..],
+            "{device} {progress:?}: echo {i} of {sent}: {} bytes, or other bytes",
+            m.len()
+        );
+    }
+    match ch.recv_timeout(Duration::from_millis(200)) {
+        Err(ChannelError::Timeout) => {}
+        other => panic!(
+            "{device} {progress:?}: after the echoes: {:?}",
+            other.map(|m| m.len())
+        ),
+    }
+    ch.send(b"after").expect("send");
+    assert_eq!(&ch.recv_timeout(HANG).expect("recv")[..], b"after");
+    // The late reply of the call that timed out goes to nobody.
+    assert_eq!(rpc.call("echo", b"after", HANG).expect("call"), b"after");
+    drop(hello);
+}
+
+#[test]
+fn a_stopped_peer_loses_nothing() {
+    for device in ["shm0", "tcp0"] {
+        stopped_peer(device, Progress::Thread);
+        stopped_peer(device, Progress::Caller);
     }
 }
 

@@ -7,10 +7,10 @@
 //! echoed (every echo is read, then `PeerGone`); change a live connection's thresholds
 //! mid-burst; send from two threads (or tasks) on one channel at once, each sender's messages
 //! checked in its order; make RPC calls; run fetch-and-add on a region the server exposed and
-//! write into it, reading back what was written. Any error, lost,
-//! duplicated, reordered or corrupted message, or a wait past `STALL`, fails the run. The same
-//! steps run through the blocking API on threads and through the async API as tasks of a
-//! multi-threaded tokio runtime.
+//! write into it, reading back what was written. Any error, lost, duplicated, reordered or
+//! corrupted message, or a wait past `STALL`, fails the run. The same steps run through the
+//! blocking API on threads and through the async API as tasks of a multi-threaded tokio
+//! runtime.
 //!
 //! Each case runs `FABRIQ_SOAK_SECS` seconds (default 2) from seed `FABRIQ_SOAK_SEED` (default
 //! 1); other `FABRIQ_*` variables change the configuration, e.g.

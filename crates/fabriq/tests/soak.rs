@@ -12,12 +12,12 @@
 //! blocking API on threads and through the async API as tasks of a multi-threaded tokio
 //! runtime.
 //!
-//! Each case runs `FABRIQ_SOAK_SECS` seconds (default 2) from seed `FABRIQ_SOAK_SEED` (default
-//! 1); other `FABRIQ_*` variables change the configuration, e.g.
-//! `FABRIQ_RX_SLOTS=4 FABRIQ_STREAM_WINDOW=4` for flow control at its tightest, or
-//! `FABRIQ_MAX_STREAMS=2` for streams refused past the limit (which the client meets with
-//! another channel); `FABRIQ_SOAK_SERVER` (`KEY=VALUE,…`) sets the server's apart, e.g.
-//! `FABRIQ_SOAK_SERVER=FABRIQ_STREAM_WINDOW=8,FABRIQ_WORKERS=3`:
+//! Each case runs `FABRIQ_SOAK_SECS` seconds (default 2) with `FABRIQ_SOAK_CLIENTS` clients
+//! (default 4) from seed `FABRIQ_SOAK_SEED` (default 1); other `FABRIQ_*` variables change the
+//! configuration, e.g. `FABRIQ_RX_SLOTS=4 FABRIQ_STREAM_WINDOW=4` for flow control at its
+//! tightest, or `FABRIQ_MAX_STREAMS=2` for streams refused past the limit (which the client
+//! meets with another channel); `FABRIQ_SOAK_SERVER` (`KEY=VALUE,…`) sets the server's apart,
+//! e.g. `FABRIQ_SOAK_SERVER=FABRIQ_STREAM_WINDOW=8,FABRIQ_WORKERS=3`:
 //! `FABRIQ_SOAK_SECS=60 cargo test --release -p fabriq --test soak -- --nocapture`.
 
 use std::collections::VecDeque;
@@ -660,13 +660,17 @@ enum Api {
     Async,
 }
 
-/// One soak on `device` in `progress` mode with `clients` clients.
-fn soak(device: &str, progress: Progress, api: Api, clients: u64) {
+/// One soak on `device` in `progress` mode through `api`, with `FABRIQ_SOAK_CLIENTS` clients
+/// (default 4).
+fn soak(device: &str, progress: Progress, api: Api) {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let secs: u64 =
         std::env::var("FABRIQ_SOAK_SECS").map_or(2, |s| s.parse().expect("FABRIQ_SOAK_SECS"));
     let seed: u64 =
         std::env::var("FABRIQ_SOAK_SEED").map_or(1, |s| s.parse().expect("FABRIQ_SOAK_SEED"));
+    let clients: u64 = std::env::var("FABRIQ_SOAK_CLIENTS")
+        .map_or(4, |s| s.parse().expect("FABRIQ_SOAK_CLIENTS"))
+        .clamp(1, WORDS);
     let a = Endpoint::new(config(device, progress, "")).expect("client endpoint");
     let server = std::env::var("FABRIQ_SOAK_SERVER").unwrap_or_default();
     let b = Endpoint::new(config(device, progress, &server)).expect("server endpoint");
@@ -790,40 +794,40 @@ fn soak(device: &str, progress: Progress, api: Api, clients: u64) {
 
 #[test]
 fn soak_shm_thread_mode() {
-    soak("shm0", Progress::Thread, Api::Blocking, 4);
+    soak("shm0", Progress::Thread, Api::Blocking);
 }
 
 #[test]
 fn soak_shm_caller_mode() {
-    soak("shm0", Progress::Caller, Api::Blocking, 4);
+    soak("shm0", Progress::Caller, Api::Blocking);
 }
 
 #[test]
 fn soak_tcp_thread_mode() {
-    soak("tcp0", Progress::Thread, Api::Blocking, 4);
+    soak("tcp0", Progress::Thread, Api::Blocking);
 }
 
 #[test]
 fn soak_tcp_caller_mode() {
-    soak("tcp0", Progress::Caller, Api::Blocking, 4);
+    soak("tcp0", Progress::Caller, Api::Blocking);
 }
 
 #[test]
 fn soak_async_shm_thread_mode() {
-    soak("shm0", Progress::Thread, Api::Async, 4);
+    soak("shm0", Progress::Thread, Api::Async);
 }
 
 #[test]
 fn soak_async_shm_caller_mode() {
-    soak("shm0", Progress::Caller, Api::Async, 4);
+    soak("shm0", Progress::Caller, Api::Async);
 }
 
 #[test]
 fn soak_async_tcp_thread_mode() {
-    soak("tcp0", Progress::Thread, Api::Async, 4);
+    soak("tcp0", Progress::Thread, Api::Async);
 }
 
 #[test]
 fn soak_async_tcp_caller_mode() {
-    soak("tcp0", Progress::Caller, Api::Async, 4);
+    soak("tcp0", Progress::Caller, Api::Async);
 }

@@ -64,6 +64,55 @@ fn rpc(e: RpcError) -> String {
     format!("{e:?}")
 }
 
+/// Calls to `echo` over `rpc`, from a thread of their own, until [`Calls::stop`]: the traffic
+/// of a peer the failure must not touch.
+struct Calls {
+    stop: Arc<AtomicBool>,
+    thread: std::thread::JoinHandle<u64>,
+}
+
+impl Calls {
+    fn start(rpc: Rpc) -> Calls {
+        let stop = Arc::new(AtomicBool::new(false));
+        let until = Arc::clone(&stop);
+        let thread = std::thread::spawn(move || {
+            let mut calls = 0u64;
+            while !until.load(Ordering::Relaxed) {
+                let reply = rpc
+                    .call("echo", b"other", HANG)
+                    .expect("a call to the unaffected peer");
+                assert_eq!(&reply[..], b"other");
+                calls += 1;
+            }
+            calls
+        });
+        Calls { stop, thread }
+    }
+
+    /// Stop, after `for_more` of calls; how many were answered (every one was).
+    fn stop(self, for_more: Duration) -> u64 {
+        std::thread::sleep(for_more);
+        self.stop.store(true, Ordering::Relaxed);
+        self.thread.join().expect("the unaffected peer's calls")
+    }
+}
+
+/// Kill `peer`, then check that each of `ends` ended with `PeerGone` within [`DETECTED`] of
+/// the kill (`what` names them in a failure).
+fn kill_and_check(peer: &mut Peer, ends: Vec<std::thread::JoinHandle<Ended>>, what: &str) {
+    peer.0.kill().expect("kill the peer");
+    let killed = Instant::now();
+    let _ = peer.0.wait();
+    for (i, e) in ends.into_iter().enumerate() {
+        let (why, at) = e.join().expect("a thread panicked");
+        let after = at.saturating_duration_since(killed);
+        assert!(
+            why.contains("PeerGone") && after < DETECTED,
+            "{what} {i} ended {after:?} after the kill with {why}"
+        );
+    }
+}
+
 /// Start this test binary's `helper` (an ignored test) as the peer process, which calls
 /// back at `rendezvous`.
 fn spawn_peer(
@@ -166,39 +215,12 @@ fn killed_peer(device: &str, progress: Progress) {
     }));
 
     // The other peer's traffic, from before the kill until well after it.
-    let stop_other = Arc::new(AtomicBool::new(false));
-    let other_loop = {
-        let stop = Arc::clone(&stop_other);
-        std::thread::spawn(move || {
-            let mut calls = 0u64;
-            while !stop.load(Ordering::Relaxed) {
-                let reply = other_rpc
-                    .call("echo", b"other", HANG)
-                    .expect("the other peer's call");
-                assert_eq!(&reply[..], b"other");
-                calls += 1;
-            }
-            calls
-        })
-    };
+    let other_calls = Calls::start(other_rpc);
 
     std::thread::sleep(Duration::from_millis(300));
-    peer.0.kill().expect("kill the peer");
-    let killed = Instant::now();
-    let _ = peer.0.wait();
-
-    for (i, l) in loops.into_iter().enumerate() {
-        let (why, at) = l.join().expect("a loop panicked");
-        let after = at.saturating_duration_since(killed);
-        assert!(
-            why.contains("PeerGone") && after < DETECTED,
-            "{device} {progress:?}: loop {i} ended {after:?} after the kill with {why}"
-        );
-    }
+    kill_and_check(&mut peer, loops, &format!("{device} {progress:?}: loop"));
     // The other peer: still answering, then its calls stop.
-    std::thread::sleep(Duration::from_millis(200));
-    stop_other.store(true, Ordering::Relaxed);
-    let calls = other_loop.join().expect("the other peer's loop");
+    let calls = other_calls.stop(Duration::from_millis(200));
     assert!(
         calls > 0,
         "{device} {progress:?}: no calls to the other peer"
@@ -264,35 +286,14 @@ fn killed_client(device: &str, progress: Progress) {
     let other = Endpoint::new(config(device, progress)).expect("other client");
     let other_rpc = Rpc::new(other.connect(listener.local_addr()).expect("connect"));
     let _other_end = listener.accept_timeout(HANG).expect("accept the other");
-    let stop_other = Arc::new(AtomicBool::new(false));
-    let other_loop = {
-        let stop = Arc::clone(&stop_other);
-        std::thread::spawn(move || {
-            let mut calls = 0u64;
-            while !stop.load(Ordering::Relaxed) {
-                let reply = other_rpc
-                    .call("echo", b"other", HANG)
-                    .expect("the other client's call");
-                assert_eq!(&reply[..], b"other");
-                calls += 1;
-            }
-            calls
-        })
-    };
+    let other_calls = Calls::start(other_rpc);
 
     std::thread::sleep(Duration::from_millis(300));
-    peer.0.kill().expect("kill the client");
-    let killed = Instant::now();
-    let _ = peer.0.wait();
-    for (i, e) in echoes.into_iter().enumerate() {
-        let (why, at) = e.join().expect("an echo thread panicked");
-        let after = at.saturating_duration_since(killed);
-        assert!(
-            why.contains("PeerGone") && after < DETECTED,
-            "{device} {progress:?}: the server's channel {i} ended {after:?} after the kill \
-             with {why}"
-        );
-    }
+    kill_and_check(
+        &mut peer,
+        echoes,
+        &format!("{device} {progress:?}: the server's channel"),
+    );
     // The slow handler finished, its reply went nowhere, and the server still serves.
     let t0 = Instant::now();
     while !handled.load(Ordering::Acquire) {
@@ -302,9 +303,7 @@ fn killed_client(device: &str, progress: Progress) {
         );
         std::thread::sleep(Duration::from_millis(10));
     }
-    std::thread::sleep(Duration::from_millis(200));
-    stop_other.store(true, Ordering::Relaxed);
-    let calls = other_loop.join().expect("the other client's loop");
+    let calls = other_calls.stop(Duration::from_millis(200));
     assert!(
         calls > 0,
         "{device} {progress:?}: no calls of the other client"

@@ -792,42 +792,25 @@ fn soak(device: &str, progress: Progress, api: Api) {
     drop(exposed);
 }
 
-#[test]
-fn soak_shm_thread_mode() {
-    soak("shm0", Progress::Thread, Api::Blocking);
+/// One test per device, progress mode and API.
+macro_rules! soak_cases {
+    ($($name:ident: $device:literal, $progress:ident, $api:ident;)*) => {
+        $(
+            #[test]
+            fn $name() {
+                soak($device, Progress::$progress, Api::$api);
+            }
+        )*
+    };
 }
 
-#[test]
-fn soak_shm_caller_mode() {
-    soak("shm0", Progress::Caller, Api::Blocking);
-}
-
-#[test]
-fn soak_tcp_thread_mode() {
-    soak("tcp0", Progress::Thread, Api::Blocking);
-}
-
-#[test]
-fn soak_tcp_caller_mode() {
-    soak("tcp0", Progress::Caller, Api::Blocking);
-}
-
-#[test]
-fn soak_async_shm_thread_mode() {
-    soak("shm0", Progress::Thread, Api::Async);
-}
-
-#[test]
-fn soak_async_shm_caller_mode() {
-    soak("shm0", Progress::Caller, Api::Async);
-}
-
-#[test]
-fn soak_async_tcp_thread_mode() {
-    soak("tcp0", Progress::Thread, Api::Async);
-}
-
-#[test]
-fn soak_async_tcp_caller_mode() {
-    soak("tcp0", Progress::Caller, Api::Async);
+soak_cases! {
+    soak_shm_thread_mode: "shm0", Thread, Blocking;
+    soak_shm_caller_mode: "shm0", Caller, Blocking;
+    soak_tcp_thread_mode: "tcp0", Thread, Blocking;
+    soak_tcp_caller_mode: "tcp0", Caller, Blocking;
+    soak_async_shm_thread_mode: "shm0", Thread, Async;
+    soak_async_shm_caller_mode: "shm0", Caller, Async;
+    soak_async_tcp_thread_mode: "tcp0", Thread, Async;
+    soak_async_tcp_caller_mode: "tcp0", Caller, Async;
 }

@@ -754,6 +754,18 @@ fn soak(device: &str, progress: Progress, api: Api) {
     stop.store(true, Ordering::Relaxed);
     acceptor.join().expect("the acceptor panicked");
     failed.extend(errors.lock().expect("errors").drain(..));
+    // Every channel is gone: so is every connection of the client's pool, once its close
+    // lingered (a connection kept by a channel that leaked would stay).
+    let t0 = Instant::now();
+    while a.pool_stats().live > 0 && t0.elapsed() < STALL {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    if a.pool_stats().live > 0 {
+        failed.push(format!(
+            "{} pooled connections live after every channel was dropped",
+            a.pool_stats().live
+        ));
+    }
     let c = |v: &AtomicU64| v.load(Ordering::Relaxed);
     println!(
         "{device} {progress:?} {api:?}, {secs} s, seed {seed}: {} channels, {} echoes, {} \

@@ -106,21 +106,25 @@ fn retire(s: &Side) {
     s.qp.modify(&QpAttr::reset()).unwrap();
 }
 
+/// `from` sends `id` as the 8 bytes at the start of its region, with wr_id `id`.
+fn send_id(from: &Side, id: u64) {
+    from.mr.write_at(0, &id.to_le_bytes()).unwrap();
+    from.qp
+        .post_send(&[SendWr::new(
+            id,
+            &[from.mr.sge(0, 8).unwrap()],
+            WrOpcode::Send,
+        )])
+        .unwrap();
+}
+
 /// 8 bytes each way, checked byte for byte.
 fn exchange(a: &Side, b: &Side, tag: u64) {
     for (from, to, id) in [(a, b, tag * 2), (b, a, tag * 2 + 1)] {
-        let bytes = id.to_le_bytes();
-        from.mr.write_at(0, &bytes).unwrap();
         to.qp
             .post_recv(&[RecvWr::new(id, &[to.mr.sge(1024, 8).unwrap()])])
             .unwrap();
-        from.qp
-            .post_send(&[SendWr::new(
-                id,
-                &[from.mr.sge(0, 8).unwrap()],
-                WrOpcode::Send,
-            )])
-            .unwrap();
+        send_id(from, id);
         expect_delivered(from, to, id);
     }
 }
@@ -291,14 +295,7 @@ fn the_first_end_at_rtr_greets_unless_it_accepts_and_the_peer_reads_its_endpoint
 /// connection (20 ms) when `to` goes to RTS towards the endpoint `towards` gives then, with a
 /// receive for them posted at INIT.
 fn send_before_peer_rtr(from: &Side, to: &Side, id: u64, towards: impl FnOnce() -> QpEndpoint) {
-    from.mr.write_at(0, &id.to_le_bytes()).unwrap();
-    from.qp
-        .post_send(&[SendWr::new(
-            id,
-            &[from.mr.sge(0, 8).unwrap()],
-            WrOpcode::Send,
-        )])
-        .unwrap();
+    send_id(from, id);
     std::thread::sleep(std::time::Duration::from_millis(20));
     to.qp.modify(&QpAttr::init(AccessFlags::ALL)).unwrap();
     to.qp

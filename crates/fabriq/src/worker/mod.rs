@@ -2527,17 +2527,10 @@ fn on_stream_control(
         } else {
             Failure::PeerGone
         };
-        let call_err = || {
-            if refused {
-                RpcError::Channel(ChannelError::StreamRefused)
-            } else {
-                RpcError::PeerGone
-            }
-        };
         if let Some(ss) = st.streams.get_mut(&stream) {
             ss.peer_closed = true;
             for (_, c) in ss.calls.drain() {
-                c.answer(Err(call_err()));
+                c.answer(Err(why.to_rpc_error()));
             }
             ss.shared.fail(why);
         }

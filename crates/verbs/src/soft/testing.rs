@@ -162,3 +162,66 @@ pub fn read_back(a: &Side, local: &MemoryRegion, remote: &MemoryRegion, expect: 
     local.read_at(0, &mut got).unwrap();
     assert!(got == expect, "READ corrupted data");
 }
+
+/// The initiating end of a connected pair: its PD, CQ and QP.
+pub type Initiator = (ProtectionDomain, CompletionQueue, QueuePair);
+/// The target end: its PD and QP.
+pub type Target = (ProtectionDomain, QueuePair);
+
+/// Rounds of one 8 MiB READ or WRITE (in turn) by a pair's initiator into memory of its
+/// target, overlapped at some point of its copy by the target's owner moving its QP to ERROR
+/// and then overwriting that memory, as a pool would when it hands it to something else.
+/// Returns the rounds where the access ran on past `modify`: a READ that succeeded with bytes
+/// written after it, or a WRITE that landed after it. `pair` makes a fresh connected pair.
+pub fn accesses_past_error(
+    rounds: u32,
+    pair: impl Fn() -> (Initiator, Target),
+) -> Vec<(u32, &'static str)> {
+    const LEN: usize = 8 << 20;
+    let (old, new, written) = (0x11u8, 0x22u8, 0x33u8);
+    let mut torn = Vec::new();
+    for round in 0..rounds {
+        let read = round % 2 == 0;
+        let ((a_pd, a_cq, a_qp), (b_pd, b_qp)) = pair();
+        let mine = b_pd.alloc_mr(LEN, AccessFlags::ALL).unwrap();
+        mine.write_at(0, &vec![old; LEN]).unwrap();
+        let theirs = a_pd.alloc_mr(LEN, AccessFlags::ALL).unwrap();
+        theirs.write_at(0, &vec![written; LEN]).unwrap();
+        let start = std::sync::Barrier::new(2);
+        let status = std::thread::scope(|s| {
+            let peer = s.spawn(|| {
+                let sge = [theirs.sge(0, LEN as u32).unwrap()];
+                let remote = mine.remote(0);
+                let op = if read {
+                    WrOpcode::Read { remote }
+                } else {
+                    WrOpcode::Write { remote }
+                };
+                start.wait();
+                a_qp.post_send(&[SendWr::new(1, &sge, op)]).unwrap();
+                wait(&a_cq, 1)[0].status
+            });
+            start.wait();
+            // Somewhere in the copy (8 MiB take hundreds of microseconds to move).
+            std::thread::sleep(Duration::from_micros(u64::from(round / 2) * 40));
+            b_qp.modify(&QpAttr::error()).unwrap();
+            mine.write_at(0, &vec![new; LEN]).unwrap();
+            peer.join().unwrap()
+        });
+        let mut got = vec![0u8; LEN];
+        if read {
+            if status == WcStatus::Success {
+                theirs.read_at(0, &mut got).unwrap();
+                if got.iter().any(|&x| x != old) {
+                    torn.push((round, "READ returned bytes written after the QP's ERROR"));
+                }
+            }
+        } else {
+            mine.read_at(0, &mut got).unwrap();
+            if got.iter().any(|&x| x != new) {
+                torn.push((round, "WRITE landed after the QP's ERROR"));
+            }
+        }
+    }
+    torn
+}

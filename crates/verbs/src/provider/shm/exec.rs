@@ -4,7 +4,8 @@
 //!
 //! - WRITE / READ: look the rkey up in the target's MR table (mapped), check rights, bounds and
 //!   PD, then copy: `memcpy` for segment memory, `process_vm_writev/readv` for private memory of
-//!   another process.
+//!   another process. Every request holds the target QP's entry while it runs ([`target`]), so
+//!   the owner's move of that QP to ERROR or RESET returns only after it.
 //! - Atomics: a real `AtomicU64` CAS / fetch-add on the mapped word — atomic against every other
 //!   atomic on that address from any process, and against the owner's CPU.
 //! - SEND / SEND_IMM / WRITE_IMM: take a receive from the target's RQ or SRQ (a shared ring),
@@ -337,34 +338,32 @@ fn copy_status(e: CopyError) -> WcStatus {
     }
 }
 
-/// The target QP entry if it is live, connected back to us, and accepting requests;
-/// `Err(outcome)` says how to finish instead: not ready yet, or the target process is gone.
+/// The target QP entry if it is live, connected back to us, and accepting requests, held
+/// until the guard drops; `Err(outcome)` says how to finish instead: not ready yet, or the
+/// target process is gone.
 ///
-/// With `hold`, the entry is held (its rings cannot be freed) until the guard drops: needed to
-/// consume a receive. One-sided operations only read the entry's rights; the memory they touch
-/// is protected by the MR entry's own guard.
+/// The hold keeps the entry's rings from being freed while a receive is consumed, and it is
+/// what a `modify` of the target out of RTR/RTS waits for (`QpInner::modify`): once the
+/// target's owner has moved its QP to ERROR or RESET, no READ, WRITE or atomic that began
+/// through it is still copying, so the memory behind it may be handed to something else.
 #[inline]
-fn target<'t>(ini: &Initiator<'t>, hold: bool) -> Result<(Option<Guard<'t>>, &'t QpSlot), Outcome> {
+fn target<'t>(ini: &Initiator<'t>) -> Result<(Guard<'t>, &'t QpSlot), Outcome> {
     let tseg: &'t Segment = &ini.remote.seg;
     if !tseg.owner_alive_fast() {
         return Err(Outcome::done(WcStatus::RetryExceeded, 0));
     }
-    target_qp(ini, hold).ok_or(Outcome::NotReady)
+    target_qp(ini).ok_or(Outcome::NotReady)
 }
 
 #[inline]
-fn target_qp<'t>(ini: &Initiator<'t>, hold: bool) -> Option<(Option<Guard<'t>>, &'t QpSlot)> {
+fn target_qp<'t>(ini: &Initiator<'t>) -> Option<(Guard<'t>, &'t QpSlot)> {
     let tseg: &'t Segment = &ini.remote.seg;
     let tqpn = ini.remote.qpn;
     let slot = tseg.qp_slot(tqpn & ((1 << QP_INDEX_BITS) - 1));
-    let guard = if hold {
-        Some(Guard::enter(&slot.active, &slot.qpn, tqpn)?)
-    } else if slot.qpn.load(Ordering::Acquire) == tqpn {
-        None
-    } else {
-        return None;
-    };
-    let state = decode_state(slot.state.load(Ordering::Acquire));
+    let guard = Guard::enter(&slot.active, &slot.qpn, tqpn)?;
+    // SeqCst, after the guard's SeqCst increment: either the owner's move out of RTR/RTS is
+    // seen here, or the owner sees the guard and waits for it.
+    let state = decode_state(slot.state.load(Ordering::SeqCst));
     if !matches!(
         state,
         QpState::Rtr | QpState::Rts | QpState::Sqd | QpState::Sqe
@@ -476,7 +475,7 @@ fn write(ini: &Initiator<'_>, op: &Op<'_>, raddr: u64, rkey: u32) -> Outcome {
     if source(&mut src, ini, op).is_none() {
         return Outcome::done(WcStatus::LocalProtection, 0);
     }
-    let (_hold, tslot) = match target(ini, false) {
+    let (_hold, tslot) = match target(ini) {
         Ok(t) => t,
         Err(outcome) => return outcome,
     };
@@ -504,7 +503,7 @@ fn read(ini: &Initiator<'_>, op: &Op<'_>, raddr: u64, rkey: u32) -> Outcome {
     if resolve(&mut dst, ini.seg, ini.pd, op.sges, AccessFlags::LOCAL_WRITE).is_none() {
         return Outcome::done(WcStatus::LocalProtection, 0);
     }
-    let (_hold, tslot) = match target(ini, false) {
+    let (_hold, tslot) = match target(ini) {
         Ok(t) => t,
         Err(outcome) => return outcome,
     };
@@ -541,7 +540,7 @@ fn atomic(ini: &Initiator<'_>, op: &Op<'_>, raddr: u64, rkey: u32, aop: AtomicOp
     let Some((Loc::Direct(result_ptr), 8)) = dst.list().first().copied() else {
         return Outcome::done(WcStatus::LocalProtection, 0);
     };
-    let (_hold, tslot) = match target(ini, false) {
+    let (hold, tslot) = match target(ini) {
         Ok(t) => t,
         Err(outcome) => return outcome,
     };
@@ -576,7 +575,10 @@ fn atomic(ini: &Initiator<'_>, op: &Op<'_>, raddr: u64, rkey: u32, aop: AtomicOp
             }
         }
         Some(Loc::Remote { .. }) => {
+            // The target's service does it: nothing of ours runs on its memory meanwhile, and
+            // a `modify` of the target need not wait for its own service to answer us.
             drop(mr);
+            drop(hold);
             match mailbox_atomic(ini, rkey, tpd, raddr, aop) {
                 Ok(v) => v,
                 Err(status) => return Outcome::done(status, 0),
@@ -708,7 +710,7 @@ fn deliver(
     if source(&mut src, ini, op).is_none() {
         return Outcome::done(WcStatus::LocalProtection, 0);
     }
-    let (_hold, tslot) = match target(ini, true) {
+    let (_hold, tslot) = match target(ini) {
         Ok(t) => t,
         Err(outcome) => return outcome,
     };

@@ -24,7 +24,7 @@ use parking_lot::Mutex;
 use super::cq::{CqEntry, CqShared, ShmCq};
 use super::ctx::CtxCore;
 use super::exec::{execute, gather_inline, Initiator, Op, Outcome};
-use super::mrtable::invalidate;
+use super::mrtable::{invalidate, wait_idle};
 use super::segment::{fresh_tag, QpSlot, SegRing, Segment, QP_INDEX_BITS};
 use super::srq::{ShmSrq, SrqShared};
 use crate::provider::QpOps;
@@ -576,6 +576,18 @@ impl QpInner {
             return Ok(());
         };
         self.cas_state(to)?;
+        if matches!(to, QpState::Error | QpState::Reset) {
+            // A peer's READ or WRITE that began before the change (or before the QP went to
+            // ERROR by itself, which a later move to ERROR confirms) may still be copying; it
+            // ends before this returns, so the owner may reuse what the QP exposed (a pool
+            // does). Peers see the new state from now on (`exec::target`).
+            if !wait_idle(&slot.active) {
+                tracing::warn!(
+                    qpn = self.qpn,
+                    "shm: a peer stayed inside the QP past the drain timeout"
+                );
+            }
+        }
         match to {
             QpState::Error => self.flush_locked(&mut st),
             QpState::Reset => self.reset_locked(&mut st),

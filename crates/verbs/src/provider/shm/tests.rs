@@ -1389,3 +1389,14 @@ fn separate_processes_one_sided_two_sided_and_peer_death() {
     assert_eq!((w.wr_id, w.status), (7, WcStatus::WrFlushed));
     assert_eq!(s.qp.state(), QpState::Error);
 }
+
+/// Once `modify` has moved a QP to ERROR, no peer READ or WRITE through it is still copying
+/// (`crate::soft::testing::accesses_past_error`).
+#[test]
+fn a_qp_moved_to_error_lets_no_peer_access_run_on() {
+    let torn = crate::soft::testing::accesses_past_error(24, || {
+        let (a, b) = pair();
+        ((a.pd, a.cq, a.qp), (b.pd, b.qp))
+    });
+    assert!(torn.is_empty(), "{torn:?}");
+}

@@ -1547,3 +1547,14 @@ fn socket_buffer_options_are_parsed() {
     assert_eq!(wait(&b.cq, 1)[0].status, WcStatus::Success);
     assert_eq!(wait(&a.cq, 1)[0].status, WcStatus::Success);
 }
+
+/// Once `modify` has moved a QP to ERROR, no peer READ or WRITE through it is still being
+/// served (`crate::soft::testing::accesses_past_error`).
+#[test]
+fn a_qp_moved_to_error_lets_no_peer_access_run_on() {
+    let torn = fixture::accesses_past_error(16, || {
+        let (a, b) = pair();
+        ((a.pd, a.cq, a.qp), (b.pd, b.qp))
+    });
+    assert!(torn.is_empty(), "{torn:?}");
+}

@@ -516,9 +516,7 @@ async fn burst(
         ));
     }
     let depth = 1 + rng.below(16.min(u64::from(window) / 2));
-    // A close that does not linger may end rendezvous messages the peer is still pulling
-    // (which it reports as a failed READ): then every echo is read before the close.
-    let read_all = cfg.close_linger_ms == 0 || rng.below(5) != 0;
+    let read_all = rng.below(5) != 0;
     let peer_closes = read_all && rng.below(4) == 0;
     let change_at = (rng.below(4) == 0).then(|| rng.below(n));
     let mut lens = VecDeque::new();

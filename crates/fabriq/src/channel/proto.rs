@@ -550,6 +550,17 @@ pub struct ChannelCore<O, I> {
     granted_total: u64,
     /// Frames ever received from the peer.
     received_total: u64,
+
+    // ---- after a failure ----
+    /// Sent messages a failure ended: a rendezvous source the peer may still be reading, a
+    /// posted SEND's payload the provider may still gather. Kept until the core is dropped,
+    /// which its worker does once the QP is stopped (ERROR) and drained (`Worker::retire`), or
+    /// as the endpoint ends: a buffer given back earlier could carry another message while the
+    /// peer still reads this one.
+    failed_sends: SeqWindow<Inflight<O>>,
+    /// Messages arriving when a failure ended them: the buffers of pulls whose READs may
+    /// still be writing into them. Kept as long as `failed_sends`, for the same reason.
+    failed_arrivals: VecDeque<Arrived<I>>,
 }
 
 impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
@@ -594,6 +605,8 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
             owed: 0,
             granted_total: u64::from(config.rx_slots),
             received_total: 0,
+            failed_sends: SeqWindow::default(),
+            failed_arrivals: VecDeque::new(),
             config,
         })
     }
@@ -938,6 +951,9 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
     // ------------------------------------------------------------------------------------
     // internals
 
+    /// The channel ends with `err`: nothing more is posted or delivered. What the peer or the
+    /// provider may still touch is kept (`failed_sends`, `failed_arrivals`) until the core is
+    /// dropped.
     fn fail(&mut self, err: ChannelError) {
         if self.state == State::Failed {
             return;
@@ -947,8 +963,8 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
         self.out.clear();
         self.reposts.clear();
         self.queued.clear();
-        self.inflight.clear();
-        self.arrived.clear();
+        self.failed_sends = std::mem::take(&mut self.inflight);
+        self.failed_arrivals = std::mem::take(&mut self.arrived);
         self.buffer_requests.clear();
         self.fins.clear();
         self.events.push_back(Event::Error(err));

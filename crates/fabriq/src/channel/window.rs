@@ -36,11 +36,6 @@ impl<T> SeqWindow<T> {
         self.len == 0
     }
 
-    pub(crate) fn clear(&mut self) {
-        self.slots.clear();
-        self.len = 0;
-    }
-
     /// Adds `value` at `seq`, which must lie at or above every sequence number added so far
     /// (a gap is left empty). `false` (nothing added) for a `seq` below that.
     pub(crate) fn insert(&mut self, seq: u64, value: T) -> bool {

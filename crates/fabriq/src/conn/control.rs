@@ -450,7 +450,9 @@ impl QpLease {
         if qp.state() == QpState::Reset {
             return true; // nothing posted can complete
         }
-        if qp.state() != QpState::Error && qp.modify(&QpAttr::error()).is_err() {
+        // Even from ERROR: a provider returns from the move only when no peer access through
+        // the QP is running any more (shm), so what it exposed may be reused after the drain.
+        if qp.modify(&QpAttr::error()).is_err() {
             return false;
         }
         let mut pending = 0;

@@ -1708,3 +1708,52 @@ fn async_waits_in_caller_mode_do_not_wait_for_the_back_stop() {
         );
     }
 }
+
+/// A connection closed at once (`close_linger_ms = 0`) while its peer pulls a rendezvous
+/// message — its last channel dropped, or its whole endpoint — : the peer reads either the
+/// whole message, intact, or `PeerGone`; never a failed READ, which it got when the closing
+/// end gave the message's buffer back (or deregistered it) while its QP still served the
+/// peer's READs. Sizes in the pool's classes and above them.
+#[test]
+fn a_close_at_once_during_a_pull_tells_the_reader_its_peer_went() {
+    use std::time::Duration;
+    const WAIT: Duration = Duration::from_secs(10);
+    for dev in ["shm0", "tcp0"] {
+        let cfg = crate::Config {
+            close_linger_ms: 0,
+            ..one_worker(dev)
+        };
+        let (a, b, listener) = client_server(cfg.clone());
+        for len in [64usize << 10, 512 << 10, 8 << 20] {
+            let mut gone = [0; 2];
+            for round in 0..40u8 {
+                // Every fourth round the sender's endpoint goes with its channel.
+                let whole = round % 4 == 3;
+                let own = whole.then(|| super::Endpoint::new(cfg.clone()).expect("sender"));
+                let ca = own
+                    .as_ref()
+                    .unwrap_or(&a)
+                    .connect(listener.local_addr())
+                    .expect("connect");
+                let cb = listener.accept_timeout(WAIT).expect("accept");
+                ca.send(&vec![round; len]).expect("send");
+                drop(ca);
+                drop(own);
+                match cb.recv_timeout(WAIT) {
+                    Ok(m) => assert!(
+                        m.len() == len && m.iter().all(|&b| b == round),
+                        "{dev} {len} B, round {round}: a message of {} bytes not as sent",
+                        m.len()
+                    ),
+                    Err(crate::ChannelError::PeerGone) => gone[usize::from(whole)] += 1,
+                    Err(e) => panic!("{dev} {len} B, round {round} (endpoint gone: {whole}): {e}"),
+                }
+            }
+            eprintln!(
+                "{dev} {len} B: {} of 30 ended by the channel's close, {} of 10 by the endpoint's",
+                gone[0], gone[1]
+            );
+        }
+        drop(b);
+    }
+}

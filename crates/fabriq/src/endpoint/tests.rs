@@ -1713,12 +1713,12 @@ fn async_waits_in_caller_mode_do_not_wait_for_the_back_stop() {
 /// message — its last channel dropped, or its whole endpoint — : the peer reads either the
 /// whole message, intact, or `PeerGone`; never a failed READ, which it got when the closing
 /// end gave the message's buffer back (or deregistered it) while its QP still served the
-/// peer's READs. Sizes in the pool's classes and above them.
+/// peer's READs. Sizes in the pool's classes and above them; shm0, tcp0 and udp0.
 #[test]
 fn a_close_at_once_during_a_pull_tells_the_reader_its_peer_went() {
     use std::time::Duration;
     const WAIT: Duration = Duration::from_secs(10);
-    for dev in ["shm0", "tcp0"] {
+    for dev in ["shm0", "tcp0", "udp0"] {
         let cfg = crate::Config {
             close_linger_ms: 0,
             ..one_worker(dev)

@@ -1805,8 +1805,13 @@ impl Worker {
             ss.shared.fail(why.clone());
         }
         st.waiting_calls.clear();
-        for reply in st.one_sided.drain().filter_map(|(_, p)| p.reply) {
-            let _ = reply.send(Err(why.to_error()));
+        // Answered now; their buffers stay until each completes (flushed, at the latest) or the
+        // QP is drained (`Worker::retire`): a READ's data may still land in one, a WRITE may
+        // still be reading one.
+        for p in st.one_sided.values_mut() {
+            if let Some(reply) = p.reply.take() {
+                let _ = reply.send(Err(why.to_error()));
+            }
         }
         for q in st.one_sided_queue.drain(..) {
             let _ = q.reply.send(Err(why.to_error()));

@@ -380,3 +380,14 @@ fn the_thread_looks_at_qp_timers_only_when_a_deadline_is_due() {
     };
     fixture::assert_timer_rounds_do_not_follow_messages(&a, &b, idle.len(), looks);
 }
+
+/// Once `modify` has moved a QP to ERROR, no peer READ or WRITE through it is still being
+/// served (`crate::soft::testing::accesses_past_error`).
+#[test]
+fn a_qp_moved_to_error_lets_no_peer_access_run_on() {
+    let torn = fixture::accesses_past_error(16, || {
+        let (a, b) = pair(&[]);
+        ((a.pd, a.cq, a.qp), (b.pd, b.qp))
+    });
+    assert!(torn.is_empty(), "{torn:?}");
+}

@@ -600,6 +600,71 @@ mod failing_qp {
         ));
         assert!(p.sides[1].received.is_empty());
     }
+
+    /// A rendezvous payload whose drop is seen.
+    struct Tracked {
+        len: u64,
+        dropped: std::rc::Rc<std::cell::Cell<bool>>,
+    }
+
+    impl Drop for Tracked {
+        fn drop(&mut self) {
+            self.dropped.set(true);
+        }
+    }
+
+    impl super::super::proto::OutPayload for Tracked {
+        fn len(&self) -> u64 {
+            self.len
+        }
+        fn sge(&self) -> Option<fabriq_verbs::Sge> {
+            Some(fabriq_verbs::Sge {
+                addr: 1 << 40,
+                length: u32::try_from(self.len).ok()?,
+                lkey: fabriq_verbs::Lkey(1),
+            })
+        }
+        fn remote(&self) -> Option<RemoteAddr> {
+            Some(RemoteAddr {
+                addr: 1 << 40,
+                rkey: Rkey(1),
+            })
+        }
+    }
+
+    /// A failure ends a channel whose rendezvous message the peer may be pulling: the core
+    /// keeps the message's buffer until it is dropped itself (which its owner does after
+    /// stopping and draining the QP), not a moment before — given back at the failure, it
+    /// could carry another message while the peer still reads it.
+    #[test]
+    fn a_failed_core_keeps_a_sent_buffer_the_peer_may_still_read() {
+        let cfg = ChannelConfig::default();
+        let mut core: ChannelCore<Tracked, super::super::harness::TestIn> =
+            ChannelCore::new(cfg.clone(), cfg.ring_geometry()).expect("core");
+        let dropped = std::rc::Rc::new(std::cell::Cell::new(false));
+        let len = 4 * u64::from(cfg.thresholds.eager_max);
+        let payload = Tracked {
+            len,
+            dropped: std::rc::Rc::clone(&dropped),
+        };
+        core.send(payload, Default::default())
+            .map_err(|(e, _)| e)
+            .expect("send");
+        let now = super::super::proto::Instant::from_nanos(1);
+        let mut sends = 0;
+        while let Some(wr) = core.poll_work_request(now) {
+            if let super::super::proto::WorkRequest::Send { payload, .. } = wr {
+                assert!(payload.is_none(), "a rendezvous message goes as an RTS");
+                sends += 1;
+            }
+        }
+        assert_eq!(sends, 1, "the RTS went out");
+        core.handle_fatal(ChannelError::Closed);
+        while core.poll_event().is_some() {}
+        assert!(!dropped.get(), "the buffer went back at the failure");
+        drop(core);
+        assert!(dropped.get(), "the buffer goes back with the core");
+    }
 }
 
 #[derive(Debug, Clone)]

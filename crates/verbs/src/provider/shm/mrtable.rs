@@ -96,6 +96,44 @@ pub(crate) fn wait_idle(active: &AtomicU32) -> bool {
     true
 }
 
+/// How [`wait_holders`] ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Holders {
+    /// Every hold above the floor ended.
+    Left,
+    /// Holds remain (this many in all) but the only process entitled to them died: they never
+    /// end, and nothing of theirs runs any more.
+    Dead(u32),
+    /// Holds remain (this many in all) after [`DRAIN_TIMEOUT`].
+    TimedOut(u32),
+}
+
+/// Wait until `active` reads at most `floor` (holds known to be left by a dead process), or
+/// `dead()` says the process that may hold it is gone (asked every few hundred spins: it may
+/// make a system call), or [`DRAIN_TIMEOUT`] passed.
+pub(crate) fn wait_holders(active: &AtomicU32, floor: u32, dead: impl Fn() -> bool) -> Holders {
+    let start = Instant::now();
+    let mut spins = 0u32;
+    loop {
+        let n = active.load(Ordering::SeqCst);
+        if n <= floor {
+            return Holders::Left;
+        }
+        spins += 1;
+        if spins % 128 == 0 {
+            if dead() {
+                return Holders::Dead(n);
+            }
+            if start.elapsed() > DRAIN_TIMEOUT {
+                return Holders::TimedOut(n);
+            }
+            std::thread::yield_now();
+        } else {
+            std::hint::spin_loop();
+        }
+    }
+}
+
 /// A registered region, looked up and held (it cannot be deregistered while this lives).
 pub(crate) struct MrRef<'a> {
     _guard: Guard<'a>,

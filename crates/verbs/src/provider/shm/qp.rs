@@ -24,7 +24,7 @@ use parking_lot::Mutex;
 use super::cq::{CqEntry, CqShared, ShmCq};
 use super::ctx::CtxCore;
 use super::exec::{execute, gather_inline, Initiator, Op, Outcome};
-use super::mrtable::{invalidate, wait_idle};
+use super::mrtable::{invalidate, wait_holders, Holders};
 use super::segment::{fresh_tag, QpSlot, SegRing, Segment, QP_INDEX_BITS};
 use super::srq::{ShmSrq, SrqShared};
 use crate::provider::QpOps;
@@ -202,6 +202,9 @@ struct SqState {
     unsignaled: u32,
     /// The ERROR flush ran.
     flushed: bool,
+    /// Holds on the QP's entry left by a peer that died inside a request: they never end, so a
+    /// move to ERROR or RESET waits only for holds beyond them (`QpInner::modify`).
+    stale_holds: u32,
 }
 
 /// The provider's QP.
@@ -324,6 +327,7 @@ impl QpInner {
                 posted: 0,
                 unsignaled: 0,
                 flushed: false,
+                stale_holds: 0,
             }),
             weak: weak.clone(),
         });
@@ -580,12 +584,20 @@ impl QpInner {
             // A peer's READ or WRITE that began before the change (or before the QP went to
             // ERROR by itself, which a later move to ERROR confirms) may still be copying; it
             // ends before this returns, so the owner may reuse what the QP exposed (a pool
-            // does). Peers see the new state from now on (`exec::target`).
-            if !wait_idle(&slot.active) {
-                tracing::warn!(
-                    qpn = self.qpn,
-                    "shm: a peer stayed inside the QP past the drain timeout"
-                );
+            // does). Peers see the new state from now on (`exec::target`). A peer that died
+            // inside a request holds on for ever: not waited for once it is known dead.
+            let peer = st.remote.as_ref().map(|r| Arc::clone(&r.seg));
+            let dead = || peer.as_ref().is_some_and(|seg| !seg.owner_alive());
+            match wait_holders(&slot.active, st.stale_holds, dead) {
+                Holders::Left => {}
+                Holders::Dead(n) => st.stale_holds = n,
+                Holders::TimedOut(n) => {
+                    tracing::warn!(
+                        qpn = self.qpn,
+                        "shm: a peer stayed inside the QP past the drain timeout"
+                    );
+                    st.stale_holds = n;
+                }
             }
         }
         match to {

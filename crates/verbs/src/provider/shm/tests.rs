@@ -1400,3 +1400,27 @@ fn a_qp_moved_to_error_lets_no_peer_access_run_on() {
     });
     assert!(torn.is_empty(), "{torn:?}");
 }
+
+/// A peer that died inside a request leaves its hold on the target QP's entry for ever; the
+/// owner's moves of that QP to ERROR and RESET do not wait for it (each would take the drain
+/// timeout, 2 s, and a QP reused from a cache would pay it at every close).
+#[test]
+fn a_hold_left_by_a_dead_peer_is_not_waited_for() {
+    use std::sync::atomic::Ordering;
+    use std::time::Instant;
+    let (a, b) = pair();
+    let slot = segment(&b.pd).qp_slot(b.qp.qp_num().0 & ((1 << super::segment::QP_INDEX_BITS) - 1));
+    // The peer's thread inside a request, when its process ends.
+    slot.active.fetch_add(1, Ordering::SeqCst);
+    drop(a);
+    for (attr, what) in [(QpAttr::error(), "ERROR"), (QpAttr::reset(), "RESET")] {
+        let t = Instant::now();
+        b.qp.modify(&attr).unwrap();
+        assert!(
+            t.elapsed() < Duration::from_millis(500),
+            "the move to {what} waited {:?} for a dead peer's hold",
+            t.elapsed()
+        );
+    }
+    slot.active.fetch_sub(1, Ordering::SeqCst);
+}

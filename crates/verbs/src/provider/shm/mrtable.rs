@@ -72,28 +72,11 @@ impl Drop for Guard<'_> {
     }
 }
 
-/// Clear `key` and wait until no user is inside; false if users stayed past [`DRAIN_TIMEOUT`].
-pub(crate) fn invalidate(key: &AtomicU32, active: &AtomicU32) -> bool {
+/// Clear `key` and wait until no user is inside; false if users stayed past [`DRAIN_TIMEOUT`],
+/// or while `dead()` says the only process that may still be inside has died.
+pub(crate) fn invalidate(key: &AtomicU32, active: &AtomicU32, dead: impl Fn() -> bool) -> bool {
     key.store(0, Ordering::SeqCst);
-    wait_idle(active)
-}
-
-/// Wait until `active` reads 0; false after [`DRAIN_TIMEOUT`].
-pub(crate) fn wait_idle(active: &AtomicU32) -> bool {
-    let start = Instant::now();
-    let mut spins = 0u32;
-    while active.load(Ordering::SeqCst) != 0 {
-        spins += 1;
-        if spins % 128 == 0 {
-            if start.elapsed() > DRAIN_TIMEOUT {
-                return false;
-            }
-            std::thread::yield_now();
-        } else {
-            std::hint::spin_loop();
-        }
-    }
-    true
+    wait_holders(active, 0, dead) == Holders::Left
 }
 
 /// How [`wait_holders`] ended.

@@ -150,7 +150,7 @@ impl Drop for ShmMr {
     fn drop(&mut self) {
         let sh = &self.core.shared;
         let slot = sh.seg.mr_slot(self.index);
-        if invalidate(&slot.key, &slot.active) {
+        if invalidate(&slot.key, &slot.active, || false) {
             if let Some((off, len)) = self.heap_run {
                 sh.heap.lock().free(&sh.seg, off, len);
             }

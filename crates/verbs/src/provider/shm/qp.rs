@@ -987,7 +987,20 @@ impl Drop for QpInner {
     fn drop(&mut self) {
         let sh = self.core.shared.clone();
         let slot = sh.seg.qp_slot(self.index);
-        let idle = invalidate(&slot.qpn, &slot.active);
+        // Holds a dead peer left are not waited for (as in `modify`); the entry is then
+        // quarantined like one a peer stayed in.
+        let (stale, peer) = {
+            let st = self.sq.lock();
+            (
+                st.stale_holds,
+                st.remote.as_ref().map(|r| Arc::clone(&r.seg)),
+            )
+        };
+        let dead = || peer.as_ref().is_some_and(|seg| !seg.owner_alive());
+        let idle = stale == 0 && invalidate(&slot.qpn, &slot.active, dead);
+        if stale > 0 {
+            slot.qpn.store(0, Ordering::SeqCst);
+        }
         slot.state
             .store(state_code(QpState::Reset), Ordering::SeqCst);
         sh.qps.lock().remove(&self.index);

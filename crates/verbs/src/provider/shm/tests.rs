@@ -1422,5 +1422,13 @@ fn a_hold_left_by_a_dead_peer_is_not_waited_for() {
             t.elapsed()
         );
     }
+    // Nor does its destroy (the entry is quarantined).
+    let t = Instant::now();
+    drop(b.qp);
+    assert!(
+        t.elapsed() < Duration::from_millis(500),
+        "the destroy waited {:?} for a dead peer's hold",
+        t.elapsed()
+    );
     slot.active.fetch_sub(1, Ordering::SeqCst);
 }

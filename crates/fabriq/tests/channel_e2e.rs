@@ -442,6 +442,21 @@ fn async_accept_and_connect_on_tcp0() {
 /// with that pool's only thread held by another task, `connect_async` to a peer this endpoint
 /// is connected to still returns (a stream opened on the task's thread), and the channel works;
 /// one to a peer without a connection waits for the blocking pool, and gets it once free.
+/// Occupy the only thread of `rt`'s blocking pool (built with `max_blocking_threads(1)`) until
+/// the returned sender sends; the handle ends with it.
+fn take_the_blocking_pool(
+    rt: &tokio::runtime::Runtime,
+) -> (std::sync::mpsc::Sender<()>, tokio::task::JoinHandle<()>) {
+    let (release, held) = std::sync::mpsc::channel::<()>();
+    let (holding, started) = std::sync::mpsc::channel::<()>();
+    let blocker = rt.spawn_blocking(move || {
+        holding.send(()).expect("started");
+        let _ = held.recv();
+    });
+    started.recv().expect("blocking pool thread taken");
+    (release, blocker)
+}
+
 #[test]
 fn pooled_connect_async_does_not_wait_for_the_blocking_pool() {
     let cfg = Config {
@@ -462,13 +477,7 @@ fn pooled_connect_async_does_not_wait_for_the_blocking_pool() {
         .enable_all()
         .build()
         .expect("runtime");
-    let (release, held) = std::sync::mpsc::channel::<()>();
-    let (holding, started) = std::sync::mpsc::channel::<()>();
-    let blocker = rt.spawn_blocking(move || {
-        holding.send(()).expect("started");
-        let _ = held.recv();
-    });
-    started.recv().expect("blocking pool thread taken");
+    let (release, blocker) = take_the_blocking_pool(&rt);
     let pooled = rt.block_on(async {
         tokio::time::timeout(Duration::from_secs(5), client.connect_async(addr)).await
     });
@@ -542,13 +551,7 @@ fn pooled_connect_async_serves_every_worker() {
         open.push((ch, listener.accept_timeout(HANG).expect("accept")));
     }
     assert_eq!(client.pool_stats().misses, 2, "one connection per worker");
-    let (release, held) = std::sync::mpsc::channel::<()>();
-    let (holding, started) = std::sync::mpsc::channel::<()>();
-    let blocker = rt.spawn_blocking(move || {
-        holding.send(()).expect("started");
-        let _ = held.recv();
-    });
-    started.recv().expect("blocking pool thread taken");
+    let (release, blocker) = take_the_blocking_pool(&rt);
     for i in 0..6u8 {
         let ch = rt
             .block_on(async {

@@ -7,7 +7,7 @@
 //! and aarch64, LP64). Structures are declared up to the last field fabriq reads or writes; the
 //! ones libibverbs fills for us are over-allocated by the callers (see `mod.rs`).
 //!
-//! Four data-path verbs are `static inline` in verbs.h and dispatch through the context's ops
+//! Five data-path verbs are `static inline` in verbs.h and dispatch through the context's ops
 //! table (`ibv_post_send`, `ibv_post_recv`, `ibv_post_srq_recv`, `ibv_poll_cq`,
 //! `ibv_req_notify_cq`); [`IbvContextOps`] mirrors that table so we can do the same.
 #![allow(non_camel_case_types, missing_docs, dead_code)]

@@ -30,6 +30,11 @@
 //! # eager_max = 4096         # override the profile's eager threshold
 //! # pool_max_bytes = 1073741824  # most bytes one thread's memory pool registers (unset: no
 //!                            # bound); a message or reply past it fails with a pool error
+//! pool_idle_bytes = 8388608  # entirely free memory each thread's pool keeps registered for
+//!                            # reuse; beyond it, freed slabs are deregistered
+//! pool_reclaim_ms = 1000     # a worker quiet this long takes back what other threads freed
+//!                            # into its pool, trims it to pool_idle_bytes and lets go of the
+//!                            # large buffers it kept if none was reused (0: only on free)
 //! # chunk_size = 65536       # override the profile's READ chunk
 //! reads_in_flight = 16       # RDMA READs of one rendezvous pull in flight
 //! rnr_retry = 7              # QP RNR retries (the credit scheme never needs one; 0 makes any
@@ -63,10 +68,10 @@
 //! ```
 //!
 //! Environment: `FABRIQ_DEVICE`, `FABRIQ_WORKERS`, `FABRIQ_PROGRESS`, `FABRIQ_PIN_WORKERS`, `FABRIQ_IDLE_SPIN_US`,
-//! `FABRIQ_RPC_TIMEOUT_MS`, `FABRIQ_HANDSHAKE_TIMEOUT_MS`, `FABRIQ_HANDSHAKE_SPIN_US`, `FABRIQ_LINK_SPEED_GBPS`,
+//! `FABRIQ_RPC_TIMEOUT_MS`, `FABRIQ_REMOTE_TIMEOUT_MS`, `FABRIQ_HANDSHAKE_TIMEOUT_MS`, `FABRIQ_HANDSHAKE_SPIN_US`, `FABRIQ_LINK_SPEED_GBPS`,
 //! `FABRIQ_RX_SLOTS`, `FABRIQ_SQ_DEPTH`, `FABRIQ_SIGNAL_EVERY`, `FABRIQ_MAX_QUEUED`, `FABRIQ_MAX_MESSAGE_LEN`,
-//! `FABRIQ_EAGER_MAX`, `FABRIQ_POOL_MAX_BYTES`, `FABRIQ_CHUNK_SIZE`, `FABRIQ_READS_IN_FLIGHT`, `FABRIQ_RNR_RETRY`,
-//! `FABRIQ_AUTH_TOKEN`, `FABRIQ_QP_CACHE_SIZE`, `FABRIQ_REUSE_CONTROL_STREAMS`,
+//! `FABRIQ_EAGER_MAX`, `FABRIQ_POOL_MAX_BYTES`, `FABRIQ_POOL_IDLE_BYTES`, `FABRIQ_POOL_RECLAIM_MS`, `FABRIQ_CHUNK_SIZE`, `FABRIQ_READS_IN_FLIGHT`, `FABRIQ_RNR_RETRY`,
+//! `FABRIQ_AUTH_TOKEN`, `FABRIQ_QP_CACHE_SIZE`, `FABRIQ_REUSE_CONTROL_STREAMS`, `FABRIQ_LOCAL_CONTROL_STREAMS`,
 //! `FABRIQ_SHARE_CONNECTIONS`, `FABRIQ_STREAM_WINDOW`, `FABRIQ_MAX_STREAMS`, `FABRIQ_MAX_CONNECTIONS`, `FABRIQ_ACK_DELAY_US`, `FABRIQ_CLOSE_LINGER_MS`, `FABRIQ_DEVICE_OPTIONS` (`key=value,key=value`); `FABRIQ_CONFIG` names a
 //! TOML file read by [`Config::from_env`].
 
@@ -202,6 +207,16 @@ pub struct Config {
     /// with [`crate::mempool::PoolError`]: a send says so, an RPC reply that finds no room
     /// answers its caller `RpcError::Handler("no memory")`.
     pub pool_max_bytes: Option<u64>,
+    /// Entirely free memory each thread's pool keeps registered for reuse; freed slabs beyond
+    /// it are deregistered (`FABRIQ_POOL_IDLE_BYTES`, default 8 MiB).
+    pub pool_idle_bytes: u64,
+    /// A worker that has slept this long reclaims idle buffer memory: it takes back what
+    /// other threads freed into its pool (a pool does that by itself only when its thread next
+    /// allocates), trims the pool to `pool_idle_bytes`, and deregisters the large buffers it
+    /// kept for reuse if none was reused since its last reclaim (`FABRIQ_POOL_RECLAIM_MS`,
+    /// default 1000; 0: memory goes back only as it is freed). A worker that holds no more
+    /// than the mark sleeps without this timer.
+    pub pool_reclaim_ms: u64,
     /// READ chunk override.
     pub chunk_size: Option<u32>,
     /// READs in flight per channel.
@@ -278,6 +293,8 @@ impl Default for Config {
             max_message_len: 4 << 30,
             eager_max: None,
             pool_max_bytes: None,
+            pool_idle_bytes: 8 << 20,
+            pool_reclaim_ms: 1000,
             chunk_size: None,
             reads_in_flight: 16,
             rnr_retry: 7,
@@ -403,6 +420,8 @@ impl Config {
         var!("FABRIQ_MAX_CONNECTIONS", self.max_connections, parse);
         var!("FABRIQ_ACK_DELAY_US", self.ack_delay_us, parse);
         var!("FABRIQ_CLOSE_LINGER_MS", self.close_linger_ms, parse);
+        var!("FABRIQ_POOL_IDLE_BYTES", self.pool_idle_bytes, parse);
+        var!("FABRIQ_POOL_RECLAIM_MS", self.pool_reclaim_ms, parse);
         if let Some(v) = get("FABRIQ_AUTH_TOKEN") {
             self.auth_token = v;
         }
@@ -467,6 +486,9 @@ impl Config {
         }
         if self.close_linger_ms > 3_600_000 {
             return bad("close_linger_ms must be in 0..=3600000");
+        }
+        if self.pool_reclaim_ms > 3_600_000 {
+            return bad("pool_reclaim_ms must be in 0..=3600000");
         }
         self.channel_config(0)
             .validate()
@@ -618,6 +640,8 @@ mod tests {
                 "FABRIQ_MAX_CONNECTIONS" => Some("8".into()),
                 "FABRIQ_POOL_MAX_BYTES" => Some("16777216".into()),
                 "FABRIQ_REMOTE_TIMEOUT_MS" => Some("250".into()),
+                "FABRIQ_POOL_IDLE_BYTES" => Some("0".into()),
+                "FABRIQ_POOL_RECLAIM_MS" => Some("20".into()),
                 _ => None,
             })
             .expect("valid");
@@ -626,6 +650,11 @@ mod tests {
         assert_eq!(c.stream_window, 256);
         assert_eq!((c.max_streams, c.max_connections), (16, 8));
         assert_eq!(c.pool_max_bytes, Some(16 << 20));
+        assert_eq!((c.pool_idle_bytes, c.pool_reclaim_ms), (0, 20));
+        let err = Config::default()
+            .with_env_vars(|k| (k == "FABRIQ_POOL_RECLAIM_MS").then(|| "3600001".into()))
+            .and_then(|c| c.validate().map(|()| c));
+        assert!(err.is_err(), "a reclaim period past an hour");
         let small = Config {
             pool_max_bytes: Some(1 << 20),
             ..Config::default()

@@ -43,3 +43,4 @@ pub use message::{Message, SendBuf};
 pub use remote::{CasLock, ExposedRegion, RegionDescriptor, RemoteRegion};
 pub use rpc::{json_handler, Responder, Rpc, RpcError};
 pub use worker::guard::GuardStats;
+pub use worker::MemoryStats;

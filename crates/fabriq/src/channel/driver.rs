@@ -340,7 +340,7 @@ impl ChannelDriver {
                     // Out of memory for now: the pull waits and the request is asked again on
                     // the next pump.
                     tracing::debug!(%e, len, "no buffer for rendezvous pull yet");
-                    self.core.retry_buffer_request(req);
+                    self.core.retry_buffer_request(now, req);
                     break;
                 }
             }

@@ -159,6 +159,11 @@ pub struct Side {
     /// Don't answer buffer requests (memory pressure).
     pub withhold_buffers: bool,
     pending_buffers: VecDeque<(u64, u64)>,
+    /// Until then, buffer requests find no memory and go back to the core
+    /// (`ChannelCore::retry_buffer_request`), as the driver's do when the pool is exhausted.
+    pub no_memory_until: Option<Instant>,
+    /// Buffer requests handed back for want of memory.
+    pub memory_refusals: u64,
     inject: VecDeque<(WcOpcode, WcStatus)>,
     /// Pumps so far: every other one leaves receive reposts for later, as the driver does in
     /// the pass that delivers a message.
@@ -222,6 +227,8 @@ impl Side {
             sink_buffers: false,
             withhold_buffers: false,
             pending_buffers: VecDeque::new(),
+            no_memory_until: None,
+            memory_refusals: 0,
             inject: VecDeque::new(),
             pumps: 0,
             always_defer: false,
@@ -325,8 +332,13 @@ impl Pair {
         }
         let now = self.now;
         let mut progress = false;
-        // Buffer requests.
+        // Buffer requests: while the side has no memory, handed back as the driver does.
         while let Some(req) = self.sides[s].core.poll_buffer_request() {
+            if self.sides[s].no_memory_until.is_some_and(|t| now < t) {
+                self.sides[s].core.retry_buffer_request(now, req);
+                self.sides[s].memory_refusals += 1;
+                break;
+            }
             self.sides[s].pending_buffers.push_back((req.id, req.len));
         }
         if !self.sides[s].withhold_buffers {

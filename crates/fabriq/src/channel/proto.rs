@@ -411,6 +411,11 @@ pub struct ChannelStats {
     pub would_block: u64,
 }
 
+/// First wait before a pull that found no memory asks again ([`ChannelCore::retry_buffer_request`]).
+const BUFFER_RETRY_FIRST: Duration = Duration::from_micros(100);
+/// Longest wait between two asks of a pull that keeps finding no memory.
+const BUFFER_RETRY_MAX: Duration = Duration::from_millis(5);
+
 const WR_KIND_SHIFT: u32 = 56;
 const WR_RECV: u64 = 1;
 const WR_SEND: u64 = 2;
@@ -538,6 +543,10 @@ pub struct ChannelCore<O, I> {
     ack_deadline: Option<Instant>,
     arrived: VecDeque<Arrived<I>>,
     buffer_requests: VecDeque<BufferRequest>,
+    /// A pull waits for memory ([`ChannelCore::retry_buffer_request`]): when to ask again, and
+    /// the wait before that (doubling from [`BUFFER_RETRY_FIRST`] to [`BUFFER_RETRY_MAX`]
+    /// while the driver finds none).
+    buffer_retry: Option<(Instant, Duration)>,
     reads: HashMap<u64, (u64, u32)>,
     next_read_token: u64,
     reads_outstanding: u32,
@@ -597,6 +606,7 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
             ack_deadline: None,
             arrived: VecDeque::new(),
             buffer_requests: VecDeque::new(),
+            buffer_retry: None,
             reads: HashMap::new(),
             next_read_token: 0,
             reads_outstanding: 0,
@@ -750,6 +760,8 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
     /// A buffer for [`BufferRequest`] `id`. A buffer too small, or for an unknown request, is
     /// dropped (released) and the request stays open.
     pub fn handle_buffer(&mut self, id: u64, buf: I) {
+        // Memory was found: the next shortage starts its back-off afresh.
+        self.buffer_retry = None;
         let Some(a) = self.arrived.iter_mut().find(|a| a.head.seq == id) else {
             return;
         };
@@ -771,10 +783,18 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
         }
     }
 
-    /// A buffer request the driver could not serve yet: asked again by the next
-    /// [`ChannelCore::poll_buffer_request`].
-    pub fn retry_buffer_request(&mut self, req: BufferRequest) {
+    /// A buffer request the driver could not serve yet (no memory at `now`): asked again by
+    /// the next [`ChannelCore::poll_buffer_request`], and by [`ChannelCore::poll_timeout`] a
+    /// little later, doubling while none is found — memory may come back without anything
+    /// else for this channel to do (the application dropping messages it held, on its own
+    /// thread), and a pull that only waited for the next event could wait for ever.
+    pub fn retry_buffer_request(&mut self, now: Instant, req: BufferRequest) {
         self.buffer_requests.push_front(req);
+        let wait = match self.buffer_retry {
+            Some((_, last)) => (last * 2).min(BUFFER_RETRY_MAX),
+            None => BUFFER_RETRY_FIRST,
+        };
+        self.buffer_retry = Some((now.saturating_add(wait), wait));
     }
 
     /// A local failure outside the protocol (a refused post, no memory for the ring): the
@@ -903,16 +923,26 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
         }
     }
 
-    /// When to call [`ChannelCore::handle_timeout`] next.
+    /// When to call [`ChannelCore::handle_timeout`] next (then pump the channel): an ack due,
+    /// or a pull waiting for memory to ask again.
     pub fn poll_timeout(&self) -> Option<Instant> {
-        if self.state == State::Failed || self.delivered <= self.ack_sent {
+        if self.state == State::Failed {
             return None;
         }
+        let retry = self
+            .buffer_retry
+            .filter(|_| !self.buffer_requests.is_empty())
+            .map(|(at, _)| at);
         // A due ack that cannot go for lack of credit waits for the peer, not for the clock.
-        if !self.may_send_frame(self.returnable()) {
-            return None;
+        let ack = if self.delivered > self.ack_sent && self.may_send_frame(self.returnable()) {
+            self.ack_deadline
+        } else {
+            None
+        };
+        match (ack, retry) {
+            (Some(a), Some(r)) => Some(a.min(r)),
+            (a, r) => a.or(r),
         }
-        self.ack_deadline
     }
 
     /// True when [`ChannelCore::poll_event`] has something.

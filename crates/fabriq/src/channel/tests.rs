@@ -316,6 +316,42 @@ mod open_channel {
         assert_eq!(p.sides[1].received[0].1, Got::Bytes(data(100_000, 4)));
         assert_clean(&p);
     }
+
+    /// A pull that finds no memory asks again by itself (the core's timeout), backing off,
+    /// until memory comes back — with nothing else happening on the channel to wake it.
+    #[test]
+    fn a_pull_without_memory_asks_again_by_itself_backing_off() {
+        use std::time::Duration;
+        let mut p = Pair::symmetric(ChannelConfig::default());
+        let until = p.now.saturating_add(Duration::from_millis(20));
+        p.sides[1].no_memory_until = Some(until);
+        p.send(0, data(100_000, 4)).expect("accepted");
+        p.send(0, data(10, 5)).expect("accepted");
+        p.drive();
+        let got = &p.sides[1].received;
+        assert!(
+            got.len() == 2
+                && got[0] == (1, Got::Bytes(data(100_000, 4)))
+                && got[1] == (2, Got::Bytes(data(10, 5))),
+            "both messages, in order, once memory came back ({} received)",
+            got.len()
+        );
+        assert!(p.now >= until);
+        // 100 µs doubling to 5 ms: about ten asks over 20 ms, not one every 100 µs.
+        let asks = p.sides[1].memory_refusals;
+        assert!((5..=20).contains(&asks), "{asks} asks for memory");
+        // Memory found, the next shortage backs off from the start again: 250 µs without
+        // memory cost little more than that (asks at 100 and 300 µs), not the 5 ms the last
+        // shortage had reached.
+        let start = p.now;
+        p.sides[1].no_memory_until = Some(start.saturating_add(Duration::from_micros(250)));
+        p.send(0, data(100_000, 6)).expect("accepted");
+        p.drive();
+        assert_eq!(p.sides[1].received.len(), 3);
+        let took = Duration::from_nanos(p.now.as_nanos() - start.as_nanos());
+        assert!(took < Duration::from_millis(2), "took {took:?}");
+        assert_clean(&p);
+    }
 }
 
 mod event_order {

@@ -62,6 +62,7 @@ use crate::remote::ExposedRegion;
 use crate::worker::guard::GuardStats;
 use crate::worker::shared::{ChannelShared, WorkerShared};
 use crate::worker::streams::{stream_key, AcceptSender, Accepted, ConnHandle, FIRST_STREAM};
+use crate::worker::MemoryStats;
 use crate::worker::{
     self, direct_or_submit, Adopt, Command, EndpointShared, WorkerConfig, ONE_SIDED_DEPTH,
 };
@@ -258,11 +259,13 @@ impl Endpoint {
                 pin_cpu: config.pin_workers.then_some(i),
                 pool: crate::mempool::PoolConfig {
                     max_registered_bytes: config.pool_max_bytes.map(|b| b as usize),
+                    max_idle_bytes: usize::try_from(config.pool_idle_bytes).unwrap_or(usize::MAX),
                     ..crate::mempool::PoolConfig::default().with_chunk_size(chunk)
                 },
                 progress: config.progress,
                 close_linger: Duration::from_millis(config.close_linger_ms),
                 handler_wait: config.rpc_timeout(),
+                reclaim_after: Duration::from_millis(config.pool_reclaim_ms),
             };
             let t = worker::spawn(
                 Arc::clone(&shared),
@@ -322,6 +325,22 @@ impl Endpoint {
             .workers()
             .map(|w| w.shared.wakeups.load(Ordering::Relaxed))
             .sum()
+    }
+
+    /// The memory the endpoint's buffer pools hold registered, summed over its workers and the
+    /// threads that allocate for them, and what the workers' idle reclaim gave back
+    /// (`Config::pool_reclaim_ms`).
+    pub fn memory_stats(&self) -> MemoryStats {
+        self.inner
+            .workers()
+            .filter_map(|w| w.shared.buffers())
+            .map(|b| b.memory_stats())
+            .fold(MemoryStats::default(), |a, b| MemoryStats {
+                registered_bytes: a.registered_bytes + b.registered_bytes,
+                cached_large_bytes: a.cached_large_bytes + b.cached_large_bytes,
+                reclaims: a.reclaims + b.reclaims,
+                reclaimed_bytes: a.reclaimed_bytes + b.reclaimed_bytes,
+            })
     }
 
     /// `handler` serves `method` from now on (in place of the one before, if any).

@@ -88,6 +88,8 @@ enum Returned {
 struct Shared {
     local: OwnerCell<Local>,
     returned: SegQueue<Returned>,
+    /// The pool's registered bytes (`Local::registered`).
+    registered: Arc<AtomicU64>,
 }
 
 /// Metadata of one slab.
@@ -122,6 +124,8 @@ struct Counters {
     deregistrations: u64,
     allocs: u64,
     remote_frees: u64,
+    /// Bytes of idle slabs deregistered so far (`Local::trim_idle`).
+    slab_bytes_trimmed: u64,
 }
 
 /// The owner-only state of a pool.
@@ -137,9 +141,27 @@ struct Local {
     /// Ids of idle (uncarved, entirely free) slabs.
     idle: Vec<u32>,
     counters: Counters,
+    /// Bytes registered, readable from any thread ([`MemPool::registered_gauge`]; also in
+    /// [`Shared`]): changed only where registrations are, never on the alloc/free path of a
+    /// slab slot. A large buffer's drop takes its bytes off at once, on whichever thread it
+    /// deregisters the buffer, ahead of `counters.bytes_registered` when that is a foreign one.
+    registered: Arc<AtomicU64>,
+}
+
+impl Drop for Local {
+    fn drop(&mut self) {
+        // The last buffer is gone (each holds the pool's `Shared`) and the slabs deregister
+        // with their regions here.
+        self.registered.store(0, Ordering::Relaxed);
+    }
 }
 
 impl Local {
+    fn add_registered(&mut self, bytes: u64) {
+        self.counters.bytes_registered += bytes;
+        self.registered.fetch_add(bytes, Ordering::Relaxed);
+    }
+
     fn slab_mut(&mut self, id: u32) -> &mut Slab {
         self.slabs
             .get_mut(id as usize)
@@ -189,7 +211,7 @@ impl Local {
         self.check_limit(size)?;
         let mr = self.pd.alloc_mr(size, self.cfg.access)?;
         self.counters.registrations += 1;
-        self.counters.bytes_registered += size as u64;
+        self.add_registered(size as u64);
         let slab = Slab {
             mr,
             class: None,
@@ -255,6 +277,7 @@ impl Local {
             Returned::Large { len } => {
                 self.counters.large_buffers -= 1;
                 self.counters.bytes_in_use -= len as u64;
+                // The gauge went down when the buffer was dropped (`PoolBuf::drop`).
                 self.counters.bytes_registered -= len as u64;
                 self.counters.deregistrations += 1;
             }
@@ -305,6 +328,8 @@ impl Local {
             self.slabs[id as usize] = None;
             self.vacant.push(id);
             self.counters.bytes_registered -= size as u64;
+            self.counters.slab_bytes_trimmed += size as u64;
+            self.registered.fetch_sub(size as u64, Ordering::Relaxed);
             self.counters.deregistrations += 1;
             released += size;
             tracing::debug!(slab = id, bytes = size, "pool slab reclaimed");
@@ -357,6 +382,7 @@ impl MemPool {
         cfg.validate()?;
         let classes = SizeClasses::new(cfg.min_class, cfg.max_class);
         let reg_cache = RegCache::new(pd, cfg.reg_cache.clone());
+        let registered = Arc::new(AtomicU64::new(0));
         let local = Local {
             pd: pd.clone(),
             partial: vec![Vec::new(); classes.count()],
@@ -366,11 +392,13 @@ impl MemPool {
             vacant: Vec::new(),
             idle: Vec::new(),
             counters: Counters::default(),
+            registered: Arc::clone(&registered),
         };
         Ok(MemPool {
             shared: Arc::new(Shared {
                 local: OwnerCell::new(local),
                 returned: SegQueue::new(),
+                registered,
             }),
             classes,
             reg_cache,
@@ -429,7 +457,7 @@ impl MemPool {
         local.check_limit(len)?;
         let mr = local.pd.alloc_mr(len, local.cfg.access)?;
         local.counters.registrations += 1;
-        local.counters.bytes_registered += len as u64;
+        local.add_registered(len as u64);
         local.counters.bytes_in_use += len as u64;
         local.counters.large_buffers += 1;
         local.counters.allocs += 1;
@@ -462,11 +490,20 @@ impl MemPool {
 
     /// Idle reclaim, for the worker's timer: take back remote frees, turn every entirely free
     /// slab idle, and deregister idle slabs above [`PoolConfig::max_idle_bytes`]. Returns the
-    /// bytes deregistered.
+    /// bytes deregistered (slabs the remote frees emptied included).
     pub fn reclaim(&mut self) -> usize {
         let mut local = self.local();
+        let before = local.counters.slab_bytes_trimmed;
         drain(&self.shared.returned, &mut local);
-        local.reclaim()
+        local.reclaim();
+        (local.counters.slab_bytes_trimmed - before) as usize
+    }
+
+    /// Bytes the pool holds registered (slabs and large buffers), readable from any thread:
+    /// the same figure as [`PoolStats::bytes_registered`], kept current as slabs and large
+    /// buffers are registered and deregistered. It outlives the pool while its buffers do.
+    pub fn registered_gauge(&self) -> Arc<AtomicU64> {
+        Arc::clone(&self.shared.registered)
     }
 
     /// The registration cache for caller memory above the largest class.
@@ -702,6 +739,9 @@ impl Drop for PoolBuf {
             Backing::Large(mr) => {
                 // Deregister here, on whichever thread drops it; only the counters travel back.
                 drop(mr.take());
+                self.shared
+                    .registered
+                    .fetch_sub(self.cap as u64, Ordering::Relaxed);
                 Returned::Large { len: self.cap }
             }
         };

@@ -173,6 +173,46 @@ fn reclaim_returns_idle_slabs_above_the_mark() {
 }
 
 #[test]
+fn reclaim_counts_the_slabs_remote_frees_emptied_and_the_gauge_follows_registrations() {
+    let (mut p, counters) = pool_with(PoolConfig {
+        max_idle_bytes: SLAB, // keep one idle slab
+        ..PoolConfig::default()
+    });
+    let gauge = p.registered_gauge();
+    let bufs: Vec<PoolBuf> = (0..4 * 32).map(|_| p.alloc(64 * 1024).unwrap()).collect();
+    assert_eq!(gauge.load(Ordering::Relaxed), 4 * SLAB as u64);
+    // Freed on another thread: only queued back, nothing deregistered yet.
+    std::thread::spawn(move || drop(bufs)).join().unwrap();
+    assert_eq!(gauge.load(Ordering::Relaxed), 4 * SLAB as u64);
+    assert_eq!(counters.live.load(Ordering::SeqCst), 4);
+    // The reclaim takes them back (emptying slabs that go idle and above the mark on the way)
+    // and trims the rest: everything but the one idle slab the mark keeps, all counted.
+    assert_eq!(p.reclaim(), 3 * SLAB);
+    assert_eq!(counters.live.load(Ordering::SeqCst), 1);
+    assert_eq!(gauge.load(Ordering::Relaxed), SLAB as u64);
+    assert_eq!(p.stats().bytes_registered, SLAB as u64);
+
+    // A large buffer counts while it lives; dropped on another thread, it is deregistered
+    // there, and the gauge says so at once (the counters follow when the pool drains).
+    let big = p.alloc_large(3 << 20).unwrap();
+    assert_eq!(gauge.load(Ordering::Relaxed), SLAB as u64 + (3 << 20));
+    std::thread::spawn(move || drop(big)).join().unwrap();
+    assert_eq!(gauge.load(Ordering::Relaxed), SLAB as u64);
+    assert_eq!(
+        p.reclaim(),
+        0,
+        "the large buffer was not the reclaim's to deregister"
+    );
+    assert_eq!(p.stats().bytes_registered, SLAB as u64);
+    // The gauge outlives the pool while its buffers do, and reads 0 once all is gone.
+    let last = p.alloc(64).unwrap();
+    drop(p);
+    assert!(gauge.load(Ordering::Relaxed) > 0);
+    drop(last);
+    assert_eq!(gauge.load(Ordering::Relaxed), 0);
+}
+
+#[test]
 fn alloc_free_ping_pong_does_not_churn_registrations() {
     let (mut p, counters) = pool_with(PoolConfig {
         max_idle_bytes: 0,

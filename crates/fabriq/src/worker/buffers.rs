@@ -10,11 +10,19 @@
 //! registering — and making the peer map — a new region per message. Large buffers come back
 //! from the channel (send completed) or, through a lock-free queue, from the application thread
 //! that dropped a received [`crate::Message`].
+//!
+//! Idle reclaim: a pool takes back what other threads freed only when its own thread allocates
+//! or reclaims, so a worker that goes quiet after a burst would keep the burst's slabs
+//! registered for as long as it stays quiet. The worker therefore arms a reclaim timer when it
+//! goes to sleep holding more than the pool's idle mark, or large buffers in the cache
+//! ([`Buffers::needs_reclaim`]); when it fires, [`Buffers::reclaim_here`] drains the remote
+//! frees of the thread's pool, trims its idle slabs to the mark, and lets go of the cached
+//! large buffers if none was reused since the last reclaim.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 
 use crossbeam_queue::SegQueue;
 use fabriq_verbs::ProtectionDomain;
@@ -41,6 +49,24 @@ thread_local! {
 struct Cache {
     by_cap: HashMap<usize, Vec<PoolBuf>>,
     bytes: usize,
+    /// Buffers taken from the cache since the last reclaim: none, and the reclaim lets the
+    /// cache go.
+    taken: u64,
+}
+
+/// What the buffers of one endpoint hold: see [`crate::Endpoint::memory_stats`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MemoryStats {
+    /// Bytes registered by the endpoint's buffer pools — every thread's pool of every worker:
+    /// slabs (in use or kept idle up to the mark) and large buffers (in use or cached). Receive
+    /// rings and exposed regions are registered apart and not counted.
+    pub registered_bytes: u64,
+    /// Of those, bytes of large buffers (above the largest class) kept for reuse.
+    pub cached_large_bytes: u64,
+    /// Idle reclaims the workers' timers ran.
+    pub reclaims: u64,
+    /// Bytes those reclaims deregistered (slabs and cached large buffers).
+    pub reclaimed_bytes: u64,
 }
 
 /// A worker's buffers: per-thread pools plus the shared large-buffer cache.
@@ -52,6 +78,11 @@ pub(crate) struct Buffers {
     max_class: usize,
     cache: Mutex<Cache>,
     returned: Arc<SegQueue<PoolBuf>>,
+    /// Registered bytes of each thread's pool ([`MemPool::registered_gauge`]), pruned as pools
+    /// go.
+    gauges: Mutex<Vec<Weak<AtomicU64>>>,
+    reclaims: AtomicU64,
+    reclaimed_bytes: AtomicU64,
 }
 
 impl std::fmt::Debug for Buffers {
@@ -82,8 +113,12 @@ impl Buffers {
             cache: Mutex::new(Cache {
                 by_cap: HashMap::new(),
                 bytes: 0,
+                taken: 0,
             }),
             returned: Arc::new(SegQueue::new()),
+            gauges: Mutex::new(Vec::new()),
+            reclaims: AtomicU64::new(0),
+            reclaimed_bytes: AtomicU64::new(0),
         })
     }
 
@@ -124,6 +159,11 @@ impl Buffers {
             // A new entry: drop the pools of sources that are gone first.
             pools.retain(|p| p.alive.load(Ordering::Acquire));
             let pool = MemPool::new(&self.pd, self.config.clone())?;
+            {
+                let mut gauges = self.gauges.lock();
+                gauges.retain(|g| g.strong_count() > 0);
+                gauges.push(Arc::downgrade(&pool.registered_gauge()));
+            }
             pools.push(ThreadPool {
                 source: self.id,
                 alive: Arc::clone(&self.alive),
@@ -147,6 +187,7 @@ impl Buffers {
             self.take_returned(&mut c);
             if let Some(mut b) = c.by_cap.get_mut(&cap).and_then(Vec::pop) {
                 c.bytes -= b.capacity();
+                c.taken += 1;
                 b.set_len(len);
                 return Ok(b);
             }
@@ -163,6 +204,82 @@ impl Buffers {
                 c.bytes += b.capacity();
                 c.by_cap.entry(b.capacity()).or_default().push(b);
             }
+        }
+    }
+
+    /// Run `f` on the calling thread's pool for this source, if it has one.
+    fn with_existing_pool<T>(&self, f: impl FnOnce(&mut MemPool) -> T) -> Option<T> {
+        POOLS.with(|cell| {
+            let mut pools = cell.borrow_mut();
+            pools
+                .iter_mut()
+                .find(|p| p.source == self.id)
+                .map(|p| f(&mut p.pool))
+        })
+    }
+
+    /// Whether a reclaim could give memory back: the calling thread's pool holds more than its
+    /// idle mark registered (remote frees not yet taken back count, they are registered), or
+    /// large buffers are cached. Cheap: a thread-local look-up, an atomic load, a lock.
+    pub(crate) fn needs_reclaim(&self) -> bool {
+        let mark = self.config.max_idle_bytes as u64;
+        let pool_above = self
+            .with_existing_pool(|p| p.registered_gauge().load(Ordering::Relaxed) > mark)
+            .unwrap_or(false);
+        pool_above || self.cache.lock().bytes > 0 || !self.returned.is_empty()
+    }
+
+    /// Idle reclaim on the calling thread's pool ([`MemPool::reclaim`]) and of the large-buffer
+    /// cache when none of it was reused since the last one. Returns the bytes deregistered.
+    pub(crate) fn reclaim_here(&self) -> u64 {
+        let slabs = self.with_existing_pool(MemPool::reclaim).unwrap_or(0) as u64;
+        let dropped = {
+            let mut c = self.cache.lock();
+            self.take_returned(&mut c);
+            let idle = c.taken == 0;
+            c.taken = 0;
+            if idle {
+                c.bytes = 0;
+                std::mem::take(&mut c.by_cap)
+            } else {
+                HashMap::new()
+            }
+        };
+        // Dropped outside the lock: each deregisters its region.
+        let large: u64 = dropped
+            .values()
+            .flatten()
+            .map(|b| b.capacity() as u64)
+            .sum();
+        drop(dropped);
+        let released = slabs + large;
+        self.reclaims.fetch_add(1, Ordering::Relaxed);
+        self.reclaimed_bytes.fetch_add(released, Ordering::Relaxed);
+        if released > 0 {
+            tracing::debug!(bytes = released, "idle reclaim");
+        }
+        released
+    }
+
+    /// What these buffers hold and what reclaim gave back.
+    pub(crate) fn memory_stats(&self) -> MemoryStats {
+        let registered_bytes = self
+            .gauges
+            .lock()
+            .iter()
+            .filter_map(Weak::upgrade)
+            .map(|g| g.load(Ordering::Relaxed))
+            .sum();
+        let cached_large_bytes = {
+            let mut c = self.cache.lock();
+            self.take_returned(&mut c);
+            c.bytes as u64
+        };
+        MemoryStats {
+            registered_bytes,
+            cached_large_bytes,
+            reclaims: self.reclaims.load(Ordering::Relaxed),
+            reclaimed_bytes: self.reclaimed_bytes.load(Ordering::Relaxed),
         }
     }
 

@@ -62,6 +62,7 @@ use crate::message::{Message, Payload};
 use crate::rpc::wire as rpcwire;
 use crate::rpc::{Responder, RpcError, Served};
 pub(crate) use buffers::Buffers;
+pub use buffers::MemoryStats;
 use clock::PassClock;
 use reply::{Cached, CallResult, OneSidedResult, ReplyTo, SlotReceiver};
 use shared::{Awaited, ChannelShared, Failure, WorkerShared};
@@ -209,6 +210,9 @@ pub(crate) const EPOLL_WAKE: u64 = 0;
 const EPOLL_CQ: u64 = 1;
 const EPOLL_CONTROL: u64 = 1 << 40;
 const MAX_ORPHANS: usize = 1 << 16;
+/// Passes that did work a worker may run between arming its reclaim timer and its firing and
+/// still count as quiet (`Timer::Reclaim`): a few wake-ups, not a stream of traffic.
+const RECLAIM_QUIET_PASSES: u64 = 16;
 /// Longest a closing channel's QP is given to flush before it is destroyed instead of cached.
 const RETIRE_DRAIN_LIMIT: Duration = Duration::from_millis(100);
 /// A closing connection nudges its peer when it starts to wait for it, again after this long,
@@ -230,6 +234,8 @@ enum Timer {
     /// `Worker::awaiting` (a sleeping worker would otherwise not look until something else
     /// woke it).
     ReadyDue,
+    /// The idle reclaim of the buffers (`Worker::arm_reclaim`).
+    Reclaim,
 }
 
 /// A one-sided operation posted to the QP. Its buffer stays until the completion comes, even
@@ -641,6 +647,9 @@ pub(crate) struct WorkerConfig {
     /// Longest a handler's wait without a deadline of its own may take (`Config::rpc_timeout_ms`;
     /// see [`WorkerShared::handler_deadline`]).
     pub(crate) handler_wait: Duration,
+    /// How long after going to sleep the worker reclaims idle buffer memory
+    /// (`Config::pool_reclaim_ms`; zero: never from a timer).
+    pub(crate) reclaim_after: Duration,
 }
 
 /// The worker state: locked by whoever runs a progress pass.
@@ -691,6 +700,12 @@ pub(crate) struct Worker {
     /// waits before it, is handed to it here instead of going through the stream's delivery
     /// queue (see [`Handoff`]).
     handoff: Handoff,
+    /// See [`WorkerConfig::reclaim_after`].
+    reclaim_after: Duration,
+    /// `busy_passes` when a `Timer::Reclaim` was armed; `None`: none is.
+    reclaim_armed: Option<u64>,
+    /// Passes that did work (a quiet worker's reclaim timer finds this unchanged).
+    busy_passes: u64,
 }
 
 /// What the application thread running a pass waits for, and whether the pass gave it: a
@@ -775,6 +790,9 @@ pub(crate) fn spawn(
         loops: 0,
         clock: PassClock::default(),
         handoff: Handoff::default(),
+        reclaim_after: cfg.reclaim_after,
+        reclaim_armed: None,
+        busy_passes: 0,
     };
     shared.install(
         worker,
@@ -1120,6 +1138,14 @@ impl Worker {
 
     /// A progress pass on the clock already read (right after a direct operation).
     fn pass(&mut self, shared: &WorkerShared) -> usize {
+        let work = self.pass_body(shared);
+        if work > 0 {
+            self.busy_passes = self.busy_passes.wrapping_add(1);
+        }
+        work
+    }
+
+    fn pass_body(&mut self, shared: &WorkerShared) -> usize {
         if shared.stopped.load(Ordering::Acquire) {
             return 0;
         }
@@ -1345,6 +1371,24 @@ impl Worker {
     /// protocol's timers are tens of microseconds and up), not per completion and channel.
     fn clock(&mut self) -> Instant {
         self.clock.get(now)
+    }
+
+    /// On the way to sleep: if the buffers hold memory a reclaim could give back
+    /// ([`Buffers::needs_reclaim`]), reclaim it once the worker has been quiet for
+    /// `reclaim_after` — unless a reclaim is armed already. The timer wakes the sleeper; the
+    /// next sleep arms it again while there is more to give back (or when the worker was busy
+    /// in between, which skips the reclaim), so a worker holding no more than its pool's idle
+    /// mark sleeps without a timer.
+    pub(crate) fn arm_reclaim(&mut self) {
+        if self.reclaim_armed.is_some()
+            || self.reclaim_after.is_zero()
+            || !self.buffers.needs_reclaim()
+        {
+            return;
+        }
+        let at = now().saturating_add(self.reclaim_after);
+        self.timers.insert(at, (at, Timer::Reclaim));
+        self.reclaim_armed = Some(self.busy_passes);
     }
 
     /// Arm the CQ before sleeping; false when the CQ has no event fd.
@@ -1855,6 +1899,16 @@ impl Worker {
                     }
                 }
                 Timer::ReadyDue => {}
+                Timer::Reclaim => {
+                    // Only a worker that stayed quiet since it armed the timer reclaims (a pass
+                    // or two did work: the wake-ups of a sleeping worker, a lone message):
+                    // deregistering costs, and a busy worker's frees come back by themselves.
+                    // A busy one arms it again at its next sleep.
+                    let armed = self.reclaim_armed.take().unwrap_or(0);
+                    if self.busy_passes.wrapping_sub(armed) <= RECLAIM_QUIET_PASSES {
+                        self.buffers.reclaim_here();
+                    }
+                }
                 Timer::Nudge(id) => self.nudge_peer(id, now, Some(t)),
                 Timer::Linger(id) => {
                     if self.conns.get(&id).is_some_and(|st| st.closing == Some(t)) {

@@ -741,6 +741,7 @@ impl WorkerShared {
                 return None;
             }
             let armed = g.arm_cq();
+            g.arm_reclaim();
             let n = g.progress(self);
             if n > 0 {
                 self.woke();

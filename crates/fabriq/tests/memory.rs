@@ -295,3 +295,43 @@ fn a_busy_worker_does_not_stop_to_reclaim() {
         assert!(trimmed, "{device}: {m:?}");
     }
 }
+
+#[test]
+fn kept_memory_gives_way_to_a_pull_under_the_pool_bound() {
+    for (device, progress) in devices()
+        .into_iter()
+        .flat_map(|d| [(d.clone(), Progress::Thread), (d, Progress::Caller)])
+    {
+        let cfg = Config {
+            device: device.clone(),
+            progress,
+            ..Config::default()
+        };
+        let server = match Endpoint::new(Config {
+            pool_max_bytes: Some(8 * MIB),
+            pool_reclaim_ms: 0,
+            ..cfg.clone()
+        }) {
+            Ok(e) => e,
+            Err(e) => {
+                eprintln!("skipping {device}: {e}");
+                continue;
+            }
+        };
+        let client = Endpoint::new(cfg).expect("client");
+        let listener = server.listen("127.0.0.1:0").expect("listen");
+        let c = client.connect(listener.local_addr()).expect("connect");
+        let s = listener.accept_timeout(HANG).expect("accept");
+        // A 3 MiB message's 4 MiB buffer, kept for reuse once the application dropped it …
+        c.send(&pattern(1, 3 << 20)).expect("send");
+        let m = s.recv_timeout(HANG).expect("recv");
+        assert!(m[..] == pattern(1, 3 << 20)[..]);
+        drop(m);
+        // … must not keep a 6 MiB message (an 8 MiB buffer) out of the 8 MiB bound.
+        c.send(&pattern(2, 6 << 20)).expect("send");
+        let m = s
+            .recv_timeout(Duration::from_secs(5))
+            .unwrap_or_else(|e| panic!("{device} {progress:?}: {e}: {:?}", server.memory_stats()));
+        assert!(m[..] == pattern(2, 6 << 20)[..], "{device} {progress:?}");
+    }
+}

@@ -101,7 +101,8 @@ pub struct PoolConfig {
     /// deregistered. Default 8 MiB.
     pub max_idle_bytes: usize,
     /// Hard limit on bytes registered by the pool (slabs and large buffers; not the registration
-    /// cache, which has its own bound). `None`: unlimited. Default `None`.
+    /// cache, which has its own bound). `None`: unlimited. Default `None`. Idle slabs count
+    /// until an allocation needs their room: then they go first.
     pub max_registered_bytes: Option<usize>,
     /// Bounds of the registration cache.
     pub reg_cache: RegCacheConfig,

@@ -319,8 +319,13 @@ impl Local {
 
     /// Deregister idle slabs above the high-water mark; returns the bytes released.
     fn trim_idle(&mut self) -> usize {
+        self.trim_idle_to(self.cfg.max_idle_bytes)
+    }
+
+    /// Deregister idle slabs above `keep_bytes`; returns the bytes released.
+    fn trim_idle_to(&mut self, keep_bytes: usize) -> usize {
         let size = self.cfg.slab_size;
-        let keep = self.cfg.max_idle_bytes / size;
+        let keep = keep_bytes / size;
         let mut released = 0;
         while self.idle.len() > keep {
             let Some(id) = self.idle.pop() else { break };
@@ -337,7 +342,9 @@ impl Local {
         released
     }
 
-    fn reclaim(&mut self) -> usize {
+    /// Turn every entirely free carved slab idle, then keep at most `keep_bytes` of idle
+    /// memory; returns the bytes deregistered.
+    fn reclaim_to(&mut self, keep_bytes: usize) -> usize {
         for class in 0..self.partial.len() {
             let empty: Vec<u32> = self.partial[class]
                 .iter()
@@ -352,7 +359,7 @@ impl Local {
                 self.make_idle(class, id);
             }
         }
-        self.trim_idle()
+        self.trim_idle_to(keep_bytes)
     }
 }
 
@@ -424,8 +431,17 @@ impl MemPool {
     }
 
     /// A buffer of capacity `len` rounded up to its class, with length `len` (contents
-    /// unspecified: zeroed on first use, stale after reuse).
+    /// unspecified: zeroed on first use, stale after reuse). At the registration bound the
+    /// pool first lets go of what it keeps unused (its idle slabs, whatever the mark) before
+    /// it answers [`PoolError::Exhausted`].
     pub fn alloc(&mut self, len: usize) -> Result<PoolBuf, PoolError> {
+        match self.alloc_slot(len) {
+            Err(PoolError::Exhausted { .. }) if self.make_room() => self.alloc_slot(len),
+            r => r,
+        }
+    }
+
+    fn alloc_slot(&mut self, len: usize) -> Result<PoolBuf, PoolError> {
         let class = self.classes.class_of(len).ok_or(PoolError::TooLarge {
             len,
             max_class: self.classes.max_size(),
@@ -451,8 +467,16 @@ impl MemPool {
     }
 
     /// A pool-owned buffer of exactly `len` bytes in a dedicated registration
-    /// (`alloc_mr(len)`), for payloads above the largest class. Deregistered when dropped.
+    /// (`alloc_mr(len)`), for payloads above the largest class. Deregistered when dropped. At
+    /// the registration bound, as [`MemPool::alloc`].
     pub fn alloc_large(&mut self, len: usize) -> Result<PoolBuf, PoolError> {
+        match self.alloc_region(len) {
+            Err(PoolError::Exhausted { .. }) if self.make_room() => self.alloc_region(len),
+            r => r,
+        }
+    }
+
+    fn alloc_region(&mut self, len: usize) -> Result<PoolBuf, PoolError> {
         let mut local = self.local();
         local.check_limit(len)?;
         let mr = local.pd.alloc_mr(len, local.cfg.access)?;
@@ -495,8 +519,18 @@ impl MemPool {
         let mut local = self.local();
         let before = local.counters.slab_bytes_trimmed;
         drain(&self.shared.returned, &mut local);
-        local.reclaim();
+        let keep = local.cfg.max_idle_bytes;
+        local.reclaim_to(keep);
         (local.counters.slab_bytes_trimmed - before) as usize
+    }
+
+    /// At the registration bound ([`PoolConfig::max_registered_bytes`]), before an allocation
+    /// fails for it: what the pool keeps unused goes — remote frees taken back, every entirely
+    /// free slab deregistered, the idle mark notwithstanding. True if that changed anything.
+    fn make_room(&self) -> bool {
+        let mut local = self.local();
+        let drained = drain(&self.shared.returned, &mut local);
+        drained > 0 || local.reclaim_to(0) > 0
     }
 
     /// Bytes the pool holds registered (slabs and large buffers), readable from any thread:

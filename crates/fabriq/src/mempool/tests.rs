@@ -213,6 +213,34 @@ fn reclaim_counts_the_slabs_remote_frees_emptied_and_the_gauge_follows_registrat
 }
 
 #[test]
+fn at_the_bound_kept_memory_gives_way_before_an_allocation_fails() {
+    let (mut p, counters) = pool_with(PoolConfig {
+        max_idle_bytes: 4 * SLAB, // the mark would keep all four
+        max_registered_bytes: Some(4 * SLAB),
+        ..PoolConfig::default()
+    });
+    let bufs: Vec<PoolBuf> = (0..4 * 32).map(|_| p.alloc(64 * 1024).unwrap()).collect();
+    drop(bufs);
+    assert_eq!(
+        p.stats().bytes_registered,
+        4 * SLAB as u64,
+        "kept under the mark"
+    );
+    // Another class, and a large buffer: both need room the idle slabs hold.
+    let big = p.alloc_large(3 * SLAB).expect("the idle slabs give way");
+    let small = p.alloc(64).expect("one slab left under the bound");
+    assert_eq!(counters.live.load(Ordering::SeqCst), 2);
+    assert!(matches!(
+        p.alloc_large(SLAB),
+        Err(PoolError::Exhausted { .. })
+    ));
+    // Frees from another thread count too: taken back before the answer is no.
+    std::thread::spawn(move || drop(big)).join().unwrap();
+    let again = p.alloc_large(2 * SLAB).expect("the remote free made room");
+    drop((small, again));
+}
+
+#[test]
 fn alloc_free_ping_pong_does_not_churn_registrations() {
     let (mut p, counters) = pool_with(PoolConfig {
         max_idle_bytes: 0,

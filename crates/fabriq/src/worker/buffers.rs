@@ -176,8 +176,33 @@ impl Buffers {
         })
     }
 
-    /// A registered buffer of length `len` (capacity may be larger).
+    /// A registered buffer of length `len` (capacity may be larger). At the pool's bound
+    /// (`Config::pool_max_bytes`), the large buffers kept for reuse go before the allocation
+    /// fails: they count against the bound of the pool that made them.
     pub(crate) fn alloc(&self, len: usize) -> Result<PoolBuf, PoolError> {
+        match self.alloc_once(len) {
+            Err(PoolError::Exhausted { .. }) if self.drop_cached() > 0 => self.alloc_once(len),
+            r => r,
+        }
+    }
+
+    /// Let go of the cached large buffers (each deregisters its region as it drops, outside
+    /// the lock); the bytes they held.
+    fn drop_cached(&self) -> u64 {
+        let dropped = {
+            let mut c = self.cache.lock();
+            self.take_returned(&mut c);
+            c.bytes = 0;
+            std::mem::take(&mut c.by_cap)
+        };
+        dropped
+            .values()
+            .flatten()
+            .map(|b| b.capacity() as u64)
+            .sum()
+    }
+
+    fn alloc_once(&self, len: usize) -> Result<PoolBuf, PoolError> {
         if len <= self.max_class {
             return self.with_pool(|p| p.alloc(len));
         }
@@ -233,25 +258,8 @@ impl Buffers {
     /// cache when none of it was reused since the last one. Returns the bytes deregistered.
     pub(crate) fn reclaim_here(&self) -> u64 {
         let slabs = self.with_existing_pool(MemPool::reclaim).unwrap_or(0) as u64;
-        let dropped = {
-            let mut c = self.cache.lock();
-            self.take_returned(&mut c);
-            let idle = c.taken == 0;
-            c.taken = 0;
-            if idle {
-                c.bytes = 0;
-                std::mem::take(&mut c.by_cap)
-            } else {
-                HashMap::new()
-            }
-        };
-        // Dropped outside the lock: each deregisters its region.
-        let large: u64 = dropped
-            .values()
-            .flatten()
-            .map(|b| b.capacity() as u64)
-            .sum();
-        drop(dropped);
+        let reused = std::mem::take(&mut self.cache.lock().taken) > 0;
+        let large = if reused { 0 } else { self.drop_cached() };
         let released = slabs + large;
         self.reclaims.fetch_add(1, Ordering::Relaxed);
         self.reclaimed_bytes.fetch_add(released, Ordering::Relaxed);

@@ -929,20 +929,25 @@ impl<O: OutPayload, I: InPayload> ChannelCore<O, I> {
         if self.state == State::Failed {
             return None;
         }
-        let retry = self
-            .buffer_retry
-            .filter(|_| !self.buffer_requests.is_empty())
-            .map(|(at, _)| at);
-        // A due ack that cannot go for lack of credit waits for the peer, not for the clock.
-        let ack = if self.delivered > self.ack_sent && self.may_send_frame(self.returnable()) {
-            self.ack_deadline
-        } else {
-            None
-        };
-        match (ack, retry) {
-            (Some(a), Some(r)) => Some(a.min(r)),
-            (a, r) => a.or(r),
+        if let Some((retry, _)) = self.buffer_retry {
+            if !self.buffer_requests.is_empty() {
+                return Some(self.ack_timeout().map_or(retry, |ack| ack.min(retry)));
+            }
         }
+        self.ack_timeout()
+    }
+
+    /// When an ack is due, if one is and may go.
+    #[inline]
+    fn ack_timeout(&self) -> Option<Instant> {
+        if self.delivered <= self.ack_sent {
+            return None;
+        }
+        // A due ack that cannot go for lack of credit waits for the peer, not for the clock.
+        if !self.may_send_frame(self.returnable()) {
+            return None;
+        }
+        self.ack_deadline
     }
 
     /// True when [`ChannelCore::poll_event`] has something.

@@ -436,8 +436,24 @@ impl MemPool {
     /// it answers [`PoolError::Exhausted`].
     pub fn alloc(&mut self, len: usize) -> Result<PoolBuf, PoolError> {
         match self.alloc_slot(len) {
-            Err(PoolError::Exhausted { .. }) if self.make_room() => self.alloc_slot(len),
+            Err(e @ PoolError::Exhausted { .. }) => self.alloc_slot_after_room(len, e),
             r => r,
+        }
+    }
+
+    /// [`MemPool::alloc`] at the bound: once more after [`MemPool::make_room`], if that
+    /// changed anything; else `exhausted`.
+    #[cold]
+    #[inline(never)]
+    fn alloc_slot_after_room(
+        &mut self,
+        len: usize,
+        exhausted: PoolError,
+    ) -> Result<PoolBuf, PoolError> {
+        if self.make_room() {
+            self.alloc_slot(len)
+        } else {
+            Err(exhausted)
         }
     }
 

@@ -181,8 +181,24 @@ impl Buffers {
     /// fails: they count against the bound of the pool that made them.
     pub(crate) fn alloc(&self, len: usize) -> Result<PoolBuf, PoolError> {
         match self.alloc_once(len) {
-            Err(PoolError::Exhausted { .. }) if self.drop_cached() > 0 => self.alloc_once(len),
+            Err(e @ PoolError::Exhausted { .. }) => self.alloc_after_dropping_cached(len, e),
             r => r,
+        }
+    }
+
+    /// [`Buffers::alloc`] at the bound: once more after letting the cache go, if it held any;
+    /// else `exhausted`.
+    #[cold]
+    #[inline(never)]
+    fn alloc_after_dropping_cached(
+        &self,
+        len: usize,
+        exhausted: PoolError,
+    ) -> Result<PoolBuf, PoolError> {
+        if self.drop_cached() > 0 {
+            self.alloc_once(len)
+        } else {
+            Err(exhausted)
         }
     }
 

@@ -210,9 +210,10 @@ pub(crate) const EPOLL_WAKE: u64 = 0;
 const EPOLL_CQ: u64 = 1;
 const EPOLL_CONTROL: u64 = 1 << 40;
 const MAX_ORPHANS: usize = 1 << 16;
-/// Passes that did work a worker may run between arming its reclaim timer and its firing and
-/// still count as quiet (`Timer::Reclaim`): a few wake-ups, not a stream of traffic.
-const RECLAIM_QUIET_PASSES: u64 = 16;
+/// Polls of the CQ that found completions a worker may make between arming its reclaim timer
+/// and its firing and still count as quiet (`Timer::Reclaim`): a few messages, not a stream of
+/// traffic.
+const RECLAIM_QUIET_POLLS: u64 = 16;
 /// Longest a closing channel's QP is given to flush before it is destroyed instead of cached.
 const RETIRE_DRAIN_LIMIT: Duration = Duration::from_millis(100);
 /// A closing connection nudges its peer when it starts to wait for it, again after this long,
@@ -702,10 +703,11 @@ pub(crate) struct Worker {
     handoff: Handoff,
     /// See [`WorkerConfig::reclaim_after`].
     reclaim_after: Duration,
-    /// `busy_passes` when a `Timer::Reclaim` was armed; `None`: none is.
+    /// `busy_polls` when a `Timer::Reclaim` was armed; `None`: none is.
     reclaim_armed: Option<u64>,
-    /// Passes that did work (a quiet worker's reclaim timer finds this unchanged).
-    busy_passes: u64,
+    /// Polls of the CQ that found completions (a quiet worker's reclaim timer finds this
+    /// about unchanged).
+    busy_polls: u64,
 }
 
 /// What the application thread running a pass waits for, and whether the pass gave it: a
@@ -792,7 +794,7 @@ pub(crate) fn spawn(
         handoff: Handoff::default(),
         reclaim_after: cfg.reclaim_after,
         reclaim_armed: None,
-        busy_passes: 0,
+        busy_polls: 0,
     };
     shared.install(
         worker,
@@ -1138,14 +1140,6 @@ impl Worker {
 
     /// A progress pass on the clock already read (right after a direct operation).
     fn pass(&mut self, shared: &WorkerShared) -> usize {
-        let work = self.pass_body(shared);
-        if work > 0 {
-            self.busy_passes = self.busy_passes.wrapping_add(1);
-        }
-        work
-    }
-
-    fn pass_body(&mut self, shared: &WorkerShared) -> usize {
         if shared.stopped.load(Ordering::Acquire) {
             return 0;
         }
@@ -1388,7 +1382,7 @@ impl Worker {
         }
         let at = now().saturating_add(self.reclaim_after);
         self.timers.insert(at, (at, Timer::Reclaim));
-        self.reclaim_armed = Some(self.busy_passes);
+        self.reclaim_armed = Some(self.busy_polls);
     }
 
     /// Arm the CQ before sleeping; false when the CQ has no event fd.
@@ -1433,6 +1427,7 @@ impl Worker {
             }
         };
         if n > 0 {
+            self.busy_polls = self.busy_polls.wrapping_add(1);
             let now = self.clock();
             for wc in wcs.iter().take(n) {
                 self.completion(now, wc);
@@ -1900,12 +1895,12 @@ impl Worker {
                 }
                 Timer::ReadyDue => {}
                 Timer::Reclaim => {
-                    // Only a worker that stayed quiet since it armed the timer reclaims (a pass
-                    // or two did work: the wake-ups of a sleeping worker, a lone message):
+                    // Only a worker that stayed quiet since it armed the timer reclaims (a few
+                    // polls found completions: a lone message, a peer's keepalive):
                     // deregistering costs, and a busy worker's frees come back by themselves.
                     // A busy one arms it again at its next sleep.
                     let armed = self.reclaim_armed.take().unwrap_or(0);
-                    if self.busy_passes.wrapping_sub(armed) <= RECLAIM_QUIET_PASSES {
+                    if self.busy_polls.wrapping_sub(armed) <= RECLAIM_QUIET_POLLS {
                         self.buffers.reclaim_here();
                     }
                 }

@@ -319,6 +319,7 @@ fn demo_runs_end_to_end() {
             "RPC rate, 8 callers",
             "UnknownMethod error, as expected",
             "lock/increment/unlock, counter = 40)",
+            "MiB registered in its pools",
             "done.",
             &format!("({progress} progress,"),
         ] {

@@ -336,6 +336,12 @@ fn run_client(config: Config, addr: &str, n: u32, placement: &Placement) -> anyh
         "  CAS lock on server memory: acquire p50 {}  ({rounds} lock/increment/unlock, counter = {count})",
         us(lat.pct(0.5)),
     )?;
+    let mem = ep.memory_stats();
+    outln!(
+        "  buffer memory (client): {:.1} MiB registered in its pools, {:.1} MiB of it large buffers kept for reuse",
+        mem.registered_bytes as f64 / (1 << 20) as f64,
+        mem.cached_large_bytes as f64 / (1 << 20) as f64,
+    )?;
     outln!("done.")?;
     Ok(())
 }

@@ -504,7 +504,9 @@ fn call_each(
 /// worker is free (`WorkerShared::nudge_backstop`). Here the state is held by an application
 /// thread that called in moments before and then stops calling: without the nudge the
 /// send waited for the back-stop's grace in some rounds (10–20 ms). Ten rounds; at most
-/// one may take 4 ms or more.
+/// one may take 8 ms or more (two scheduler ticks of a 250 Hz kernel: on a loaded host a
+/// woken thread may wait a tick or two for its CPU: 4.0–5.3 ms in 3 of 12 runs with two busy
+/// loops beside the test).
 #[test]
 fn a_send_a_handler_queues_for_a_busy_worker_goes_once_that_worker_is_free() {
     use std::time::{Duration, Instant};
@@ -549,7 +551,7 @@ fn a_send_a_handler_queues_for_a_busy_worker_goes_once_that_worker_is_free() {
         drop(held);
         assert_eq!(&end.recv_timeout(WAIT).expect("queued")[..], b"queued");
         let took = t.elapsed();
-        if took >= Duration::from_millis(4) {
+        if took >= Duration::from_millis(8) {
             slow.push((round, took));
         }
     }

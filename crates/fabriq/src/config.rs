@@ -206,7 +206,9 @@ pub struct Config {
     /// (`FABRIQ_POOL_MAX_BYTES`, at least 2 MiB; unset: no bound). Memory kept for reuse (idle
     /// slabs, cached large buffers) gives way first; an allocation still past it fails with
     /// [`crate::mempool::PoolError`]: a send says so, an RPC reply that finds no room answers
-    /// its caller `RpcError::Handler("no memory")`, a rendezvous pull waits for memory.
+    /// its caller `RpcError::Handler("no memory")`, a rendezvous pull waits for memory — and a
+    /// message above the bound itself fails its connection with
+    /// [`crate::ChannelError::MessageTooLarge`].
     pub pool_max_bytes: Option<u64>,
     /// Entirely free memory each thread's pool keeps registered for reuse; freed slabs beyond
     /// it are deregistered (`FABRIQ_POOL_IDLE_BYTES`, default 8 MiB).

@@ -9,13 +9,15 @@
 //! that, sleep without the reclaim timer.
 //!
 //! A bounded pool (`Config::pool_max_bytes`): a rendezvous pull that finds no memory waits, and
-//! goes on once the application frees some — also when nothing else happens on the channel.
+//! goes on once the application frees some — also when nothing else happens on the channel;
+//! memory kept for reuse gives way to it; a message the pool can never hold fails its
+//! connection with a typed error instead of holding it up for good.
 //!
 //! Waits are bounded; the bounds only catch a reclaim or a pull that never comes.
 
 use std::time::{Duration, Instant};
 
-use fabriq::{Config, Endpoint, MemoryStats, Message, Progress};
+use fabriq::{ChannelError, Config, Endpoint, MemoryStats, Message, Progress};
 
 const HANG: Duration = Duration::from_secs(30);
 /// Longest the reclaim may take once the application dropped its messages (the timer is set
@@ -109,6 +111,9 @@ fn a_quiet_worker_gives_back_what_the_application_freed_on_its_own_thread() {
             "{device} {progress:?}: the burst never filled the pool: {m:?}"
         );
         let held = receive_all(&s, N, LEN);
+        // What the reads set going (acks, window updates) goes out first, so that nothing
+        // allocates on the worker after the drop below.
+        std::thread::sleep(Duration::from_millis(300));
         // Dropped here, on the application thread: each buffer is queued back to the worker's
         // pool, which takes it back only when its own thread allocates — or reclaims.
         drop(held);
@@ -333,5 +338,60 @@ fn kept_memory_gives_way_to_a_pull_under_the_pool_bound() {
             .recv_timeout(Duration::from_secs(5))
             .unwrap_or_else(|e| panic!("{device} {progress:?}: {e}: {:?}", server.memory_stats()));
         assert!(m[..] == pattern(2, 6 << 20)[..], "{device} {progress:?}");
+    }
+}
+
+#[test]
+fn a_message_the_pool_can_never_hold_fails_its_connection_with_a_typed_error() {
+    for (device, progress) in devices()
+        .into_iter()
+        .flat_map(|d| [(d.clone(), Progress::Thread), (d, Progress::Caller)])
+    {
+        let cfg = Config {
+            device: device.clone(),
+            progress,
+            ..Config::default()
+        };
+        let server = match Endpoint::new(Config {
+            pool_max_bytes: Some(8 * MIB),
+            ..cfg.clone()
+        }) {
+            Ok(e) => e,
+            Err(e) => {
+                eprintln!("skipping {device}: {e}");
+                continue;
+            }
+        };
+        let client = Endpoint::new(cfg.clone()).expect("client");
+        let listener = server.listen("127.0.0.1:0").expect("listen");
+        let c = client.connect(listener.local_addr()).expect("connect");
+        let s = listener.accept_timeout(HANG).expect("accept");
+        c.send(&pattern(0, 16 << 20)).expect("send");
+        // A message behind it: sent, or refused already if the failure came back first.
+        if let Err(e) = c.send(b"behind it") {
+            assert!(
+                matches!(e, ChannelError::PeerGone),
+                "{device} {progress:?}: {e}"
+            );
+        }
+        match s.recv_timeout(Duration::from_secs(5)) {
+            Err(ChannelError::MessageTooLarge { len, max }) => {
+                assert_eq!((len, max), (16 * MIB, 8 * MIB), "{device} {progress:?}");
+            }
+            other => panic!("{device} {progress:?}: {:?}", other.map(|m| m.len())),
+        }
+        // The sender learns that its connection is gone, rather than waiting for ever.
+        assert!(
+            c.recv_timeout(Duration::from_secs(5))
+                .is_err_and(|e| !matches!(e, ChannelError::Timeout)),
+            "{device} {progress:?}: the sender was not told"
+        );
+        // Other connections keep working.
+        let other = Endpoint::new(cfg).expect("another client");
+        let c2 = other.connect(listener.local_addr()).expect("connect again");
+        let s2 = listener.accept_timeout(HANG).expect("accept again");
+        c2.send(&pattern(1, 3 << 20)).expect("send");
+        let m = s2.recv_timeout(HANG).expect("recv on the other connection");
+        assert!(m[..] == pattern(1, 3 << 20)[..], "{device} {progress:?}");
     }
 }

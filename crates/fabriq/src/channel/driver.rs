@@ -336,6 +336,18 @@ impl ChannelDriver {
             };
             match pool.alloc_any(len) {
                 Ok(buf) => self.core.handle_buffer(req.id, buf),
+                Err(PoolError::Exhausted {
+                    requested, limit, ..
+                }) if requested > limit => {
+                    // More than the pool may ever register (`Config::pool_max_bytes`): no
+                    // memory freed later would make room, and waiting would hold up the
+                    // connection's every later message, silently.
+                    self.core.handle_fatal(ChannelError::MessageTooLarge {
+                        len: req.len,
+                        max: limit as u64,
+                    });
+                    return 0;
+                }
                 Err(e) => {
                     // Out of memory for now: the pull waits and the request is asked again on
                     // the next pump.

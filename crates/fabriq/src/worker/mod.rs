@@ -1835,6 +1835,7 @@ impl Worker {
         let call_err = || match &why {
             Failure::Error(s) => RpcError::Channel(ChannelError::Failed(s.clone())),
             Failure::Protocol(s) => RpcError::Channel(ChannelError::Protocol(s.clone())),
+            Failure::TooLarge { .. } => RpcError::Channel(why.to_error()),
             _ => RpcError::PeerGone,
         };
         for ss in st.streams.values_mut() {
@@ -2028,6 +2029,9 @@ impl Worker {
                             }
                             ChannelError::Closed => Failure::Closed,
                             ChannelError::Protocol(what) => Failure::Protocol(what.clone()),
+                            &ChannelError::MessageTooLarge { len, max } => {
+                                Failure::TooLarge { len, max }
+                            }
                             other => Failure::Error(other.to_string()),
                         };
                         newly_failed = Some(why);
@@ -2064,7 +2068,16 @@ impl Worker {
             } else {
                 st.driver.pump(now, &mut &**buffers)
             };
-            if progress == 0 || newly_failed.is_some() {
+            if newly_failed.is_some() {
+                break;
+            }
+            if progress == 0 {
+                // A pump that failed the core (a refused post, a message no memory will ever
+                // hold) did nothing else, but left the failure's event: the next round takes
+                // it, instead of whichever pump of this connection comes next, if any does.
+                if st.driver.core().is_failed() && st.driver.has_events() {
+                    continue;
+                }
                 break;
             }
             // Another round only for what this one may have left: events (a reply's error, a

@@ -999,6 +999,12 @@ pub(crate) enum Failure {
     Protocol(String),
     /// The peer refused the stream (`STREAM_REFUSED`).
     Refused,
+    /// A message arrived that this end can never hold: above what its pool may register
+    /// (`Config::pool_max_bytes`).
+    TooLarge {
+        len: u64,
+        max: u64,
+    },
     Error(String),
 }
 
@@ -1009,6 +1015,7 @@ impl Failure {
             Failure::PeerGone => ChannelError::PeerGone,
             Failure::Protocol(s) => ChannelError::Protocol(s.clone()),
             Failure::Refused => ChannelError::StreamRefused,
+            &Failure::TooLarge { len, max } => ChannelError::MessageTooLarge { len, max },
             Failure::Error(s) => ChannelError::Failed(s.clone()),
         }
     }

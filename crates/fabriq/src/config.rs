@@ -198,7 +198,11 @@ pub struct Config {
     pub signal_every: u32,
     /// Messages queued waiting for credit before `send` blocks.
     pub max_queued: u32,
-    /// Largest message.
+    /// Largest message, RPC header included: a longer one is refused where it is offered
+    /// (`send`, `try_send`, `send_buf`, `Rpc::call`: [`crate::ChannelError::MessageTooLarge`]),
+    /// a handler's longer reply reaches its caller as `RpcError::Handler("too large")`, and a
+    /// peer's longer message fails the connection (a protocol error: the ends do not exchange
+    /// their limits).
     pub max_message_len: u64,
     /// Eager threshold override.
     pub eager_max: Option<u32>,

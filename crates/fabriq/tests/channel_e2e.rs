@@ -1062,3 +1062,70 @@ fn direct_operations_do_not_wake_a_worker_sleeping_toward_an_unchanged_timer() {
         call.join().expect("caller").expect("the slow call");
     });
 }
+
+/// A message above `max_message_len` is refused where it is offered, with a typed error —
+/// `send`, `try_send`, `send_buf`, an RPC request; a handler's reply above it reaches its
+/// caller as `RpcError::Handler("too large")` at once — and the channel goes on. (It was
+/// accepted, then dropped by the channel core: `send` said `Ok` and the message never came.)
+#[test]
+fn a_message_above_the_largest_is_refused_where_it_is_offered() {
+    use fabriq::ChannelError;
+    const MAX: u64 = 1 << 20;
+    for device in ["shm0", "tcp0"] {
+        for progress in [Progress::Thread, Progress::Caller] {
+            let cfg = Config {
+                device: device.into(),
+                progress,
+                max_message_len: MAX,
+                ..Config::default()
+            };
+            let server = Endpoint::new(cfg.clone()).expect("server");
+            server.serve("big", |_| Ok(vec![7; 2 << 20]));
+            server.serve("echo", |r| Ok(r.to_vec()));
+            let client = Endpoint::new(cfg).expect("client");
+            let listener = server.listen("127.0.0.1:0").expect("listen");
+            let c = client.connect(listener.local_addr()).expect("connect");
+            let s = listener.accept_timeout(HANG).expect("accept");
+            let too_large = |r: Result<(), ChannelError>, what: &str| match r {
+                Err(ChannelError::MessageTooLarge { len, max }) => {
+                    assert_eq!((len, max), (MAX + 1, MAX), "{device} {progress:?} {what}");
+                }
+                other => panic!("{device} {progress:?} {what}: {other:?}"),
+            };
+            let big = vec![1u8; MAX as usize + 1];
+            too_large(c.send(&big), "send");
+            too_large(c.try_send(&big), "try_send");
+            too_large(c.send_timeout(&big, HANG), "send_timeout");
+            let mut buf = c.alloc(MAX as usize + 1).expect("alloc");
+            buf.fill(1);
+            too_large(c.send_buf(buf), "send_buf");
+            // The largest goes, and the channel goes on.
+            c.send(&pattern(MAX as usize, 3)).expect("send the largest");
+            let m = s.recv_timeout(HANG).expect("recv the largest");
+            assert!(
+                m[..] == pattern(MAX as usize, 3)[..],
+                "{device} {progress:?}"
+            );
+            let rpc = Rpc::new(c.clone());
+            match rpc.call("echo", &big, HANG) {
+                Err(RpcError::Channel(ChannelError::MessageTooLarge { max, .. })) => {
+                    assert_eq!(max, MAX);
+                }
+                other => panic!("{device} {progress:?} call: {:?}", other.map(|r| r.len())),
+            }
+            let t = std::time::Instant::now();
+            match rpc.call("big", b"", HANG) {
+                Err(RpcError::Handler(why)) => assert_eq!(why, "too large"),
+                other => panic!(
+                    "{device} {progress:?} big reply: {:?}",
+                    other.map(|r| r.len())
+                ),
+            }
+            assert!(
+                t.elapsed() < Duration::from_secs(5),
+                "told at once, not at the deadline"
+            );
+            assert_eq!(rpc.call("echo", b"still", HANG).expect("echo"), b"still");
+        }
+    }
+}

@@ -594,9 +594,13 @@ impl Endpoint {
         let failed = Arc::new(AtomicBool::new(false));
         let refusing = Arc::new(AtomicBool::new(false));
         // The configuration the driver was made with (an early one's may be a little older).
-        let (eager_max, max_queued) = {
+        let (eager_max, max_queued, max_len) = {
             let cfg = driver.core().config();
-            (cfg.thresholds.eager_max, cfg.max_queued)
+            (
+                cfg.thresholds.eager_max,
+                cfg.max_queued,
+                cfg.max_message_len,
+            )
         };
         // The stream the handshake opened exists on the worker from the adoption on, on both
         // sides: the peer may send on it as soon as its side is ready, and a message for a
@@ -608,6 +612,7 @@ impl Endpoint {
             Arc::clone(&w.shared),
             u64::from(max_queued),
             stream_window,
+            max_len,
         ));
         // Thread mode, worker awake (progressing, or spinning for its idle budget) and no
         // thread of the handshake busy-polling (a local control stream, or a zero
@@ -708,12 +713,13 @@ impl Endpoint {
                 return Channel::new(shared, self.clone(), peer, eager_max, Some(conn));
             }
         }
-        let window = u64::from(self.channel_config(w).max_queued);
+        let cfg = self.channel_config(w);
         let shared = Arc::new(ChannelShared::new(
             stream_key(conn.conn, stream),
             Arc::clone(&w.shared),
-            window,
+            u64::from(cfg.max_queued),
             conn.stream_window,
+            cfg.max_message_len,
         ));
         let id = conn.conn;
         direct_or_submit(

@@ -22,7 +22,6 @@ use tokio::sync::oneshot;
 use crate::channel::outbuf::{OutBuf, SmallBuf};
 use crate::channel::proto::TraceInfo;
 use crate::channel::{ChannelError, TraceFlags};
-use crate::mempool::PoolError;
 use crate::worker::async_wait;
 use crate::worker::guard::GuardCounters;
 use crate::worker::reply::{self, ReplyTo};
@@ -87,24 +86,58 @@ pub const HANDLER_PANICKED: &str = "the handler panicked: ";
 pub const NO_MEMORY: &str = "no memory";
 const _: () = assert!(wire::RPC_HEADER_LEN + NO_MEMORY.len() <= crate::channel::outbuf::SMALL_MAX);
 
-/// The reply to call `call_id` (`status`, `body`), or — without pool memory for it, counted in
-/// `guard` — the pool's error and the reply that says [`NO_MEMORY`], held in place (no pool
-/// memory).
+/// What the caller of a call is told ([`RpcError::Handler`]) when the handler's reply is above
+/// the connection's largest message (`Config::max_message_len`): the reply cannot go.
+pub const REPLY_TOO_LARGE: &str = "too large";
+const _: () =
+    assert!(wire::RPC_HEADER_LEN + REPLY_TOO_LARGE.len() <= crate::channel::outbuf::SMALL_MAX);
+
+/// A reply ready to queue ([`reply_buf`]): `buf`, the reply itself or the one held in place
+/// that tells the caller why not; `refused`, why the handler's reply could not go (its
+/// handler is told).
+pub(crate) struct ReplyBuf {
+    pub(crate) buf: Option<OutBuf>,
+    pub(crate) refused: Option<ChannelError>,
+}
+
+/// The reply to call `call_id` (`status`, `body`), or — above `max_len` (the connection's
+/// largest message), or without pool memory for it (counted in `guard`) — why not, and the
+/// reply that says [`REPLY_TOO_LARGE`] or [`NO_MEMORY`], held in place (no pool memory).
 pub(crate) fn reply_buf(
     buffers: &Buffers,
     guard: &GuardCounters,
     call_id: u64,
     status: wire::Status,
     body: &[u8],
-) -> Result<OutBuf, (PoolError, Option<OutBuf>)> {
-    let head = wire::encode_response_header(call_id, status);
-    alloc_filled(buffers, &[&head, body]).map_err(|e| {
-        tracing::warn!(%e, "no memory for an RPC reply");
-        guard.reply_without_memory();
+    max_len: u64,
+) -> ReplyBuf {
+    let held = |what: &str| {
         let head = wire::encode_response_header(call_id, wire::Status::HandlerError);
-        let small = SmallBuf::from_parts(&[&head, NO_MEMORY.as_bytes()]).map(OutBuf::Small);
-        (e, small)
-    })
+        SmallBuf::from_parts(&[&head, what.as_bytes()]).map(OutBuf::Small)
+    };
+    let len = (wire::RPC_HEADER_LEN + body.len()) as u64;
+    if len > max_len {
+        tracing::warn!(len, max_len, "an RPC reply above the largest message");
+        return ReplyBuf {
+            buf: held(REPLY_TOO_LARGE),
+            refused: Some(ChannelError::MessageTooLarge { len, max: max_len }),
+        };
+    }
+    let head = wire::encode_response_header(call_id, status);
+    match alloc_filled(buffers, &[&head, body]) {
+        Ok(buf) => ReplyBuf {
+            buf: Some(buf),
+            refused: None,
+        },
+        Err(e) => {
+            tracing::warn!(%e, "no memory for an RPC reply");
+            guard.reply_without_memory();
+            ReplyBuf {
+                buf: held(NO_MEMORY),
+                refused: Some(ChannelError::Pool(e)),
+            }
+        }
+    }
 }
 
 impl Responder {
@@ -123,8 +156,10 @@ impl Responder {
         }
     }
 
-    /// Send `body` as the call's reply. `Err` when the reply could not be queued: no pool
-    /// memory for it, or the endpoint stopped.
+    /// Send `body` as the call's reply. `Err` when the reply could not be queued: above the
+    /// connection's largest message (the caller gets [`RpcError::Handler`] with
+    /// [`REPLY_TOO_LARGE`]), no pool memory for it (with [`NO_MEMORY`]), or the endpoint
+    /// stopped.
     pub fn reply(mut self, body: &[u8]) -> Result<(), ChannelError> {
         self.answered = true;
         self.send(wire::Status::Ok, body)
@@ -142,11 +177,11 @@ impl Responder {
         let s = &self.stream;
         let buffers = s.worker.buffers().ok_or(ChannelError::Closed)?;
         let guard = &self.common.guard;
-        let (buf, failed) = match reply_buf(buffers, guard, self.call_id, status, body) {
-            Ok(buf) => (buf, None),
-            // The caller is told, and the handler too.
-            Err((e, Some(buf))) => (buf, Some(e)),
-            Err((e, None)) => return Err(ChannelError::Pool(e)),
+        // The caller is told, and the handler too.
+        let ReplyBuf { buf, refused } =
+            reply_buf(buffers, guard, self.call_id, status, body, s.max_len);
+        let Some(buf) = buf else {
+            return Err(refused.unwrap_or(ChannelError::Closed));
         };
         s.count_in(buf.len() as u64);
         let trace = TraceInfo {
@@ -156,7 +191,7 @@ impl Responder {
             stream_credits: 0,
         };
         submit_on_stream(s, buf, trace);
-        failed.map_or(Ok(()), |e| Err(ChannelError::Pool(e)))
+        refused.map_or(Ok(()), Err)
     }
 }
 
@@ -261,6 +296,13 @@ impl Rpc {
         let shared = self.channel.shared();
         if let Some(f) = shared.failure() {
             return Err(f.to_rpc_error());
+        }
+        let len = (wire::RPC_HEADER_LEN + request.len()) as u64;
+        if len > shared.max_len {
+            return Err(RpcError::Channel(ChannelError::MessageTooLarge {
+                len,
+                max: shared.max_len,
+            }));
         }
         let w = &shared.worker;
         let call_id = w.next_call_id();

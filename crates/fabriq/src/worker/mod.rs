@@ -2493,8 +2493,9 @@ fn on_received(
             ),
         };
         // Without pool memory for it, the caller is told so by a reply held in place.
-        match crate::rpc::reply_buf(pool, &common.guard, call_id, status, &reply) {
-            Ok(buf) | Err((_, Some(buf))) => {
+        let max_len = ss.shared.max_len;
+        match crate::rpc::reply_buf(pool, &common.guard, call_id, status, &reply, max_len).buf {
+            Some(buf) => {
                 ss.shared.count_in(buf.len() as u64);
                 backlog.push_back((
                     buf,
@@ -2506,7 +2507,7 @@ fn on_received(
                     },
                 ));
             }
-            Err((_, None)) => ss.serving -= 1,
+            None => ss.serving -= 1,
         }
         if let (Payload::Pool(b), Some(_)) = (payload, recycle) {
             pool.recycle(b);
@@ -2638,6 +2639,7 @@ fn on_stream_control(
         worker,
         window,
         st.stream_window,
+        st.driver.core().config().max_message_len,
     ));
     st.streams
         .insert(stream, StreamState::new(Arc::clone(&shared)));

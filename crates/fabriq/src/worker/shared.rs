@@ -1035,6 +1035,10 @@ pub(crate) struct ChannelShared {
     /// The stream's key on its worker (`worker::streams::StreamKey`).
     pub(crate) id: u64,
     pub(crate) worker: Arc<WorkerShared>,
+    /// Largest message the connection's channel core takes (`Config::max_message_len`): a
+    /// longer one is refused here, with [`ChannelError::MessageTooLarge`], before it is
+    /// accepted — the core would drop it.
+    pub(crate) max_len: u64,
     /// Delivered messages in order (the worker pushes, readers pop; waiters that poll look at
     /// it with one load).
     rx: DeliveryQueue,
@@ -1095,11 +1099,13 @@ impl ChannelShared {
         worker: Arc<WorkerShared>,
         window: u64,
         stream_window: u32,
+        max_len: u64,
     ) -> ChannelShared {
         let stream_window = u64::from(stream_window.max(4));
         ChannelShared {
             id,
             worker,
+            max_len,
             rx: DeliveryQueue::new(stream_window),
             failure: Mutex::new(None),
             rx_notify: tokio::sync::Notify::new(),
@@ -1312,6 +1318,12 @@ impl ChannelShared {
         if let Some(f) = self.failure_if_failed() {
             return Err(f.to_error());
         }
+        if len as u64 > self.max_len {
+            return Err(ChannelError::MessageTooLarge {
+                len: len as u64,
+                max: self.max_len,
+            });
+        }
         let counted = counted_bytes(len as u64);
         if counted > 0 {
             let bytes = self.outstanding_bytes.load(Ordering::Acquire);
@@ -1471,7 +1483,7 @@ mod tests {
 
     fn channel(window: u64, stream_window: u32) -> ChannelShared {
         let worker = Arc::new(WorkerShared::new(0).expect("worker"));
-        ChannelShared::new(1, worker, window, stream_window)
+        ChannelShared::new(1, worker, window, stream_window, u64::MAX)
     }
 
     fn deliver(ch: &ChannelShared, seq: u64) {

@@ -2492,7 +2492,8 @@ fn on_received(
                 format!("method {method:#010x}").into_bytes(),
             ),
         };
-        // Without pool memory for it, the caller is told so by a reply held in place.
+        // Above the largest message, or without pool memory for it, the caller is told so by a
+        // reply held in place.
         let max_len = ss.shared.max_len;
         match crate::rpc::reply_buf(pool, &common.guard, call_id, status, &reply, max_len).buf {
             Some(buf) => {

@@ -34,6 +34,38 @@ fn devices() -> Vec<String> {
         .collect()
 }
 
+/// A server and a client endpoint, connected: the server's listener and both ends of the
+/// channel. `None` (with a note) where the device does not open.
+struct Pair {
+    server: Endpoint,
+    _client: Endpoint,
+    listener: fabriq::Listener,
+    c: fabriq::Channel,
+    s: fabriq::Channel,
+}
+
+fn pair(server_cfg: Config, client_cfg: Config) -> Option<Pair> {
+    let device = server_cfg.device.clone();
+    let server = match Endpoint::new(server_cfg) {
+        Ok(e) => e,
+        Err(e) => {
+            eprintln!("skipping {device}: {e}");
+            return None;
+        }
+    };
+    let client = Endpoint::new(client_cfg).expect("client");
+    let listener = server.listen("127.0.0.1:0").expect("listen");
+    let c = client.connect(listener.local_addr()).expect("connect");
+    let s = listener.accept_timeout(HANG).expect("accept");
+    Some(Pair {
+        server,
+        _client: client,
+        listener,
+        c,
+        s,
+    })
+}
+
 /// Poll the endpoint's memory stats until `cond` holds or `within` passes; the last reading.
 fn wait_memory(
     ep: &Endpoint,
@@ -86,17 +118,16 @@ fn a_quiet_worker_gives_back_what_the_application_freed_on_its_own_thread() {
             pool_reclaim_ms: 100,
             ..cfg.clone()
         };
-        let server = match Endpoint::new(server_cfg) {
-            Ok(e) => e,
-            Err(e) => {
-                eprintln!("skipping {device}: {e}");
-                continue;
-            }
+        let Some(Pair {
+            server,
+            _client,
+            listener: _listener,
+            c,
+            s,
+        }) = pair(server_cfg, cfg)
+        else {
+            continue;
         };
-        let client = Endpoint::new(cfg).expect("client");
-        let listener = server.listen("127.0.0.1:0").expect("listen");
-        let c = client.connect(listener.local_addr()).expect("connect");
-        let s = listener.accept_timeout(HANG).expect("accept");
 
         // 320 rendezvous messages of 48 KiB, each pulled into a 64 KiB buffer of the server
         // worker's pool (20 MiB, ten slabs) while nothing reads them.
@@ -171,17 +202,16 @@ fn with_pool_reclaim_ms_zero_the_timer_never_runs() {
             pool_reclaim_ms: 0,
             ..Config::default()
         };
-        let server = match Endpoint::new(cfg.clone()) {
-            Ok(e) => e,
-            Err(e) => {
-                eprintln!("skipping {device}: {e}");
-                continue;
-            }
+        let Some(Pair {
+            server,
+            _client,
+            listener: _listener,
+            c,
+            s,
+        }) = pair(cfg.clone(), cfg)
+        else {
+            continue;
         };
-        let client = Endpoint::new(cfg).expect("client");
-        let listener = server.listen("127.0.0.1:0").expect("listen");
-        let c = client.connect(listener.local_addr()).expect("connect");
-        let s = listener.accept_timeout(HANG).expect("accept");
         for i in 0..8 {
             c.send(&pattern(i, 48 << 10)).expect("send");
         }
@@ -205,21 +235,23 @@ fn a_pull_waiting_for_memory_goes_on_when_the_application_frees_some() {
             progress,
             ..Config::default()
         };
-        let server = match Endpoint::new(Config {
-            pool_max_bytes: Some(8 * MIB),
-            pool_reclaim_ms: 0,
-            ..cfg.clone()
-        }) {
-            Ok(e) => e,
-            Err(e) => {
-                eprintln!("skipping {device}: {e}");
-                continue;
-            }
+        let Some(Pair {
+            server: _server,
+            _client,
+            listener: _listener,
+            c,
+            s,
+        }) = pair(
+            Config {
+                pool_max_bytes: Some(8 * MIB),
+                pool_reclaim_ms: 0,
+                ..cfg.clone()
+            },
+            cfg,
+        )
+        else {
+            continue;
         };
-        let client = Endpoint::new(cfg).expect("client");
-        let listener = server.listen("127.0.0.1:0").expect("listen");
-        let c = client.connect(listener.local_addr()).expect("connect");
-        let s = listener.accept_timeout(HANG).expect("accept");
         for i in 0..3 {
             c.send(&pattern(i, BIG)).expect("send");
         }
@@ -252,21 +284,23 @@ fn a_busy_worker_does_not_stop_to_reclaim() {
             stream_window: 1024,
             ..Config::default()
         };
-        let server = match Endpoint::new(Config {
-            pool_idle_bytes: 2 * MIB,
-            pool_reclaim_ms: 100,
-            ..cfg.clone()
-        }) {
-            Ok(e) => e,
-            Err(e) => {
-                eprintln!("skipping {device}: {e}");
-                continue;
-            }
+        let Some(Pair {
+            server,
+            _client,
+            listener: _listener,
+            c,
+            s,
+        }) = pair(
+            Config {
+                pool_idle_bytes: 2 * MIB,
+                pool_reclaim_ms: 100,
+                ..cfg.clone()
+            },
+            cfg,
+        )
+        else {
+            continue;
         };
-        let client = Endpoint::new(cfg).expect("client");
-        let listener = server.listen("127.0.0.1:0").expect("listen");
-        let c = client.connect(listener.local_addr()).expect("connect");
-        let s = listener.accept_timeout(HANG).expect("accept");
         // A burst the application keeps: the worker holds more than its mark, so each of its
         // sleeps arms the reclaim timer.
         const LEN: usize = 48 << 10;
@@ -312,21 +346,23 @@ fn kept_memory_gives_way_to_a_pull_under_the_pool_bound() {
             progress,
             ..Config::default()
         };
-        let server = match Endpoint::new(Config {
-            pool_max_bytes: Some(8 * MIB),
-            pool_reclaim_ms: 0,
-            ..cfg.clone()
-        }) {
-            Ok(e) => e,
-            Err(e) => {
-                eprintln!("skipping {device}: {e}");
-                continue;
-            }
+        let Some(Pair {
+            server,
+            _client,
+            listener: _listener,
+            c,
+            s,
+        }) = pair(
+            Config {
+                pool_max_bytes: Some(8 * MIB),
+                pool_reclaim_ms: 0,
+                ..cfg.clone()
+            },
+            cfg,
+        )
+        else {
+            continue;
         };
-        let client = Endpoint::new(cfg).expect("client");
-        let listener = server.listen("127.0.0.1:0").expect("listen");
-        let c = client.connect(listener.local_addr()).expect("connect");
-        let s = listener.accept_timeout(HANG).expect("accept");
         // A 3 MiB message's 4 MiB buffer, kept for reuse once the application dropped it …
         c.send(&pattern(1, 3 << 20)).expect("send");
         let m = s.recv_timeout(HANG).expect("recv");
@@ -352,20 +388,20 @@ fn a_message_the_pool_can_never_hold_fails_its_connection_with_a_typed_error() {
             progress,
             ..Config::default()
         };
-        let server = match Endpoint::new(Config {
+        let server_cfg = Config {
             pool_max_bytes: Some(8 * MIB),
             ..cfg.clone()
-        }) {
-            Ok(e) => e,
-            Err(e) => {
-                eprintln!("skipping {device}: {e}");
-                continue;
-            }
         };
-        let client = Endpoint::new(cfg.clone()).expect("client");
-        let listener = server.listen("127.0.0.1:0").expect("listen");
-        let c = client.connect(listener.local_addr()).expect("connect");
-        let s = listener.accept_timeout(HANG).expect("accept");
+        let Some(Pair {
+            server: _server,
+            _client,
+            listener,
+            c,
+            s,
+        }) = pair(server_cfg, cfg.clone())
+        else {
+            continue;
+        };
         c.send(&pattern(0, 16 << 20)).expect("send");
         // A message behind it: sent, or refused already if the failure came back first.
         if let Err(e) = c.send(b"behind it") {

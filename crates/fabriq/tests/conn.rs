@@ -17,15 +17,9 @@ use fabriq_verbs::{
 
 const LONG: Duration = Duration::from_secs(20);
 
-/// The devices to run on: `FABRIQ_TEST_DEVICES` (comma-separated) or `tcp0,shm0`.
-fn devices() -> Vec<String> {
-    std::env::var("FABRIQ_TEST_DEVICES")
-        .unwrap_or_else(|_| "tcp0,shm0".into())
-        .split(',')
-        .map(|d| d.trim().to_string())
-        .filter(|d| !d.is_empty())
-        .collect()
-}
+#[path = "support/devices.rs"]
+mod support_devices;
+use support_devices::devices;
 
 struct Side {
     pd: ProtectionDomain,

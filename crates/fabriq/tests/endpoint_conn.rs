@@ -17,14 +17,9 @@ use fabriq_verbs::{QpEndpoint, QpNum};
 
 const HANG: Duration = Duration::from_secs(30);
 
-fn devices() -> Vec<String> {
-    std::env::var("FABRIQ_TEST_DEVICES")
-        .unwrap_or_else(|_| "tcp0,shm0".into())
-        .split(',')
-        .map(|d| d.trim().to_string())
-        .filter(|d| !d.is_empty())
-        .collect()
-}
+#[path = "support/devices.rs"]
+mod support_devices;
+use support_devices::devices;
 
 fn endpoint(device: &str, token: &str) -> Option<Endpoint> {
     let cfg = Config {

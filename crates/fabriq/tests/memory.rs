@@ -25,12 +25,15 @@ const HANG: Duration = Duration::from_secs(30);
 const RECLAIM_WITHIN: Duration = Duration::from_secs(10);
 const MIB: u64 = 1 << 20;
 
-fn devices() -> Vec<String> {
-    std::env::var("FABRIQ_TEST_DEVICES")
-        .unwrap_or_else(|_| "tcp0,shm0".into())
-        .split(',')
-        .map(|d| d.trim().to_string())
-        .filter(|d| !d.is_empty())
+#[path = "support/devices.rs"]
+mod support_devices;
+use support_devices::devices;
+
+/// Each device in both progress modes.
+fn devices_and_modes() -> Vec<(String, Progress)> {
+    devices()
+        .into_iter()
+        .flat_map(|d| [(d.clone(), Progress::Thread), (d, Progress::Caller)])
         .collect()
 }
 
@@ -102,10 +105,7 @@ fn receive_all(s: &fabriq::Channel, n: usize, len: usize) -> Vec<Message> {
 
 #[test]
 fn a_quiet_worker_gives_back_what_the_application_freed_on_its_own_thread() {
-    for (device, progress) in devices()
-        .into_iter()
-        .flat_map(|d| [(d.clone(), Progress::Thread), (d, Progress::Caller)])
-    {
+    for (device, progress) in devices_and_modes() {
         let cfg = Config {
             device: device.clone(),
             progress,
@@ -226,10 +226,7 @@ fn with_pool_reclaim_ms_zero_the_timer_never_runs() {
 #[test]
 fn a_pull_waiting_for_memory_goes_on_when_the_application_frees_some() {
     const BIG: usize = 3 << 20; // pulled into a 4 MiB buffer: two fit under the bound
-    for (device, progress) in devices()
-        .into_iter()
-        .flat_map(|d| [(d.clone(), Progress::Thread), (d, Progress::Caller)])
-    {
+    for (device, progress) in devices_and_modes() {
         let cfg = Config {
             device: device.clone(),
             progress,
@@ -337,10 +334,7 @@ fn a_busy_worker_does_not_stop_to_reclaim() {
 
 #[test]
 fn kept_memory_gives_way_to_a_pull_under_the_pool_bound() {
-    for (device, progress) in devices()
-        .into_iter()
-        .flat_map(|d| [(d.clone(), Progress::Thread), (d, Progress::Caller)])
-    {
+    for (device, progress) in devices_and_modes() {
         let cfg = Config {
             device: device.clone(),
             progress,
@@ -379,10 +373,7 @@ fn kept_memory_gives_way_to_a_pull_under_the_pool_bound() {
 
 #[test]
 fn a_message_the_pool_can_never_hold_fails_its_connection_with_a_typed_error() {
-    for (device, progress) in devices()
-        .into_iter()
-        .flat_map(|d| [(d.clone(), Progress::Thread), (d, Progress::Caller)])
-    {
+    for (device, progress) in devices_and_modes() {
         let cfg = Config {
             device: device.clone(),
             progress,
